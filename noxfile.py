@@ -1,0 +1,77 @@
+"""Developer sessions: ``nox -s tests parity lint`` is the whole suite (what CI runs).
+
+torch: on a machine without an NVIDIA GPU the sessions install the CPU build
+``torch==2.13.0`` (``MOEZERO_TORCH`` overrides the requirement, e.g. ``torch`` on a GPU box);
+the package itself only asks for ``torch>=2.4``, so users are never pinned.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import nox
+
+nox.options.sessions = ["tests", "parity", "lint"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _torch_requirement() -> str:
+    if "MOEZERO_TORCH" in os.environ:
+        return os.environ["MOEZERO_TORCH"]
+    return "torch" if shutil.which("nvidia-smi") else "torch==2.13.0"
+
+
+def _install(session: nox.Session, extras: str = "dev") -> None:
+    session.install(_torch_requirement())
+    session.install("-e", f".[{extras}]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Unit and multi-process tests of each side (tests/), without the slow marker."""
+    _install(session, "dev,reference")
+    session.run("pytest", "tests", "-m", "not slow", *session.posargs)
+
+
+@nox.session
+def slow(session: nox.Session) -> None:
+    """The slow multi-process cases (marked ``slow``)."""
+    _install(session, "dev,reference")
+    session.run("pytest", "tests", "parity_tests", "-m", "slow", *session.posargs)
+
+
+@nox.session
+def parity(session: nox.Session) -> None:
+    """torch vs the JAX reference (installs the ``reference`` extra)."""
+    _install(session, "dev,reference")
+    session.run("pytest", "parity_tests", "-m", "not slow", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff, the import-layering contracts, and the production install without JAX."""
+    session.install(_torch_requirement())
+    session.install(".", "ruff", "import-linter", "pytest")
+    session.run("ruff", "check", ".")
+    session.run("lint-imports")
+    session.run("python", "-c", "import importlib.util as u, sys; "
+                "sys.exit('jax is installed: this check needs a venv without it' "
+                "if u.find_spec('jax') else 0)")
+    session.run("python", "-c", "import torch_impl.engine, torch_impl.cli, torch_impl.launcher; "
+                "import sys; assert 'jax' not in sys.modules; print('torch_impl imports without JAX')")
+
+
+@nox.session
+def train(session: nox.Session) -> None:
+    """Install and train the embedded default (the README's first command, in a venv)."""
+    session.install(_torch_requirement())
+    session.install(".")
+    session.run("moezero", "train", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks side by side with peers; writes BENCHMARKS.md (``-- --quick`` for a short run)."""
+    _install(session, "dev")
+    session.run("python", "-m", "benchmarks.run", *session.posargs)

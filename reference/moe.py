@@ -1,0 +1,148 @@
+"""Mixture-of-Experts layer: top-k router, capacity with drop order, SwiGLU experts, aux losses.
+
+Torch counterpart: ``torch_impl/model/moe.py``. Semantics: ``docs/model.md`` ("MoE layer").
+
+Every function is pure in (params, inputs). Experts are stacked along a leading global expert
+axis (``w1_EFD``); ``reference.weights`` unstacks them into per-expert FQNs. The same dispatch
+path serves both modes: dropless is capacity mode with ``C = T`` (no expert can receive more
+than T assignments, because a token's k choices are distinct experts).
+
+Shape legend: T tokens, D model dim, F expert hidden dim, E experts, k top-k choices,
+C capacity (slots per expert), A = T·k assignments.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Routing(NamedTuple):
+    """The router's decisions for T tokens (all fp32 / int32)."""
+
+    logits_TE: jax.Array
+    probs_TE: jax.Array
+    topi_Tk: jax.Array  # expert index of each choice, best first (ties: lower index first)
+    gates_Tk: jax.Array  # top-k probabilities renormalised to sum to 1 per token
+
+
+class Dispatch(NamedTuple):
+    """Where each assignment (t, j) goes: expert ``topi_Tk``, slot ``slot_Tk`` if ``keep_Tk``."""
+
+    keep_Tk: jax.Array
+    slot_Tk: jax.Array
+
+
+def acc_dtype(dtype):
+    """fp32 for fp32/bf16/fp16 inputs; float64 stays float64 (finite-difference tests)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def route(x_TD: jax.Array, router_ED: jax.Array, top_k: int) -> Routing:
+    """Router logits in fp32 (x and W upcast), softmax, top-k, Mixtral renormalisation."""
+    f32 = acc_dtype(x_TD.dtype)
+    logits_TE = x_TD.astype(f32) @ router_ED.astype(f32).T
+    probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+    topv_Tk, topi_Tk = jax.lax.top_k(probs_TE, top_k)  # ties: lower index first (documented)
+    gates_Tk = topv_Tk / jnp.sum(topv_Tk, axis=-1, keepdims=True)
+    return Routing(logits_TE, probs_TE, topi_Tk, gates_Tk)
+
+
+def aux_loss(probs_TE: jax.Array, topi_Tk: jax.Array) -> jax.Array:
+    """Switch/GShard load balancing: ``E · Σ_e f_e · P_e``; f counts choices before drops."""
+    num_tokens, num_experts = probs_TE.shape
+    counts_E = jnp.sum(jax.nn.one_hot(topi_Tk, num_experts, dtype=probs_TE.dtype), axis=(0, 1))
+    f_E = jax.lax.stop_gradient(counts_E / (num_tokens * topi_Tk.shape[1]))
+    p_E = jnp.mean(probs_TE, axis=0)
+    return num_experts * jnp.sum(f_E * p_E)
+
+
+def z_loss(logits_TE: jax.Array) -> jax.Array:
+    """ST-MoE router z-loss: ``mean_T logsumexp(logits)²``."""
+    return jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2)
+
+
+def capacity(num_tokens: int, num_experts: int, top_k: int,
+             capacity_factor: float | None) -> int | None:
+    """Slots per expert, ``ceil(cf · T · k / E)``; None when dropless."""
+    if capacity_factor is None:
+        return None
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def buffer_slots(num_tokens: int, num_experts: int, top_k: int,
+                 capacity_factor: float | None) -> int:
+    """Rows per expert in the dispatch buffer: the capacity, never more than T (all fit)."""
+    cap = capacity(num_tokens, num_experts, top_k, capacity_factor)
+    return num_tokens if cap is None else min(cap, num_tokens)
+
+
+def assign_slots(topi_Tk: jax.Array, num_experts: int, cap: int | None) -> Dispatch:
+    """Rank assignments choice-major (all first choices by token, then all second, …).
+
+    An assignment's slot is the number of earlier assignments to the same expert in that
+    order; it is kept iff its slot < capacity (every assignment is kept when ``cap`` is None).
+    """
+    num_tokens, top_k = topi_Tk.shape
+    topi_A = topi_Tk.T.reshape(-1)  # choice-major: a = j·T + t
+    onehot_AE = jax.nn.one_hot(topi_A, num_experts, dtype=jnp.int32)
+    before_AE = jnp.cumsum(onehot_AE, axis=0) - onehot_AE
+    slot_A = jnp.sum(before_AE * onehot_AE, axis=-1)
+    slot_Tk = slot_A.reshape(top_k, num_tokens).T
+    keep_Tk = jnp.ones_like(slot_Tk, bool) if cap is None else slot_Tk < cap
+    return Dispatch(keep_Tk, slot_Tk)
+
+
+def dispatch(x_TD: jax.Array, topi_Tk: jax.Array, plan: Dispatch, num_experts: int,
+             slots: int) -> jax.Array:
+    """Scatter kept token rows into an [E, C, D] buffer; empty slots stay zero."""
+    slot_Tk = jnp.where(plan.keep_Tk, plan.slot_Tk, slots)  # dropped → out of range → discarded
+    rows_TkD = jnp.broadcast_to(x_TD[:, None, :], (*topi_Tk.shape, x_TD.shape[-1]))
+    buf_ECD = jnp.zeros((num_experts, slots, x_TD.shape[-1]), x_TD.dtype)
+    return buf_ECD.at[topi_Tk, slot_Tk].set(rows_TkD, mode="drop")
+
+
+def combine(out_ECD: jax.Array, topi_Tk: jax.Array, gates_Tk: jax.Array,
+            plan: Dispatch, out_dtype) -> jax.Array:
+    """``y_t = Σ_{kept j} gate_tj · out[topi_tj, slot_tj]``, accumulated in fp32."""
+    slot_Tk = jnp.where(plan.keep_Tk, plan.slot_Tk, 0)
+    rows_TkD = out_ECD[topi_Tk, slot_Tk].astype(acc_dtype(out_ECD.dtype))
+    weight_Tk = jnp.where(plan.keep_Tk, gates_Tk, 0.0)  # dropped: contributes nothing
+    return jnp.einsum("tk,tkd->td", weight_Tk, rows_TkD).astype(out_dtype)
+
+
+def swiglu(w1_FD: jax.Array, w3_FD: jax.Array, w2_DF: jax.Array, x_ND: jax.Array) -> jax.Array:
+    """One expert: ``w2(silu(w1 x) * w3 x)`` in the input dtype (torch Linear layout)."""
+    return (jax.nn.silu(x_ND @ w1_FD.T) * (x_ND @ w3_FD.T)) @ w2_DF.T
+
+
+def apply_experts(experts: dict, x_ECD: jax.Array) -> jax.Array:
+    """Run expert e on row block e: stacked params ``{w1: [E,F,D], w3: [E,F,D], w2: [E,D,F]}``."""
+    w = {name: experts[name]["weight"] for name in ("w1", "w3", "w2")}
+    return jax.vmap(swiglu)(w["w1"], w["w3"], w["w2"], x_ECD)
+
+
+class MoEOut(NamedTuple):
+    y_TD: jax.Array
+    aux: jax.Array  # load-balancing loss of this call's tokens (scalar fp32)
+    z: jax.Array  # router z-loss (scalar fp32)
+    routing: Routing
+    plan: Dispatch
+
+
+def moe_layer(params: dict, x_TD: jax.Array, *, top_k: int,
+              capacity_factor: float | None) -> MoEOut:
+    """The MoE layer on one rank's T tokens: ``params = {router: {weight}, experts: {...}}``."""
+    num_tokens = x_TD.shape[0]
+    num_experts = params["router"]["weight"].shape[0]
+    r = route(x_TD, params["router"]["weight"], top_k)
+    cap = capacity(num_tokens, num_experts, top_k, capacity_factor)
+    plan = assign_slots(r.topi_Tk, num_experts, cap)
+    slots = buffer_slots(num_tokens, num_experts, top_k, capacity_factor)
+    buf_ECD = dispatch(x_TD, r.topi_Tk, plan, num_experts, slots)
+    out_ECD = apply_experts(params["experts"], buf_ECD)
+    y_TD = combine(out_ECD, r.topi_Tk, r.gates_Tk, plan, x_TD.dtype)
+    return MoEOut(y_TD, aux_loss(r.probs_TE, r.topi_Tk), z_loss(r.logits_TE), r, plan)

@@ -1,0 +1,46 @@
+"""The plan shared by both sides: parameter grouping and ZeRO partitioning (stdlib + numpy).
+
+``plan_groups`` decides which parameter elements form each optimizer group;
+``plan_partitions`` decides how each group's flat buffer is split over ranks.
+See DESIGN.md §2 and docs/grouping.md.
+"""
+
+from reference.plan.grouping import (
+    GroupPlan,
+    expert_ep_rank,
+    group_hparams,
+    locate_params,
+    plan_groups,
+)
+from reference.plan.partition import (
+    Partition,
+    check_ep_size,
+    edp_group_ranks,
+    edp_rank,
+    ep_group_ranks,
+    ep_rank,
+    partition_group,
+    plan_partitions,
+)
+from reference.plan.specs import ParamSpec, Slice, UserGroup, natural_key, user_groups_by_name
+
+__all__ = [
+    "GroupPlan",
+    "ParamSpec",
+    "Partition",
+    "Slice",
+    "UserGroup",
+    "check_ep_size",
+    "edp_group_ranks",
+    "edp_rank",
+    "ep_group_ranks",
+    "ep_rank",
+    "expert_ep_rank",
+    "group_hparams",
+    "locate_params",
+    "natural_key",
+    "partition_group",
+    "plan_groups",
+    "plan_partitions",
+    "user_groups_by_name",
+]

@@ -1,0 +1,96 @@
+"""Params ↔ ``{FQN: np.ndarray}`` ↔ safetensors, keyed by the FQNs of docs/model.md.
+
+Torch counterpart: the ``state_dict()`` of ``torch_impl/model/decoder.py`` (same FQNs).
+
+The reference stacks experts on a leading global expert axis
+(``layers[i]["moe"]["experts"]["w1"]["weight"]`` is [E, F, D]); on the exchange side every
+expert is its own tensor, named by its global index: ``layers.{i}.moe.experts.{e}.w1.weight``.
+Loading never unpickles: safetensors only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from reference.model import ModelConfig, init_params
+
+EXPERTS = "experts"
+
+
+def _path_keys(path) -> list[str]:
+    """A pytree key path as FQN segments: dict keys and list indices."""
+    return [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+
+
+def _expert_fqn(keys: list[str], expert: int) -> str:
+    i = keys.index(EXPERTS) + 1
+    return ".".join([*keys[:i], str(expert), *keys[i:]])
+
+
+def to_fqn_dict(params: dict) -> dict[str, np.ndarray]:
+    """Flatten params to ``{fqn: np.ndarray}`` (experts unstacked by global index), in order."""
+    out: dict[str, np.ndarray] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = _path_keys(path)
+        arr = np.asarray(leaf)
+        if EXPERTS in keys:
+            for e in range(arr.shape[0]):
+                out[_expert_fqn(keys, e)] = np.ascontiguousarray(arr[e])
+        else:
+            out[".".join(keys)] = arr
+    return out
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every FQN of the model and its shape, without allocating anything."""
+    abstract = jax.eval_shape(init_params, cfg, jax.random.key(0))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        keys = _path_keys(path)
+        if EXPERTS in keys:
+            shapes.update({_expert_fqn(keys, e): leaf.shape[1:] for e in range(leaf.shape[0])})
+        else:
+            shapes[".".join(keys)] = leaf.shape
+    return shapes
+
+
+def _check_keys(flat: dict, cfg: ModelConfig) -> None:
+    expected = param_shapes(cfg)
+    missing, unexpected = expected.keys() - flat.keys(), flat.keys() - expected.keys()
+    bad = [f"{k}: {tuple(flat[k].shape)} != {v}" for k, v in expected.items()
+           if k in flat and tuple(flat[k].shape) != tuple(v)]
+    if missing or unexpected or bad:
+        raise ValueError(f"weights do not match the model: missing={sorted(missing)} "
+                         f"unexpected={sorted(unexpected)} wrong shapes={bad}")
+
+
+def from_fqn_dict(flat: dict[str, np.ndarray], cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    """Build params from ``{fqn: array}`` (any array-like: numpy, safetensors output, ...).
+
+    Raises ValueError naming every missing, unexpected or mis-shaped FQN.
+    """
+    _check_keys(flat, cfg)
+    abstract = jax.eval_shape(init_params, cfg, jax.random.key(0))
+
+    def build(path, leaf):
+        keys = _path_keys(path)
+        if EXPERTS in keys:
+            arr = np.stack([np.asarray(flat[_expert_fqn(keys, e)]) for e in range(leaf.shape[0])])
+        else:
+            arr = np.asarray(flat[".".join(keys)])
+        return jnp.asarray(arr, dtype=dtype)
+
+    return jax.tree_util.tree_map_with_path(build, abstract)
+
+
+def save_params(path: str, params: dict, metadata: dict[str, str] | None = None) -> None:
+    """Write params as one safetensors file keyed by FQN (fp32 masters as given)."""
+    save_file(to_fqn_dict(params), path, metadata=metadata)
+
+
+def load_params(path: str, cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    """Read a safetensors file keyed by FQN into params for ``cfg``."""
+    return from_fqn_dict(load_file(path), cfg, dtype=dtype)

@@ -1,0 +1,30 @@
+"""Run a function on W gloo ranks for a test: fresh FileStore rendezvous, short timeouts.
+
+``run_world(fn, world, tmp_path, *args)`` returns each rank's return value (pickled through
+``tmp_path``; test-only). ``fn`` must be a module-level function (spawned processes import it).
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import torch.distributed as dist
+
+from torch_impl.launcher import spawn
+
+TIMEOUT_S = 60.0
+
+
+def _capture(fn, out_dir: str, args: tuple) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    result = fn(*args)
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_world(fn, world: int, tmp_path: Path, *args, timeout_s: float = TIMEOUT_S) -> list:
+    out = Path(tmp_path) / f"results_w{world}_{fn.__name__}"
+    out.mkdir(parents=True, exist_ok=True)
+    code = spawn(_capture, world, (fn, str(out), args), timeout_s=timeout_s)
+    assert code == 0, f"a rank of {fn.__name__} failed (exit code {code}); see stderr"
+    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]

@@ -1,0 +1,109 @@
+"""The ``moezero`` command end to end: outputs, one-line errors, failing ranks, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from torch_impl.launcher import spawn
+from torch_impl.train import METRIC_KEYS
+
+TINY = ["--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
+        "--set", "model.ffn_dim=32", "--set", "moe.num_experts=4", "--set", "train.seq_len=16",
+        "--set", "train.micro_batch_size=2"]
+
+
+def moezero(*args, timeout=180, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch_impl.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+def test_train_writes_the_run_directory(tmp_path):
+    out = tmp_path / "run"
+    res = moezero("train", *TINY, "--set", "train.steps=3", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "final loss" in res.stdout and "unigram baseline" in res.stdout
+    assert "entropy floor" in res.stdout
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(set(METRIC_KEYS) <= set(r) for r in rows)
+    assert (out / "loss.png").stat().st_size > 1000
+    assert "stage: 0" in (out / "config.yaml").read_text()
+    groups = json.loads((out / "param_groups.json").read_text())
+    assert any(g["name"].startswith("moe/ep_size_2/") for g in groups)
+
+
+@pytest.mark.parametrize("args,key", [
+    (["--set", "moe.ep_size=3"], "moe.ep_size"),
+    (["--set", "moe.num_experts=4", "--set", "moe.ep_size=4"], "moe.ep_size"),  # W=2
+    (["--set", "zero_optimization.stagee=1"], "zero_optimization.stagee"),
+    (["--data", "/no/such/file.txt"], "/no/such/file.txt"),
+    (["--config", "/no/such/recipe.yaml"], "/no/such/recipe.yaml"),
+])
+def test_bad_input_is_one_line_before_any_rank_starts(tmp_path, args, key):
+    res = moezero("train", *args, "--out", str(tmp_path / "r"), timeout=60)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], res.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def _rank1_fails() -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank one exploded")
+    dist.barrier()  # rank 0 would wait forever without the launcher stopping it
+
+
+def test_a_failing_rank_takes_the_others_down(capfd):
+    start = time.monotonic()
+    code = spawn(_rank1_fails, 2, timeout_s=600)
+    assert code == 1
+    assert time.monotonic() - start < 60
+    assert "rank one exploded" in capfd.readouterr().err
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "torch_impl.cli", "train", *TINY,
+                             "--set", "train.steps=100000", "--out", str(tmp_path / "r")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "r" / "metrics.jsonl").exists() or not \
+            (tmp_path / "r" / "metrics.jsonl").read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    ranks = _children(proc.pid)
+    assert len(ranks) >= 2
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    assert proc.wait(timeout=60) == 130
+    time.sleep(1)
+    assert not [p for p in ranks if Path(f"/proc/{p}").exists()
+                and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]]
+    assert "interrupted" in proc.stdout.read()
+
+
+def test_nproc_above_cores_warns(tmp_path):
+    res = moezero("train", *TINY, "--set", "train.steps=1", "--nproc", str(os.cpu_count() * 2),
+                  "--set", "moe.ep_size=1", "--out", str(tmp_path / "r"), timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "more than the" in res.stderr and "CPU cores" in res.stderr

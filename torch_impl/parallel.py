@@ -1,0 +1,82 @@
+"""Topology: the DP, EP and EDP process groups, built and validated in one place.
+
+World size W = DP. A MoE layer's expert-parallel size ``ep`` divides W and its expert count.
+EP groups are consecutive blocks of ``ep`` ranks; expert-data-parallel (EDP) groups are the
+ranks holding the same experts (same ``rank % ep``), of size W/ep. Expert ``e`` lives on EP
+rank ``e // (E/ep)``. Everything that needs a group takes this object explicitly; only the
+launcher reads environment variables. Reference counterpart: ``reference/plan/partition.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Process groups of one run. ``ep_groups``/``edp_groups`` map ep size -> this rank's group.
+
+    With W == 1 (or no process group initialised) every group is ``None`` and collectives are
+    skipped by callers via :meth:`distributed`.
+    """
+
+    rank: int
+    world_size: int
+    ep_sizes: tuple[int, ...]
+    ep_groups: dict[int, object] = field(default_factory=dict, compare=False, repr=False)
+    edp_groups: dict[int, object] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def ep_rank(self, ep: int) -> int:
+        """This rank's index inside its EP group (which block of experts it holds)."""
+        return self.rank % ep
+
+    def edp_rank(self, ep: int) -> int:
+        """This rank's index inside its EDP group (its data-parallel rank for experts)."""
+        return self.rank // ep
+
+    def ep_group(self, ep: int):
+        return self.ep_groups.get(ep)
+
+    def edp_group(self, ep: int):
+        return self.edp_groups.get(ep)
+
+
+def validate(world_size: int, ep: int, num_experts: int) -> None:
+    """Raise ValueError (one line) unless ``ep`` divides both W and the expert count."""
+    if ep < 1 or world_size % ep:
+        raise ValueError(f"moe.ep_size: {ep} does not divide the world size {world_size}")
+    if num_experts % ep:
+        raise ValueError(f"moe.ep_size: {ep} does not divide moe.num_experts={num_experts}")
+
+
+def build_topology(ep_sizes: tuple[int, ...] | list[int], *, num_experts: int) -> Topology:
+    """Create the EP/EDP groups for every ep size used by the model (collective: call on all ranks).
+
+    ``new_group`` must be called by every rank for every group, in the same order.
+    """
+    initialised = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if initialised else 0
+    world = dist.get_world_size() if initialised else 1
+    ep_sizes = tuple(sorted(set(ep_sizes)))
+    for ep in ep_sizes:
+        validate(world, ep, num_experts)
+    ep_groups, edp_groups = {}, {}
+    if world > 1:
+        for ep in ep_sizes:
+            for start in range(0, world, ep):
+                ranks = list(range(start, start + ep))
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    ep_groups[ep] = group
+            for offset in range(ep):
+                ranks = list(range(offset, world, ep))
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    edp_groups[ep] = group
+    return Topology(rank, world, ep_sizes, ep_groups, edp_groups)

@@ -1,0 +1,168 @@
+"""The training loop of one rank: model, engine, data, metrics, plot and summary.
+
+Runs inside an initialised process group (or alone with W = 1); the launcher decides how the
+ranks are started. Rank 0 writes the run directory: ``config.yaml``, ``param_groups.json``,
+``metrics.jsonl`` (one object per optimizer step) and ``loss.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from torch_impl.config import Config, dump_config
+from torch_impl.data import Batches, make_corpus
+from torch_impl.engine import Engine, initialize
+from torch_impl.grouping import OptimizerGroups
+from torch_impl.model.decoder import Decoder, ModelArgs, init_weights
+from torch_impl.parallel import Topology, build_topology
+
+METRIC_KEYS = ("step", "loss", "ce", "aux_loss", "lr", "grad_norm", "loss_scale", "skipped",
+               "tokens_per_s", "step_time_s", "peak_mem_bytes")
+
+
+def model_args(cfg: Config) -> ModelArgs:
+    m, moe = cfg.model, cfg.moe
+    return ModelArgs(vocab_size=m.vocab_size, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
+                     ffn_dim=m.ffn_dim, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+                     init_std=m.init_std, num_experts=moe.num_experts, top_k=moe.top_k,
+                     capacity_factor=moe.capacity_factor, ep_size=moe.ep_size,
+                     expert_group_name=moe.expert_group_name,
+                     aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef)
+
+
+def build_model(cfg: Config, topology: Topology) -> Decoder:
+    """The decoder with this rank's experts, initialised identically for any W and ep."""
+    ep = cfg.moe.ep_size
+    model = Decoder(model_args(cfg), ep_rank=topology.ep_rank(ep), ep_group=topology.ep_group(ep))
+    init_weights(model, cfg.train.seed, cfg.model.init_std)
+    return model
+
+
+def setup(cfg: Config, device: torch.device) -> tuple[Engine, Batches]:
+    """Topology, model, engine and this rank's data stream (collective: every rank calls it)."""
+    topology = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
+    torch.manual_seed(cfg.train.seed)
+    engine = initialize(build_model(cfg, topology), cfg, topology=topology, device=device)
+    d = cfg.data
+    corpus = make_corpus(d.path, vocab=d.synthetic_vocab, sources=d.synthetic_sources,
+                         seed=d.synthetic_seed)
+    batches = Batches(corpus, global_batch=cfg.train.micro_batch_size * topology.world_size,
+                      seq_len=cfg.train.seq_len, seed=cfg.train.seed,
+                      dp_rank=topology.rank, dp_size=topology.world_size)
+    return engine, batches
+
+
+def param_groups_table(groups: OptimizerGroups) -> list[dict]:
+    """``param_groups.json``: every optimizer group with members and per-rank ranges."""
+    rows = []
+    for g, part in zip(groups.plan, groups.partitions):
+        ranges = {str(r): list(part.rank_range(part.dp_rank(r))) for r in part.ranks}
+        rows.append({"name": g.name, "index": g.index, "user_group": g.user_group,
+                     "moe_group": g.moe_group, "ep_size": g.ep_size, "layer": g.layer,
+                     "expert": g.expert, "numel": g.numel, "padded_numel": part.padded_numel,
+                     "members": [{"fqn": m.fqn, "start": m.start, "stop": m.stop}
+                                 for m in g.members],
+                     "rank_ranges": ranges})
+    return rows
+
+
+def print_group_table(groups: OptimizerGroups, out=sys.stdout) -> None:
+    """Start-up table: group name, params, elements, bytes of fp32 optimizer state."""
+    print(f"{'optimizer group':<44} {'params':>6} {'elements':>10} {'fp32 state':>11}", file=out)
+    total = 0
+    for g in groups.plan:
+        state = g.numel * 12  # master + exp_avg + exp_avg_sq
+        total += state
+        print(f"{g.name:<44} {len(g.members):>6} {g.numel:>10,} {_mib(state):>11}", file=out)
+    print(f"{len(groups.plan)} groups, {_mib(total)} of fp32 optimizer state in all", file=out)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None) -> dict:
+    """Train ``cfg.train.steps`` steps; returns the summary (rank 0's is the one printed)."""
+    run_dir = Path(run_dir)
+    device = device or torch.device("cpu")
+    engine, batches = setup(cfg, device)
+    lead = engine.topology.rank == 0
+    if lead:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, run_dir / "config.yaml")
+        (run_dir / "param_groups.json").write_text(
+            json.dumps(param_groups_table(engine.groups), indent=1))
+        print(f"moezero: W={engine.topology.world_size} ep={cfg.moe.ep_size} "
+              f"stage={cfg.zero_optimization.stage} dtype={str(engine.dtype).removeprefix('torch.')} "
+              f"data: {batches.corpus.describe()}", flush=True)
+        print_group_table(engine.groups)
+    history = _loop(cfg, engine, batches, run_dir if lead else None)
+    summary = summarize(history, batches.corpus)
+    if lead:
+        plot_loss(history, summary, run_dir / "loss.png")
+        print(format_summary(summary, run_dir), flush=True)
+    return summary
+
+
+def _loop(cfg: Config, engine: Engine, batches: Batches, run_dir: Path | None) -> list[dict]:
+    history = []
+    bar = tqdm(total=cfg.train.steps, disable=run_dir is None, dynamic_ncols=True,
+               mininterval=1.0 if sys.stderr.isatty() else 30.0, desc="train")
+    metrics_file = open(run_dir / "metrics.jsonl", "w") if run_dir else None  # noqa: SIM115
+    try:
+        for step in range(engine.step_count, cfg.train.steps):
+            micro = [torch.from_numpy(batches.next()) for _ in range(cfg.train.grad_accum_steps)]
+            row = {"step": step + 1, **engine.train_step(micro)}
+            history.append(row)
+            if metrics_file:
+                metrics_file.write(json.dumps({k: row[k] for k in METRIC_KEYS}) + "\n")
+                metrics_file.flush()
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['ce']:.3f}", lr=f"{row['lr']:.1e}", refresh=False)
+    finally:
+        bar.close()
+        if metrics_file:
+            metrics_file.close()
+    return history
+
+
+def summarize(history: list[dict], corpus) -> dict:
+    """Final loss (mean cross-entropy of the last 10 steps) beside the corpus's references."""
+    tail = history[-10:]
+    final = sum(r["ce"] for r in tail) / max(len(tail), 1)
+    return {"steps": len(history), "final_loss": final,
+            "unigram_baseline": corpus.unigram_entropy, "entropy_floor": corpus.entropy_floor,
+            "median_tokens_per_s": sorted(r["tokens_per_s"] for r in history)[len(history) // 2]
+            if history else 0.0}
+
+
+def format_summary(s: dict, run_dir: Path) -> str:
+    floor = f"{s['entropy_floor']:.3f}" if s["entropy_floor"] is not None else "n/a (text data)"
+    return (f"done: {s['steps']} steps | final loss {s['final_loss']:.3f} nats/token | "
+            f"unigram baseline {s['unigram_baseline']:.3f} | entropy floor {floor} | "
+            f"{s['median_tokens_per_s']:.0f} tokens/s per rank | run dir {run_dir}")
+
+
+def plot_loss(history: list[dict], summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in history], [r["ce"] for r in history], label="train loss (CE)")
+    ax.axhline(summary["unigram_baseline"], color="gray", ls="--", label="unigram baseline")
+    if summary["entropy_floor"] is not None:
+        ax.axhline(summary["entropy_floor"], color="green", ls=":", label="entropy floor")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("nats / token")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
