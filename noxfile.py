@@ -8,6 +8,7 @@ the package itself only asks for ``torch>=2.4``, so users are never pinned.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 
 import nox
@@ -23,7 +24,7 @@ def _torch_requirement() -> str:
 
 
 def _install(session: nox.Session, extras: str = "dev") -> None:
-    session.install(_torch_requirement())
+    session.install(*shlex.split(_torch_requirement()))
     session.install("-e", f".[{extras}]")
 
 
@@ -51,7 +52,7 @@ def parity(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff, the import-layering contracts, and the production install without JAX."""
-    session.install(_torch_requirement())
+    session.install(*shlex.split(_torch_requirement()))
     session.install(".", "ruff", "import-linter", "pytest")
     session.run("ruff", "check", ".")
     session.run("lint-imports")
@@ -65,7 +66,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def train(session: nox.Session) -> None:
     """Install and train the embedded default (the README's first command, in a venv)."""
-    session.install(_torch_requirement())
+    session.install(*shlex.split(_torch_requirement()))
     session.install(".")
     session.run("moezero", "train", *session.posargs)
 

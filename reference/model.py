@@ -223,6 +223,6 @@ def oracle_loss(params: dict, global_batch: jax.Array, cfg: ModelConfig, world_s
     Each rank's slice is routed on its own (capacity, aux and z are per rank, DESIGN.md §2).
     """
     slices_WBS1 = split_batch(global_batch, world_size)
-    per_rank = [loss_fn(params, slices_WBS1[r], cfg, dtype=dtype) for r in range(world_size)]
-    metrics = jax.tree.map(lambda *m: jnp.mean(jnp.stack(m)), *[m for _, m in per_rank])
+    _, metrics_W = jax.vmap(lambda b: loss_fn(params, b, cfg, dtype=dtype))(slices_WBS1)
+    metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_W)
     return metrics["loss"], metrics

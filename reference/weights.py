@@ -10,6 +10,8 @@ Loading never unpickles: safetensors only.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,7 +48,7 @@ def to_fqn_dict(params: dict) -> dict[str, np.ndarray]:
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every FQN of the model and its shape, without allocating anything."""
-    abstract = jax.eval_shape(init_params, cfg, jax.random.key(0))
+    abstract = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
     shapes: dict[str, tuple[int, ...]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
         keys = _path_keys(path)
@@ -73,7 +75,7 @@ def from_fqn_dict(flat: dict[str, np.ndarray], cfg: ModelConfig, dtype=jnp.float
     Raises ValueError naming every missing, unexpected or mis-shaped FQN.
     """
     _check_keys(flat, cfg)
-    abstract = jax.eval_shape(init_params, cfg, jax.random.key(0))
+    abstract = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
 
     def build(path, leaf):
         keys = _path_keys(path)

@@ -109,7 +109,7 @@ def build_groups(model: nn.Module, cfg: Config, topology: Topology, *,
     partitions = plan_partitions(plan, world_size=topology.world_size, align=align)
     present = dict(model.named_parameters())
     hparams = {ug.name: ug.as_dict() for ug in user_groups}
-    local = tuple(LocalGroup(g, part, hparams[g.user_group]) for g, part in zip(plan, partitions)
+    local = tuple(LocalGroup(g, part, hparams[g.user_group]) for g, part in zip(plan, partitions, strict=True)
                   if all(m.fqn in present for m in g.members))
     return OptimizerGroups(plan, partitions, tuple(user_groups), local)
 

@@ -119,22 +119,24 @@ def _child(rank: int, world: int, tmp: str, backend: str, timeout_s: float, fn, 
     torch.set_num_threads(max(1, cpu_count() // world))
     try:
         _in_process_group(fn, rank, world, f"file://{tmp}/store", backend, timeout_s, args,
-                          local_rank=rank)
+                          local_rank=rank, error_file=Path(tmp, f"error-{rank}"))
     except KeyboardInterrupt:
         sys.exit(130)
-    except BaseException:
-        Path(tmp, f"error-{rank}").write_text(f"{time.time()}\n{traceback.format_exc()}")
-        raise
 
 
 def _in_process_group(fn, rank: int, world: int, init_method: str, backend: str,
-                      timeout_s: float, args: tuple, *, local_rank: int) -> None:
+                      timeout_s: float, args: tuple, *, local_rank: int,
+                      error_file: Path | None = None) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     try:
         fn(*args)
+    except Exception:
+        if error_file is not None:  # stamped before teardown makes the peers fail too
+            error_file.write_text(f"{time.time()}\n{traceback.format_exc()}")
+        raise
     finally:
         dist.destroy_process_group()
 

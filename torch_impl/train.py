@@ -60,7 +60,7 @@ def setup(cfg: Config, device: torch.device) -> tuple[Engine, Batches]:
 def param_groups_table(groups: OptimizerGroups) -> list[dict]:
     """``param_groups.json``: every optimizer group with members and per-rank ranges."""
     rows = []
-    for g, part in zip(groups.plan, groups.partitions):
+    for g, part in zip(groups.plan, groups.partitions, strict=True):
         ranges = {str(r): list(part.rank_range(part.dp_rank(r))) for r in part.ranks}
         rows.append({"name": g.name, "index": g.index, "user_group": g.user_group,
                      "moe_group": g.moe_group, "ep_size": g.ep_size, "layer": g.layer,

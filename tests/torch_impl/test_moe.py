@@ -44,8 +44,8 @@ def test_dropless_drops_nothing_and_matches_dense_mixture():
     # The same output computed naively: every token through its top-2 experts.
     x_TD = x.reshape(-1, 8)
     _, gates, experts = route(x_TD @ moe.router.weight.T, 2)
-    naive = torch.stack([sum(g * moe.experts[str(int(e))](t[None])[0] for g, e in zip(gs, es))
-                         for t, gs, es in zip(x_TD, gates, experts)])
+    naive = torch.stack([sum(g * moe.experts[str(int(e))](t[None])[0] for g, e in zip(gs, es, strict=True))
+                         for t, gs, es in zip(x_TD, gates, experts, strict=True)])
     torch.testing.assert_close(out.reshape(-1, 8), naive, rtol=1e-5, atol=1e-6)
 
 

@@ -179,7 +179,7 @@ class MoE(nn.Module):
     def _apply_local(self, rows_ND: torch.Tensor, counts_L: list[int]) -> torch.Tensor:
         """Run each local expert on its contiguous block of rows (empty blocks included)."""
         chunks = rows_ND.split(counts_L)
-        outs = [self.experts[str(e)](chunk) for e, chunk in zip(self.local_experts, chunks)]
+        outs = [self.experts[str(e)](chunk) for e, chunk in zip(self.local_experts, chunks, strict=True)]
         return torch.cat(outs, dim=0)
 
 
