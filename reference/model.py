@@ -110,7 +110,8 @@ def rmsnorm(x: jax.Array, gain_D: jax.Array, eps: float) -> jax.Array:
 
 def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """fp32 ``cos, sin`` of shape [S, K/2]: angle = pos · theta^(-2j/K), pos = 0..S-1."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    half = head_dim // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # as torch_impl computes it
     angle_SK2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
     return jnp.cos(angle_SK2), jnp.sin(angle_SK2)
 
@@ -199,13 +200,14 @@ def loss_fn(params: dict, batch_BS1: jax.Array, cfg: ModelConfig, *,
             dtype=jnp.float32) -> tuple[jax.Array, dict]:
     """One rank's loss on a [B, S+1] token batch: ``ce + Σ_l (aux_coef·aux + z_coef·z)``.
 
-    Metrics: ``loss``, ``ce``, ``aux_loss`` (Σ_l aux, unweighted), ``z_loss`` (Σ_l z).
+    Metrics: ``loss``; ``ce``; ``aux_loss``, the weighted MoE term added to ce (as torch_impl
+    reports it); ``lb_loss`` and ``z_loss``, the unweighted sums over layers of aux and z.
     """
     out = forward_with_stats(params, batch_BS1[:, :-1], cfg, dtype=dtype)
     ce = cross_entropy(out.logits_BSV, batch_BS1[:, 1:])
-    loss = ce + weighted_aux(out.aux_L, out.z_L, cfg)
-    return loss, {"loss": loss, "ce": ce, "aux_loss": jnp.sum(out.aux_L),
-                  "z_loss": jnp.sum(out.z_L)}
+    aux_total = weighted_aux(out.aux_L, out.z_L, cfg)
+    return ce + aux_total, {"loss": ce + aux_total, "ce": ce, "aux_loss": aux_total,
+                            "lb_loss": jnp.sum(out.aux_L), "z_loss": jnp.sum(out.z_L)}
 
 
 def split_batch(global_batch: jax.Array, world_size: int) -> jax.Array:

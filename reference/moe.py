@@ -29,7 +29,7 @@ class Routing(NamedTuple):
     gates_Tk: jax.Array  # top-k probabilities renormalised to sum to 1 per token
 
 
-class Dispatch(NamedTuple):
+class SlotPlan(NamedTuple):
     """Where each assignment (t, j) goes: expert ``topi_Tk``, slot ``slot_Tk`` if ``keep_Tk``."""
 
     keep_Tk: jax.Array
@@ -80,7 +80,7 @@ def buffer_slots(num_tokens: int, num_experts: int, top_k: int,
     return num_tokens if cap is None else min(cap, num_tokens)
 
 
-def assign_slots(topi_Tk: jax.Array, num_experts: int, cap: int | None) -> Dispatch:
+def assign_slots(topi_Tk: jax.Array, num_experts: int, cap: int | None) -> SlotPlan:
     """Rank assignments choice-major (all first choices by token, then all second, …).
 
     An assignment's slot is the number of earlier assignments to the same expert in that
@@ -93,10 +93,10 @@ def assign_slots(topi_Tk: jax.Array, num_experts: int, cap: int | None) -> Dispa
     slot_A = jnp.sum(before_AE * onehot_AE, axis=-1)
     slot_Tk = slot_A.reshape(top_k, num_tokens).T
     keep_Tk = jnp.ones_like(slot_Tk, bool) if cap is None else slot_Tk < cap
-    return Dispatch(keep_Tk, slot_Tk)
+    return SlotPlan(keep_Tk, slot_Tk)
 
 
-def dispatch(x_TD: jax.Array, topi_Tk: jax.Array, plan: Dispatch, num_experts: int,
+def dispatch(x_TD: jax.Array, topi_Tk: jax.Array, plan: SlotPlan, num_experts: int,
              slots: int) -> jax.Array:
     """Scatter kept token rows into an [E, C, D] buffer; empty slots stay zero."""
     slot_Tk = jnp.where(plan.keep_Tk, plan.slot_Tk, slots)  # dropped → out of range → discarded
@@ -106,7 +106,7 @@ def dispatch(x_TD: jax.Array, topi_Tk: jax.Array, plan: Dispatch, num_experts: i
 
 
 def combine(out_ECD: jax.Array, topi_Tk: jax.Array, gates_Tk: jax.Array,
-            plan: Dispatch, out_dtype) -> jax.Array:
+            plan: SlotPlan, out_dtype) -> jax.Array:
     """``y_t = Σ_{kept j} gate_tj · out[topi_tj, slot_tj]``, accumulated in fp32."""
     slot_Tk = jnp.where(plan.keep_Tk, plan.slot_Tk, 0)
     rows_TkD = out_ECD[topi_Tk, slot_Tk].astype(acc_dtype(out_ECD.dtype))
@@ -130,7 +130,7 @@ class MoEOut(NamedTuple):
     aux: jax.Array  # load-balancing loss of this call's tokens (scalar fp32)
     z: jax.Array  # router z-loss (scalar fp32)
     routing: Routing
-    plan: Dispatch
+    plan: SlotPlan
 
 
 def moe_layer(params: dict, x_TD: jax.Array, *, top_k: int,

@@ -1,7 +1,8 @@
 """AdamW train step (optax): warmup + cosine schedule, global-norm clipping, masked decay.
 
-Torch counterpart: ``torch_impl/optim`` (schedule, clipping, AdamW math) as driven by
-``torch_impl/engine`` — the unsharded meaning of the ZeRO step in DESIGN.md §2.
+Torch counterpart: ``torch_impl/optim.py`` (schedule, clipping, AdamW math) as driven by
+``torch_impl/zero.py`` and ``torch_impl/engine.py``: this is the unsharded meaning of the ZeRO
+step in DESIGN.md §2 (fp16 loss scaling and per-group lr scales are not modelled here).
 
 ``train_step(cfg, state, batch) -> (new_state, metrics)`` is pure; jit it with
 ``jax.jit(train_step, static_argnums=0)``. The loss is ``reference.model.oracle_loss`` over
@@ -20,22 +21,19 @@ import optax
 
 from reference.model import ModelConfig, oracle_loss
 
-CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), capped at 1
-
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW + schedule hyperparameters (``optimizer.*`` config keys)."""
+    """AdamW + schedule hyperparameters, named as the ``optimizer.*`` config keys."""
 
-    lr: float = 3e-4  # peak learning rate
-    min_lr: float = 0.0  # value the cosine decays to at ``total_steps``
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    b1: float = 0.9
-    b2: float = 0.95
+    lr: float = 3e-3  # peak learning rate
+    betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1  # decoupled (AdamW); never applied to norm gains
-    grad_clip: float | None = 1.0  # max global grad norm; None or <= 0 disables clipping
+    gradient_clipping: float | None = 1.0  # max global grad norm; None or 0 disables
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # the cosine ends at lr·min_lr_ratio
+    total_steps: int = 1000  # ``train.steps``: where the cosine ends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,18 +51,19 @@ class TrainState(NamedTuple):
 
 
 def lr_at(cfg: OptimConfig, step) -> jax.Array:
-    """LR for update number ``step`` (0-based): linear warmup to ``lr``, cosine to ``min_lr``.
+    """LR of update number ``step`` (0-based): linear warmup, then cosine to lr·min_lr_ratio.
 
     Warmup: ``lr·(step+1)/warmup_steps`` for step < warmup_steps. Then with
-    ``p = clip((step − warmup)/max(1, total − warmup), 0, 1)``:
-    ``min_lr + (lr − min_lr)·(1 + cos(π·p))/2``.
+    ``p = min((step − warmup)/max(total − warmup, 1), 1)``:
+    ``lr·(ratio + (1 − ratio)·(1 + cos(π·p))/2)``.
     """
     step = jnp.asarray(step, jnp.float32)
     warm = cfg.lr * (step + 1) / max(cfg.warmup_steps, 1)
-    progress = jnp.clip((step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps),
-                        0.0, 1.0)
-    cosine = cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (1 + jnp.cos(math.pi * progress))
-    return jnp.where(step < cfg.warmup_steps, warm, cosine)
+    progress = jnp.minimum((step - cfg.warmup_steps) / max(cfg.total_steps - cfg.warmup_steps, 1),
+                           1.0)
+    cosine = 0.5 * (1.0 + jnp.cos(math.pi * progress))
+    decayed = cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+    return jnp.where(step < cfg.warmup_steps, warm, decayed)
 
 
 def decay_mask(params: dict) -> dict:
@@ -77,8 +76,8 @@ def decay_mask(params: dict) -> dict:
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     """optax AdamW with the schedule and the norm-gain decay mask (clipping is separate)."""
-    return optax.adamw(lambda count: lr_at(cfg, count), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                       weight_decay=cfg.weight_decay, mask=decay_mask)
+    return optax.adamw(lambda count: lr_at(cfg, count), b1=cfg.betas[0], b2=cfg.betas[1],
+                       eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
 
 
 def init_train_state(cfg: TrainConfig, params: dict) -> TrainState:
@@ -86,11 +85,15 @@ def init_train_state(cfg: TrainConfig, params: dict) -> TrainState:
 
 
 def clip_by_global_norm(grads, max_norm: float | None):
-    """Scale grads by ``min(1, max_norm/(norm + 1e-6))``; returns (grads, norm, coef)."""
-    norm = optax.global_norm(grads)
-    if not max_norm or max_norm <= 0:
+    """Scale grads by ``max_norm/norm`` when norm > max_norm (optax rule, no epsilon).
+
+    A non-finite norm leaves grads unscaled (the fp16 overflow skip deals with it).
+    Returns (grads, norm, coef).
+    """
+    norm = optax.tree.norm(grads)
+    if not max_norm:
         return grads, norm, jnp.ones((), jnp.float32)
-    coef = jnp.minimum(1.0, max_norm / (norm + CLIP_EPS))
+    coef = jnp.where(jnp.isfinite(norm) & (norm > max_norm), max_norm / norm, 1.0)
     return jax.tree.map(lambda g: g * coef, grads), norm, coef
 
 
@@ -101,16 +104,19 @@ def loss_and_grads(cfg: TrainConfig, params: dict, batch: jax.Array):
     def micro_loss(p, tokens):
         return oracle_loss(p, tokens, cfg.model, cfg.world_size, dtype=jnp.dtype(cfg.dtype))
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-    results = [grad_fn(params, micro[m]) for m in range(micro.shape[0])]
-    (_, metrics), grads = jax.tree.map(lambda *xs: sum(xs) / len(xs), *results)
-    return metrics, grads
+    def accumulate(total, tokens):
+        (_, metrics), grads = jax.value_and_grad(micro_loss, has_aux=True)(params, tokens)
+        return jax.tree.map(jnp.add, total, (metrics, grads)), None
+
+    zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(micro_loss, params, micro[0])[1])
+    total, _ = jax.lax.scan(accumulate, (zero, jax.tree.map(jnp.zeros_like, params)), micro)
+    return jax.tree.map(lambda t: t / micro.shape[0], total)
 
 
 def train_step(cfg: TrainConfig, state: TrainState, batch: jax.Array):
     """One optimizer step: grads (micro-batches averaged) → clip → AdamW. Pure."""
     metrics, grads = loss_and_grads(cfg, state.params, batch)
-    grads, norm, coef = clip_by_global_norm(grads, cfg.optim.grad_clip)
+    grads, norm, coef = clip_by_global_norm(grads, cfg.optim.gradient_clipping)
     updates, opt_state = make_optimizer(cfg.optim).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {**metrics, "grad_norm": norm, "clip_coef": coef,

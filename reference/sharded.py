@@ -14,7 +14,8 @@ empty slots are zeros that nobody reads, so it computes exactly what torch's une
 grads over the EDP group by shard_map's transpose.
 
 Shape legend: T local tokens, D model dim, F expert hidden dim, E experts (global),
-N experts per EP rank (E/ep), C buffer slots per expert, W ranks, P = ep (EP group size).
+N experts per EP rank (E/ep), C buffer slots per expert, W ranks, P = ep (EP group size),
+X = P·C rows one local expert receives.
 """
 
 from __future__ import annotations
@@ -22,12 +23,21 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from reference.moe import apply_experts, assign_slots, aux_loss, buffer_slots, capacity, \
-    combine, dispatch, moe_layer, route, z_loss
+from reference.moe import (
+    apply_experts,
+    assign_slots,
+    aux_loss,
+    buffer_slots,
+    capacity,
+    combine,
+    dispatch,
+    moe_layer,
+    route,
+    z_loss,
+)
 
 EDP, EP = "edp", "ep"
 RANKS = P((EDP, EP))  # an axis split over all W ranks, in rank order
@@ -98,7 +108,6 @@ def moe_layer_per_slice(params: dict, x_TD: jax.Array, *, world_size: int, top_k
                         capacity_factor: float | None) -> ShardedMoEOut:
     """Unsharded twin: ``moe_layer`` on each of the W equal token slices, all experts local."""
     x_WTD = x_TD.reshape(world_size, x_TD.shape[0] // world_size, x_TD.shape[1])
-    outs = [moe_layer(params, x_WTD[r], top_k=top_k, capacity_factor=capacity_factor)
-            for r in range(world_size)]
-    return ShardedMoEOut(jnp.concatenate([o.y_TD for o in outs]),
-                         jnp.stack([o.aux for o in outs]), jnp.stack([o.z for o in outs]))
+    out = jax.vmap(lambda x: moe_layer(params, x, top_k=top_k,
+                                       capacity_factor=capacity_factor))(x_WTD)
+    return ShardedMoEOut(out.y_TD.reshape(x_TD.shape), out.aux, out.z)

@@ -107,3 +107,14 @@ def test_nproc_above_cores_warns(tmp_path):
                   "--set", "moe.ep_size=1", "--out", str(tmp_path / "r"), timeout=300)
     assert res.returncode == 0, res.stderr
     assert "more than the" in res.stderr and "CPU cores" in res.stderr
+
+
+def test_joins_a_torchrun_world(tmp_path):
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0",
+                          "-m", "torch_impl.cli", "train", *TINY, "--set", "train.steps=2",
+                          "--out", str(out)], capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "W=2" in res.stdout
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
