@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+import reference.plan.partition as plan
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -34,11 +36,11 @@ class Topology:
 
     def ep_rank(self, ep: int) -> int:
         """This rank's index inside its EP group (which block of experts it holds)."""
-        return self.rank % ep
+        return plan.ep_rank(self.rank, ep_size=ep)
 
     def edp_rank(self, ep: int) -> int:
         """This rank's index inside its EDP group (its data-parallel rank for experts)."""
-        return self.rank // ep
+        return plan.edp_rank(self.rank, ep_size=ep)
 
     def ep_group(self, ep: int):
         return self.ep_groups.get(ep)
@@ -69,14 +71,12 @@ def build_topology(ep_sizes: tuple[int, ...] | list[int], *, num_experts: int) -
     ep_groups, edp_groups = {}, {}
     if world > 1:
         for ep in ep_sizes:
-            for start in range(0, world, ep):
-                ranks = list(range(start, start + ep))
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    ep_groups[ep] = group
-            for offset in range(ep):
-                ranks = list(range(offset, world, ep))
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    edp_groups[ep] = group
+            # every rank creates every group, in the same order (new_group is collective)
+            for ranks_of, groups in ((plan.ep_group_ranks, ep_groups),
+                                     (plan.edp_group_ranks, edp_groups)):
+                for ranks in sorted({ranks_of(r, world_size=world, ep_size=ep)
+                                     for r in range(world)}):
+                    group = dist.new_group(list(ranks))
+                    if rank in ranks:
+                        groups[ep] = group
     return Topology(rank, world, ep_sizes, ep_groups, edp_groups)
