@@ -1,8 +1,10 @@
 """The plan shared by both sides: parameter grouping and ZeRO partitioning (stdlib + numpy).
 
 ``plan_groups`` decides which parameter elements form each optimizer group;
-``plan_partitions`` decides how each group's flat buffer is split over ranks.
-See DESIGN.md §2 and docs/grouping.md.
+``plan_partitions`` decides how each group's flat buffer is split over ranks;
+``plan_layout`` decides where every byte of a checkpoint lies, and ``reference.plan.store``
+(import it explicitly) reads and writes it. See DESIGN.md §2, docs/grouping.md and
+docs/checkpoint.md.
 """
 
 from reference.plan.grouping import (
@@ -11,6 +13,21 @@ from reference.plan.grouping import (
     group_hparams,
     locate_params,
     plan_groups,
+)
+from reference.plan.layout import (
+    ByteRange,
+    FileLayout,
+    Layout,
+    Manifest,
+    RangeRecord,
+    RankRanges,
+    TensorEntry,
+    fragment_key,
+    index_json,
+    parse_key,
+    plan_layout,
+    rank_ranges,
+    shapes_of,
 )
 from reference.plan.partition import (
     Partition,
@@ -25,6 +42,19 @@ from reference.plan.partition import (
 from reference.plan.specs import ParamSpec, Slice, UserGroup, natural_key, user_groups_by_name
 
 __all__ = [
+    "ByteRange",
+    "FileLayout",
+    "Layout",
+    "Manifest",
+    "RangeRecord",
+    "RankRanges",
+    "TensorEntry",
+    "fragment_key",
+    "index_json",
+    "parse_key",
+    "plan_layout",
+    "rank_ranges",
+    "shapes_of",
     "GroupPlan",
     "ParamSpec",
     "Partition",

@@ -1,0 +1,412 @@
+"""The checkpoint layout: which tensor lies at which byte of which file (DESIGN.md §2).
+
+A pure function of (groups, parameter shapes, step). Optimizer group ``i`` of ``G`` gets
+one ``model-{i+1:05d}-of-{G:05d}.safetensors`` file (fp32 master) and one ``optim-…`` file
+(all members' ``exp_avg``, then all members' ``exp_avg_sq``), tensors in group order. A
+file's data is therefore the group's unpadded flat buffer (one buffer per state), so a
+rank's ZeRO partition is one contiguous byte range per state (``rank_ranges``).
+
+Keys: a member that is a whole parameter is stored under its name (``fqn``,
+``fqn.exp_avg``, ``fqn.exp_avg_sq``) with its shape. A member the group cap cut is stored
+1-D under ``{name}@{start}:{stop}`` (element range of the flattened parameter); see
+docs/checkpoint.md for reassembly. Headers are built byte-for-byte from the layout, so any
+rank knows every data offset without reading a file.
+
+The manifest's pure half (``Manifest``, ``manifest_to_json``/``manifest_from_json``) lives
+here too; file I/O is in ``reference.plan.store``. Torch counterpart:
+``torch_impl.checkpoint`` (calls ``plan_layout``, ``rank_ranges`` and the store).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, NamedTuple
+
+from reference.plan.grouping import GroupPlan, locate_params
+from reference.plan.partition import Partition
+from reference.plan.specs import ParamSpec, Slice
+
+FORMAT_VERSION = 1
+ITEMSIZE = 4  # every tensor is fp32 ("F32")
+HEADER_ALIGN = 8
+STATES = ("master", "exp_avg", "exp_avg_sq")
+INDEX_NAME = "model.safetensors.index.json"
+MANIFEST_NAME = "manifest.json"
+
+
+class TensorEntry(NamedTuple):
+    """One tensor of a file: element range ``[start, stop)`` of ``fqn``'s ``state``.
+
+    ``begin``/``end`` are byte offsets from the start of the file's data section.
+    """
+
+    key: str
+    fqn: str
+    state: str
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+    begin: int
+
+    @property
+    def end(self) -> int:
+        """Byte offset one past the tensor's last byte (relative to the data start)."""
+        return self.begin + (self.stop - self.start) * ITEMSIZE
+
+
+class ByteRange(NamedTuple):
+    """``length`` bytes at absolute ``offset`` of checkpoint file ``file``."""
+
+    file: str
+    offset: int
+    length: int
+
+
+class RankRanges(NamedTuple):
+    """Where one DP rank's partition of a group lies on disk, per state.
+
+    ``numel`` is the number of real (unpadded) elements of the shard that go to disk; the
+    rank writes ``shard[:numel]`` of each state at the given range.
+    """
+
+    master: ByteRange
+    exp_avg: ByteRange
+    exp_avg_sq: ByteRange
+    numel: int
+
+
+class RangeRecord(NamedTuple):
+    """A checksummed byte range (``crc32`` from zlib) as stored in the manifest."""
+
+    file: str
+    offset: int
+    length: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """One safetensors file: its name, group, tensors and exact header bytes."""
+
+    name: str
+    kind: str  # "model" or "optim"
+    group: str
+    tensors: tuple[TensorEntry, ...]
+    header: bytes = field(repr=False)
+
+    @property
+    def data_start(self) -> int:
+        """Absolute offset of the data section (8-byte length + padded JSON)."""
+        return len(self.header)
+
+    @property
+    def data_size(self) -> int:
+        """Bytes of tensor data."""
+        return self.tensors[-1].end if self.tensors else 0
+
+    @property
+    def size(self) -> int:
+        """Size of the whole file in bytes."""
+        return self.data_start + self.data_size
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every checkpoint file of a plan, indexed by group (``model_files[i]`` is group i)."""
+
+    step: int
+    groups: tuple[GroupPlan, ...]
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    model_files: tuple[FileLayout, ...]
+    optim_files: tuple[FileLayout, ...]
+
+    @property
+    def files(self) -> tuple[FileLayout, ...]:
+        """All files: model files, then optim files."""
+        return self.model_files + self.optim_files
+
+    @cached_property
+    def _by_name(self) -> dict[str, FileLayout]:
+        return {f.name: f for f in self.files}
+
+    @cached_property
+    def _pieces(self) -> dict[tuple[str, str], tuple[tuple[FileLayout, TensorEntry], ...]]:
+        out: dict[tuple[str, str], list] = {}
+        for f in self.files:
+            for t in f.tensors:
+                out.setdefault((t.fqn, t.state), []).append((f, t))
+        return {k: tuple(sorted(v, key=lambda p: p[1].start)) for k, v in out.items()}
+
+    def file(self, name: str) -> FileLayout:
+        """The file called ``name``; KeyError if the layout has none."""
+        return self._by_name[name]
+
+    @cached_property
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.shapes)
+
+    def shape(self, fqn: str) -> tuple[int, ...]:
+        """The full shape of parameter ``fqn``; KeyError if it is not in the checkpoint."""
+        return self._shapes[fqn]
+
+    def pieces(self, fqn: str, state: str = "master") -> tuple[tuple[FileLayout, TensorEntry], ...]:
+        """The (file, tensor) pieces holding ``fqn``'s ``state``, in element order."""
+        _check_state(state)
+        if (fqn, state) not in self._pieces:
+            raise KeyError(f"parameter {fqn!r} is not in the checkpoint")
+        return self._pieces[(fqn, state)]
+
+    def group_index(self, name: str) -> int:
+        """Index of the group called ``name``; KeyError if absent."""
+        for group in self.groups:
+            if group.name == name:
+                return group.index
+        raise KeyError(f"group {name!r} is not in the checkpoint")
+
+    def describe(self) -> str:
+        """One line per file: name, group, tensor count, header and data bytes."""
+        return "\n".join(f"{f.name}  {f.group}  {len(f.tensors)} tensors  header {f.data_start} B"
+                         f"  data {f.data_size} B" for f in self.files)
+
+
+def fragment_key(name: str, start: int, stop: int) -> str:
+    """The key of elements ``[start, stop)`` of the flattened tensor ``name``."""
+    return f"{name}@{start}:{stop}"
+
+
+def parse_key(key: str) -> tuple[str, int | None, int | None]:
+    """``(name, start, stop)`` of a stored key; ``start = stop = None`` for a whole tensor."""
+    name, sep, span = key.rpartition("@")
+    if not sep:
+        return key, None, None
+    start, stop = span.split(":")
+    return name, int(start), int(stop)
+
+
+def shapes_of(specs: Iterable[ParamSpec]) -> dict[str, tuple[int, ...]]:
+    """``{fqn: shape}`` from parameter specs, the shape input of ``plan_layout``."""
+    return {s.fqn: s.shape for s in specs}
+
+
+def plan_layout(groups: Sequence[GroupPlan], shapes: Mapping[str, Sequence[int]], *,
+                step: int) -> Layout:
+    """The checkpoint layout of a plan at ``step``.
+
+    Args:
+        groups: The plan from ``plan_groups`` (every parameter's elements exactly once).
+        shapes: Full shape of every parameter in ``groups`` (``shapes_of(specs)``).
+        step: Optimizer step, recorded in each header's metadata.
+
+    Raises:
+        ValueError: (one line) if shapes and groups disagree or an FQN contains ``@``.
+    """
+    shapes = {fqn: tuple(int(d) for d in shape) for fqn, shape in shapes.items()}
+    _check_coverage(groups, shapes)
+    num = len(groups)
+    model = tuple(_file("model", g, num, shapes, step) for g in groups)
+    optim = tuple(_file("optim", g, num, shapes, step) for g in groups)
+    order = [m.fqn for g in groups for m in g.members if m.start == 0]
+    return Layout(step, tuple(groups), tuple((f, shapes[f]) for f in order), model, optim)
+
+
+def _check_coverage(groups: Sequence[GroupPlan], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every FQN of ``shapes`` is tiled exactly by the groups' slices, and vice versa."""
+    located = locate_params(groups)
+    for fqn, pieces in located.items():
+        if "@" in fqn:
+            raise ValueError(f"param {fqn!r}: '@' is reserved for fragment keys")
+        if fqn not in shapes:
+            raise ValueError(f"param {fqn!r} is in the groups but has no shape")
+        bounds = [0] + [s.stop for _, s in pieces]
+        if [s.start for _, s in pieces] != bounds[:-1] or bounds[-1] != math.prod(shapes[fqn]):
+            raise ValueError(f"param {fqn!r}: group slices do not tile its {math.prod(shapes[fqn])} "
+                             f"elements: {[(s.start, s.stop) for _, s in pieces]}")
+    missing = sorted(set(shapes) - set(located))
+    if missing:
+        raise ValueError(f"param {missing[0]!r} has a shape but is in no group")
+
+
+def file_name(kind: str, index: int, num_groups: int) -> str:
+    """``model-00001-of-00003.safetensors`` for ``kind="model", index=0, num_groups=3``."""
+    return f"{kind}-{index + 1:05d}-of-{num_groups:05d}.safetensors"
+
+
+def _file(kind: str, group: GroupPlan, num_groups: int, shapes: dict, step: int) -> FileLayout:
+    states = ("master",) if kind == "model" else ("exp_avg", "exp_avg_sq")
+    tensors, cursor = [], 0
+    for state in states:
+        for member in group.members:
+            tensors.append(_entry(member, state, shapes[member.fqn], cursor))
+            cursor = tensors[-1].end
+    metadata = {"format": "pt", "moezero.format_version": str(FORMAT_VERSION),
+                "moezero.kind": kind, "moezero.group": group.name, "moezero.step": str(step)}
+    return FileLayout(file_name(kind, group.index, num_groups), kind, group.name,
+                      tuple(tensors), _header(metadata, tensors))
+
+
+def _entry(member: Slice, state: str, shape: tuple[int, ...], begin: int) -> TensorEntry:
+    name = member.fqn if state == "master" else f"{member.fqn}.{state}"
+    if member.numel == math.prod(shape):
+        return TensorEntry(name, member.fqn, state, 0, member.stop, shape, begin)
+    return TensorEntry(fragment_key(name, member.start, member.stop), member.fqn, state,
+                       member.start, member.stop, (member.numel,), begin)
+
+
+def _header(metadata: dict[str, str], tensors: Sequence[TensorEntry]) -> bytes:
+    """The safetensors prefix: u64 LE length, compact JSON, spaces to a multiple of 8."""
+    obj: dict[str, Any] = {"__metadata__": metadata}
+    for t in tensors:
+        obj[t.key] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
+    text = json.dumps(obj, separators=(",", ":")).encode("ascii")
+    text += b" " * (-len(text) % HEADER_ALIGN)
+    return struct.pack("<Q", len(text)) + text
+
+
+def rank_ranges(layout: Layout, partition: Partition, dp_rank: int) -> RankRanges:
+    """The byte ranges of DP rank ``dp_rank``'s partition of a group, clipped to the data.
+
+    The partition must be of a group of this layout with the same members (any world size
+    or alignment). Padding never reaches disk: a rank whose shard is all padding gets
+    zero-length ranges.
+    """
+    index = _matching_group(layout, partition)
+    lo, hi = partition.rank_range(dp_rank)
+    lo, hi = min(lo, partition.numel), min(hi, partition.numel)
+    model, optim = layout.model_files[index], layout.optim_files[index]
+    length = (hi - lo) * ITEMSIZE
+    avg = optim.data_start + lo * ITEMSIZE
+    return RankRanges(ByteRange(model.name, model.data_start + lo * ITEMSIZE, length),
+                      ByteRange(optim.name, avg, length),
+                      ByteRange(optim.name, avg + partition.numel * ITEMSIZE, length), hi - lo)
+
+
+def _matching_group(layout: Layout, partition: Partition) -> int:
+    """Index of the saved group ``partition`` is of; ValueError unless its members match."""
+    try:
+        index = layout.group_index(partition.group)
+    except KeyError:
+        raise ValueError(f"group {partition.group!r} is not in the saved plan") from None
+    if layout.groups[index].members != tuple(m for m, _ in partition.offsets):
+        raise ValueError(f"group {partition.group!r}: members differ from the saved plan")
+    return index
+
+
+def same_group(layout: Layout, partition: Partition) -> bool:
+    """True if ``partition`` is of a saved group with identical members (fast path applies)."""
+    try:
+        _matching_group(layout, partition)
+    except ValueError:
+        return False
+    return True
+
+
+def index_json(layout: Layout) -> dict:
+    """``model.safetensors.index.json``: ``weight_map`` {key: file} and ``total_size``."""
+    weight_map = {t.key: f.name for f in layout.model_files for t in f.tensors}
+    total = sum(f.data_size for f in layout.model_files)
+    return {"metadata": {"total_size": total, "format": "moezero", "step": layout.step},
+            "weight_map": weight_map}
+
+
+def group_to_json(group: GroupPlan) -> dict:
+    """A group as a JSON object (members as ``[fqn, start, stop]``)."""
+    return {"name": group.name, "index": group.index, "user_group": group.user_group,
+            "moe_group": group.moe_group, "ep_size": group.ep_size, "ep_rank": group.ep_rank,
+            "layer": group.layer, "expert": group.expert,
+            "members": [[m.fqn, m.start, m.stop] for m in group.members]}
+
+
+def group_from_json(obj: Mapping) -> GroupPlan:
+    """Inverse of ``group_to_json``."""
+    members = tuple(Slice(fqn, start, stop) for fqn, start, stop in obj["members"])
+    return GroupPlan(obj["name"], obj["index"], obj["user_group"], obj["moe_group"],
+                     obj["ep_size"], obj["ep_rank"], obj["layer"], obj["expert"], members)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What ``manifest.json`` holds, with the layout recomputed from its groups and shapes.
+
+    ``config``, ``topology`` and ``state`` are opaque JSON objects owned by the caller
+    (resolved config; world size, ep sizes, stage at save; RNG, data position, loss
+    scaler, lr step).
+    """
+
+    layout: Layout
+    checksums: tuple[RangeRecord, ...]
+    config: dict = field(default_factory=dict)
+    topology: dict = field(default_factory=dict)
+    state: dict = field(default_factory=dict)
+
+    @property
+    def step(self) -> int:
+        """The optimizer step saved."""
+        return self.layout.step
+
+
+def manifest_to_json(manifest: Manifest) -> dict:
+    """The manifest as a JSON object (the layout as groups, shapes and file sizes)."""
+    layout = manifest.layout
+    return {"format": "moezero-checkpoint", "format_version": FORMAT_VERSION,
+            "step": layout.step, "dtype": "F32", "config": manifest.config,
+            "topology": manifest.topology,
+            "groups": [group_to_json(g) for g in layout.groups],
+            "shapes": {fqn: list(shape) for fqn, shape in layout.shapes},
+            "files": [{"name": f.name, "kind": f.kind, "group": f.group, "size": f.size}
+                      for f in layout.files],
+            "checksums": [list(r) for r in manifest.checksums], "state": manifest.state}
+
+
+def manifest_from_json(obj: Any) -> Manifest:
+    """Parse and cross-check a manifest object; ValueError (one line) on any mismatch."""
+    if not isinstance(obj, dict) or obj.get("format") != "moezero-checkpoint":
+        raise ValueError("not a moezero checkpoint manifest")
+    if obj.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"unsupported format_version {obj.get('format_version')!r} "
+                         f"(this reader knows {FORMAT_VERSION})")
+    try:
+        layout = plan_layout([group_from_json(g) for g in obj["groups"]], obj["shapes"],
+                             step=int(obj["step"]))
+        files = [(f["name"], f["kind"], f["group"], f["size"]) for f in obj["files"]]
+        checksums = tuple(RangeRecord(str(f), int(o), int(n), int(c))
+                          for f, o, n, c in obj["checksums"])
+        extra = {k: obj.get(k, {}) for k in ("config", "topology", "state")}
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"malformed manifest: {type(err).__name__}: {err}") from None
+    if files != [(f.name, f.kind, f.group, f.size) for f in layout.files]:
+        raise ValueError("manifest files do not match the layout of its groups and shapes")
+    check_tiling(layout, checksums)
+    return Manifest(layout, checksums, **extra)
+
+
+def check_tiling(layout: Layout, records: Iterable[RangeRecord]) -> None:
+    """Raise ValueError unless ``records`` cover every byte of every file exactly once."""
+    by_file: dict[str, list[tuple[int, int]]] = {f.name: [] for f in layout.files}
+    for file, offset, length, _ in records:
+        if file not in by_file:
+            raise ValueError(f"checksum names unknown file {file!r}")
+        if offset < 0 or length < 0:
+            raise ValueError(f"{file}: negative checksum range ({offset}, {length})")
+        if length:
+            by_file[file].append((offset, offset + length))
+    for f in layout.files:
+        cursor = 0
+        for begin, end in sorted(by_file[f.name]):
+            if begin != cursor:
+                raise ValueError(f"{f.name}: bytes [{min(begin, cursor)}, {max(begin, cursor)}) "
+                                 f"are {'not covered' if begin > cursor else 'covered twice'}")
+            cursor = end
+        if cursor < f.size:
+            raise ValueError(f"{f.name}: bytes [{cursor}, {f.size}) are not covered")
+        if cursor > f.size:
+            raise ValueError(f"{f.name}: checksummed ranges run to byte {cursor}, past its end")
+
+
+def _check_state(state: str) -> None:
+    if state not in STATES:
+        raise ValueError(f"state must be one of {STATES}, got {state!r}")
