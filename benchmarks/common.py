@@ -1,0 +1,81 @@
+"""Pieces every benchmarked system shares inside a rank: the model shape, the data, sizes.
+
+Imports torch_impl's model and data modules only (no pydantic), so the peer venv can use it
+with the repository on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+from pathlib import Path
+
+from torch_impl.data import Batches, make_corpus
+from torch_impl.model.decoder import ModelArgs
+
+# The synthetic corpus settings of torch_impl.config.DataConfig's defaults.
+CORPUS = {"vocab": 32, "sources": 4, "seed": 1234}
+INIT_STD = 0.02
+
+
+class Unsupported(Exception):
+    """The system cannot run this configuration yet (reported, not fatal)."""
+
+
+def model_args(model: dict, *, ep_size: int) -> ModelArgs:
+    """The decoder shape of a run spec's ``model`` block with the given expert parallelism."""
+    return ModelArgs(vocab_size=model["vocab_size"], dim=model["dim"], n_layers=model["n_layers"],
+                     n_heads=model["n_heads"], ffn_dim=model["ffn_dim"],
+                     num_experts=model["num_experts"], top_k=model["top_k"], ep_size=ep_size,
+                     init_std=INIT_STD)
+
+
+def make_batches(train: dict, *, rank: int, world: int) -> Batches:
+    """This rank's slice of the global batches moezero's trainer would draw (same seeds)."""
+    corpus = make_corpus(None, **CORPUS)
+    return Batches(corpus, global_batch=train["micro_batch_size"] * world,
+                   seq_len=train["seq_len"], seed=train["seed"], dp_rank=rank, dp_size=world)
+
+
+def anon_rss() -> int:
+    """This process's resident anonymous memory now, in bytes: resident minus file-backed and
+    shared pages (Linux ``/proc/self/statm``). Unlike RSS it does not count library pages
+    mapped from disk, whose residency depends on the page cache and the venv."""
+    _, resident, shared = Path("/proc/self/statm").read_text().split()[:3]
+    return (int(resident) - int(shared)) * os.sysconf("SC_PAGE_SIZE")
+
+
+class AnonPeak:
+    """Peak of :func:`anon_rss`, sampled every ``interval_s`` by a daemon thread until stop()."""
+
+    def __init__(self, interval_s: float = 0.01):
+        self.interval_s, self.peak = interval_s, anon_rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, anon_rss())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, anon_rss())
+        return self.peak
+
+
+def peak_rss() -> int:
+    """This process's peak resident set size so far, in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def tree_bytes(folder: str | os.PathLike) -> tuple[int, int]:
+    """(total bytes, number of files) under ``folder``."""
+    total = files = 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            total += os.path.getsize(os.path.join(root, name))
+            files += 1
+    return total, files

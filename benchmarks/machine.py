@@ -1,0 +1,95 @@
+"""The machine and its limits, measured in the same run as the benchmarks.
+
+``dd`` with ``oflag=direct`` / ``iflag=direct`` gives the disk's write/read bandwidth (the
+line checkpoint saves are compared against); a large torch tensor copy gives the memory
+bandwidth (the line an optimizer step, which streams its fp32 state, is compared against).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+_DD_COPIED = re.compile(r"(\d+) bytes .*copied, ([0-9.]+) s")
+
+
+def machine_info() -> dict:
+    """CPU model, cores, memory, Python and torch versions, date (UTC)."""
+    cpu = platform.processor() or "unknown"
+    mem_bytes = None
+    for line in _read("/proc/cpuinfo").splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    for line in _read("/proc/meminfo").splitlines():
+        if line.startswith("MemTotal:"):
+            mem_bytes = int(line.split()[1]) * 1024
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "mem_bytes": mem_bytes,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "os": f"{platform.system()} {platform.release()}",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def dd_bandwidth(folder: str | os.PathLike, mib: int) -> dict:
+    """Direct-I/O write then read of ``mib`` MiB in a temporary folder under ``folder``.
+
+    Returns ``{"write": bytes/s, "read": bytes/s}``; a failed dd gives ``{"error": line}``.
+    The folder is removed afterwards.
+    """
+    tmp = tempfile.mkdtemp(prefix="dd-", dir=folder)
+    target = os.path.join(tmp, "dd.bin")
+    try:
+        write = _dd(["if=/dev/zero", f"of={target}", "bs=8M", f"count={mib // 8}", "oflag=direct"])
+        read = _dd([f"if={target}", "of=/dev/null", "bs=8M", "iflag=direct"])
+        return {"write": write, "read": read}
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _dd(args: list[str]) -> float:
+    proc = subprocess.run(["dd", *args], capture_output=True, text=True,
+                          env={**os.environ, "LC_ALL": "C"}, check=False)
+    match = _DD_COPIED.search(proc.stderr)
+    if proc.returncode or not match:
+        lines = proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"]
+        raise RuntimeError(f"dd {' '.join(args)}: {lines[-1]}")
+    return int(match.group(1)) / float(match.group(2))
+
+
+def memcpy_bandwidth(mib: int, repeats: int = 5) -> float:
+    """Bytes moved per second (read + write) by ``dst.copy_(src)`` of ``mib`` MiB, one thread.
+
+    One thread because each benchmarked rank runs with one (2 ranks on 2 cores); the median
+    of ``repeats`` copies after a warm-up copy.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(mib * 2**20 // 4)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+        return 2 * src.numel() * 4 / sorted(times)[len(times) // 2]
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,100 @@
+"""moezero inside a benchmark rank: the library path a user takes (config -> setup -> engine).
+
+The run spec becomes ``--set`` overrides on the default recipe, so a row in
+``benchmarks.specs.MOEZERO_CONFIGS`` is exactly what ``moezero train --set ...`` would run.
+A stage the config or engine rejects is 'not supported yet'; so is a stage above 0 while
+``torch_impl.zero`` does not exist, because the stage-0 engine would otherwise run it silently
+as plain data parallelism and the row would be a lie.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+
+import torch
+
+from benchmarks.common import Unsupported
+
+
+def overrides(spec: dict) -> list[str]:
+    """The run spec as ``KEY=VALUE`` config overrides (values as JSON, read back as YAML)."""
+    m, t = spec["model"], spec["train"]
+    values = {
+        "model.vocab_size": m["vocab_size"], "model.dim": m["dim"], "model.n_layers": m["n_layers"],
+        "model.n_heads": m["n_heads"], "model.ffn_dim": m["ffn_dim"],
+        "moe.num_experts": m["num_experts"], "moe.top_k": m["top_k"], "moe.ep_size": m["ep_size"],
+        "train.micro_batch_size": t["micro_batch_size"], "train.seq_len": t["seq_len"],
+        "train.seed": t["seed"], "train.steps": t["warmup"] + t["timed"],
+        # Constant lr and fp32 everywhere, as the peers run.
+        "optimizer.lr": t["lr"], "optimizer.warmup_steps": 0, "optimizer.min_lr_ratio": 1.0,
+        "precision.dtype": "fp32",
+        **spec["options"],
+    }
+    return [f"{key}={json.dumps(value)}" for key, value in values.items()]
+
+
+def _load(spec: dict):
+    from torch_impl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(None, overrides(spec))
+    except ConfigError as exc:
+        raise Unsupported(f"config rejected: {exc}") from None
+    stage = cfg.zero_optimization.stage
+    if stage > 0 and importlib.util.find_spec("torch_impl.zero") is None:
+        raise Unsupported(f"zero_optimization.stage={stage}: not built yet (no torch_impl.zero; "
+                          "the engine would run it as stage 0)")
+    return cfg
+
+
+class MoezeroTrainer:
+    """``engine.train_step`` per step; its gradient reduction and optimizer step timed inside."""
+
+    def __init__(self, spec: dict):
+        from torch_impl.train import setup
+
+        cfg = _load(spec)
+        try:
+            self.engine, self.batches = setup(cfg, torch.device("cpu"))
+        except (NotImplementedError, ValueError) as exc:
+            raise Unsupported(f"engine rejected it: {exc}") from None
+        self._step_call_s = 0.0
+        for name in ("reduce_gradients", "optimizer_step"):  # what engine.step() runs
+            setattr(self.engine, name, self._timed(getattr(self.engine, name)))
+        self.save_note = (None if hasattr(self.engine, "save_checkpoint")
+                          else "n/a (not built yet)")
+        self.info = {"stage": cfg.zero_optimization.stage, "optimizer_elements": self._elements(),
+                     "step_call": "engine.reduce_gradients() + engine.optimizer_step()"}
+
+    def _timed(self, method):
+        """``method`` adding its wall time to this step's step-call time (instance attribute,
+        so the engine's own ``self.method()`` calls go through it)."""
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._step_call_s += time.perf_counter() - start
+
+        return timed
+
+    def _elements(self) -> int | None:
+        """Adam moment elements this rank holds (= elements its optimizer steps)."""
+        zero = getattr(self.engine, "zero", None)
+        try:
+            if zero is not None:
+                return sum(slot.exp_avg.numel() for slot in zero.slots)
+            return sum(st.exp_avg.numel() for st in self.engine.state.values())
+        except (AttributeError, TypeError):
+            return None
+
+    def step(self, batch_BS1: torch.Tensor) -> tuple[float, float]:
+        self._step_call_s = 0.0
+        metrics = self.engine.train_step([batch_BS1])
+        return metrics["loss"], self._step_call_s
+
+    def save(self, folder: str) -> None:
+        self.engine.save_checkpoint(folder)

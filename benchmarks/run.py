@@ -1,0 +1,191 @@
+"""Run moezero and its peers side by side and write ``BENCHMARKS.md``.
+
+``python -m benchmarks.run [--quick] [--out BENCHMARKS.md] [--peer-python PATH]``
+
+Every configuration trains the same model on the same data at W=2 (gloo), each run in fresh
+processes started by ``torchrun``; configurations are interleaved round by round (A B C, A B C,
+...) and the machine's limits (``dd``, memory copy) are measured at the start of every round.
+moezero and FSDP2 run with this interpreter; DeepSpeed with ``--peer-python`` (its own venv,
+``DS_ACCELERATOR=cpu``). A configuration that is rejected or fails is reported with its error
+line and not retried; the other rows still run. Raw results go to ``<work-dir>/results.json``;
+``--from-json`` renders a report from such a file without running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import report
+from benchmarks.machine import dd_bandwidth, machine_info, memcpy_bandwidth
+from benchmarks.specs import SIZES, WORLD_SIZE, main_specs, sweep_specs
+from benchmarks.stats import run_stats
+
+REPO = Path(__file__).resolve().parent.parent
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception)\b|error:)")
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torchrun's prefix on a rank's stderr lines
+_NOISE = ("ChildFailedError", "torch.distributed.elastic")
+_PEER_PROBE = """
+import json, time, torch
+start = time.perf_counter()
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is not None:
+    builder.load()  # JIT-built once (~2 min here), then cached; keeps it out of the timed runs
+print(json.dumps({"deepspeed": deepspeed.__version__, "torch": torch.__version__,
+                  "accelerator": get_accelerator().device_name(),
+                  "setup_s": time.perf_counter() - start}))
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small model, few steps (< 10 min)")
+    p.add_argument("--out", default="BENCHMARKS.md", help="report to write (default BENCHMARKS.md)")
+    p.add_argument("--plots-dir", default=str(REPO / "benchmarks"), help="where PNG plots go")
+    p.add_argument("--peer-python", default=os.environ.get("MOEZERO_PEER_PYTHON", sys.executable),
+                   help="interpreter of the venv holding DeepSpeed (default $MOEZERO_PEER_PYTHON "
+                        "or this one)")
+    p.add_argument("--peer-note", default="", help="a line about the peer install (e.g. its error)")
+    p.add_argument("--work-dir", default=str(REPO / "bench_out"),
+                   help="scratch: specs, logs, checkpoints, dd files, results.json")
+    p.add_argument("--repeats", type=int, help="rounds of the main configurations")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
+    p.add_argument("--only", action="append", default=[], metavar="TEXT",
+                   help="run only configurations whose name contains TEXT (repeatable)")
+    p.add_argument("--from-json", help="render the report from this results.json; run nothing")
+    return p
+
+
+def peer_probe(python: str, note: str) -> dict:
+    """DeepSpeed's and torch's versions in the peer venv, or the error line."""
+    if note:
+        return {"error": note}
+    try:
+        proc = subprocess.run([python, "-c", _PEER_PROBE], capture_output=True, text=True,
+                              env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=600, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": f"{python}: {exc}"}
+    if proc.returncode:
+        return {"error": error_line(proc.stdout + proc.stderr)}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def error_line(log: str) -> str:
+    """The most telling line of a failed run's output: its last exception line."""
+    lines = [_RANK_PREFIX.sub("", ln.strip()) for ln in log.splitlines() if ln.strip()]
+    hits = [ln for ln in lines if _ERROR_LINE.match(ln) and not any(n in ln for n in _NOISE)]
+    return (hits or lines or ["no output"])[-1][:300]
+
+
+def run_one(spec: dict, tag: str, args: argparse.Namespace, work: Path) -> dict:
+    """One configuration in fresh torchrun processes; the parsed result or the failure."""
+    spec = {**spec, "ckpt_dir": str(work / "ckpt" / tag)}
+    paths = {k: work / sub / f"{tag}.{ext}" for k, sub, ext in
+             (("spec", "specs", "json"), ("result", "results", "json"), ("log", "logs", "log"))}
+    for path in paths.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    paths["spec"].write_text(json.dumps(spec))
+    paths["result"].unlink(missing_ok=True)
+    python = args.peer_python if spec["system"] == "deepspeed" else sys.executable
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(WORLD_SIZE), "-m", "benchmarks.worker", str(paths["spec"]), str(paths["result"])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    start = time.perf_counter()
+    try:
+        with open(paths["log"], "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                timeout=args.timeout, check=False).returncode
+    except subprocess.TimeoutExpired:
+        rc = f"timed out after {args.timeout:.0f} s"
+    except OSError as exc:
+        rc = f"cannot start {python}: {exc}"
+    wall = time.perf_counter() - start
+    if rc == 0 and paths["result"].exists():
+        out = json.loads(paths["result"].read_text())
+        return {**out, "status": out["ranks"][0]["status"], "wall_s": wall, "tag": tag}
+    error = rc if isinstance(rc, str) else error_line(paths["log"].read_text())
+    return {"spec": spec, "status": "failed", "error": error, "wall_s": wall, "tag": tag}
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _progress(run: dict, index: int, total: int) -> None:
+    spec = run["spec"]
+    head = f"[{index}/{total}] {spec['name']} E={spec['model']['num_experts']} ({run['tag']})"
+    if run["status"] == "ok":
+        stats = run_stats(run)
+        body = (f"{stats['tokens_per_s']:,.0f} tokens/s per rank, "
+                f"peak RSS {stats['peak_rss'] / 2**20:,.0f} MiB")
+    else:
+        body = f"{run['status']}: {run.get('error') or run['ranks'][0].get('note')}"
+    print(f"{head}: {body} [{run['wall_s']:.1f} s]", flush=True)
+
+
+def run_all(args: argparse.Namespace, size: dict, repeats: int, work: Path) -> dict:
+    """Limits and main configurations round by round, then the memory sweep."""
+    results = {"machine": machine_info(), "peer": peer_probe(args.peer_python, args.peer_note),
+               "command": command_line(), "mode": "quick" if args.quick else "full",
+               "size": size, "repeats": repeats, "limits": [], "runs": []}
+    main, sweep = main_specs(size), sweep_specs(size)
+    if args.only:
+        main, sweep = ([s for s in specs if any(t in s["name"] for t in args.only)]
+                       for specs in (main, sweep))
+    total, done, dropped = repeats * len(main) + len(sweep), 0, set()
+    for rnd in range(1, repeats + 1):
+        results["limits"].append({"dd": dd_bandwidth(work, size["dd_mib"]),
+                                  "memcpy": memcpy_bandwidth(size["memcpy_mib"])})
+        for spec in main:
+            done += 1
+            if spec["name"] in dropped:
+                continue
+            run = run_one(spec, f"{_slug(spec['name'])}-r{rnd}", args, work)
+            _progress(run, done, total)
+            results["runs"].append(run)
+            if run["status"] != "ok":
+                dropped.add(spec["name"])  # rejected or broken: do not retry
+    for spec in sweep:
+        done += 1
+        tag = f"{_slug(spec['name'])}-e{spec['model']['num_experts']}"
+        run = run_one(spec, tag, args, work)
+        _progress(run, done, total)
+        results["runs"].append(run)
+    return results
+
+
+def command_line() -> str:
+    return "python -m benchmarks.run " + shlex.join(sys.argv[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+    else:
+        size = SIZES["quick" if args.quick else "full"]
+        repeats = args.repeats or size["repeats"]
+        results = run_all(args, size, repeats, work)
+        results["elapsed_s"] = time.perf_counter() - start
+        (work / "results.json").write_text(json.dumps(results, indent=1))
+    text = report.write(results, Path(args.out), Path(args.plots_dir))
+    print(report.console_summary(text))
+    print(f"wrote {args.out} ({time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

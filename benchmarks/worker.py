@@ -1,0 +1,116 @@
+"""One rank of one benchmark run: ``torchrun ... -m benchmarks.worker SPEC.json RESULT.json``.
+
+Joins the torchrun world (gloo), builds the spec's system (moezero, FSDP2 or DeepSpeed) on
+the shared model and data, runs warm-up then timed steps, records per-step times, peak RSS,
+peak anonymous memory (sampled every 10 ms from before the model is built) and a checkpoint
+save, and rank 0 writes every rank's raw figures as JSON. Statistics are
+left to ``benchmarks.report``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import AnonPeak, Unsupported, anon_rss, peak_rss, tree_bytes
+
+
+def build_trainer(spec: dict):
+    """The system's trainer: ``.batches``, ``.step(batch) -> (loss, step_call_s)``,
+    ``.save(folder)``, ``.save_note`` (None when it can save) and ``.info``."""
+    if spec["system"] == "moezero":
+        from benchmarks.moezero_trainer import MoezeroTrainer
+        return MoezeroTrainer(spec)
+    if spec["system"] == "fsdp2":
+        from benchmarks.fsdp2_trainer import Fsdp2Trainer
+        return Fsdp2Trainer(spec)
+    if spec["system"] == "deepspeed":
+        from benchmarks.deepspeed_trainer import DeepSpeedTrainer
+        return DeepSpeedTrainer(spec)
+    raise ValueError(f"unknown system {spec['system']!r}")
+
+
+def train_and_time(trainer, spec: dict) -> dict:
+    """Warm-up then timed steps; each step's wall time and the time of its step() call."""
+    train = spec["train"]
+    steps_s, call_s, losses = [], [], []
+    for i in range(train["warmup"] + train["timed"]):
+        batch = torch.from_numpy(trainer.batches.next())
+        start = time.perf_counter()
+        loss, step_call = trainer.step(batch)
+        elapsed = time.perf_counter() - start
+        losses.append(loss)
+        if i >= train["warmup"]:
+            steps_s.append(elapsed)
+            call_s.append(step_call)
+    return {"step_s": steps_s, "step_call_s": call_s, "losses": losses,
+            "tokens_per_step": train["micro_batch_size"] * train["seq_len"]}
+
+
+def timed_save(trainer, folder: str) -> dict:
+    """Save once from every rank; wall time from a barrier to a barrier, bytes on disk.
+
+    A save that raises is reported (the training figures are kept), not fatal.
+    """
+    if trainer.save_note is not None:
+        return {"note": trainer.save_note}
+    shutil.rmtree(folder, ignore_errors=True)
+    dist.barrier()
+    start = time.perf_counter()
+    try:
+        trainer.save(folder)
+    except Exception as exc:  # any failure is a figure to report, not a crash
+        return {"note": f"save failed: {type(exc).__name__}: {exc}"[:300]}
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    size, files = tree_bytes(folder)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"bytes": size, "files": files, "save_s": elapsed}
+
+
+def run_rank(spec: dict) -> dict:
+    """Everything one rank measures (raw); raises Unsupported for a rejected config."""
+    anon_start, sampler = anon_rss(), AnonPeak()
+    try:
+        trainer = build_trainer(spec)
+        record = train_and_time(trainer, spec)
+    finally:
+        anon_peak = sampler.stop()
+    record.update(status="ok", anon_start=anon_start, anon_peak=anon_peak, peak_rss=peak_rss(),
+                  info=trainer.info)
+    if spec["checkpoint"]:
+        record["checkpoint"] = timed_save(trainer, spec["ckpt_dir"])
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec_path, result_path = argv if argv is not None else sys.argv[1:]
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    try:
+        try:
+            record = run_rank(spec)
+        except Unsupported as exc:
+            record = {"status": "unsupported", "note": str(exc)}
+        ranks: list = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, record)
+        if dist.get_rank() == 0:
+            Path(result_path).write_text(json.dumps({"spec": spec, "ranks": ranks}))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
