@@ -1,10 +1,13 @@
 """The training engine: ``initialize(model, config)`` and the data-parallel step.
 
-This is ZeRO stage 0 (plain data parallelism with replicated fp32 optimizer state): dense
-gradients are averaged over the W ranks, expert gradients summed over their EDP group and
+``zero_optimization.stage`` 0 is plain data parallelism with replicated fp32 optimizer state:
+dense gradients are averaged over the W ranks, expert gradients summed over their EDP group and
 divided by W, so every rank computes the gradient of the *global* mean loss (DESIGN.md §2).
 The step then runs the plan's optimizer groups one at a time: upcast -> unscale -> clip ->
-AdamW on the fp32 master -> downcast. Reference counterpart: ``reference/optim.py``.
+AdamW on the fp32 master -> downcast. Stages 1 and 2 shard the optimizer state (and, at 2,
+the gradients) over each group's data-parallel ranks: ``torch_impl.zero``. With
+``zero_optimization.tiled_step: false`` every group is upcast first (same results, bit for
+bit; more memory). Reference counterpart: ``reference/optim.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch_impl.grouping import OptimizerGroups, build_groups
 from torch_impl.model.moe import expert_tag
 from torch_impl.optim import LossScaler, adamw_, clip_coef, lr_at
 from torch_impl.parallel import Topology, build_topology
+from torch_impl.zero import ADAMW_TEMPORARIES, MemoryMeter, ZeroOptimizer, nbytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -51,7 +55,20 @@ class Engine:
         self.model = model.to(device=device, dtype=self.dtype)
         self.params = dict(self.model.named_parameters())
         self.groups: OptimizerGroups = build_groups(self.model, cfg, topology)
-        self.state = {fqn: self._new_state(p) for fqn, p in self.params.items()}
+        zero = cfg.zero_optimization
+        if zero.stage > 2:
+            raise ValueError(f"zero_optimization.stage: {zero.stage} is not implemented yet "
+                             "(stages 0, 1 and 2 are)")
+        self.zero: ZeroOptimizer | None = None
+        self.state: dict[str, _ParamState] = {}
+        if zero.stage == 0:
+            self.state = {fqn: self._new_state(p) for fqn, p in self.params.items()}
+            self.meter = _stage0_meter(self.params, self.state)
+        else:
+            self.zero = ZeroOptimizer(self.params, self.groups, topology, stage=zero.stage,
+                                      bucket_size=zero.reduce_bucket_size,
+                                      overlap=zero.overlap_comm)
+            self.meter = self.zero.meter
         self.scaler = LossScaler.from_config(cfg.precision)
         self.step_count = 0  # optimizer steps taken (skipped steps excluded)
         self.micro_steps = 0
@@ -68,6 +85,8 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``, averaged over the micro-batches of a step and loss-scaled."""
         accum = self.cfg.train.grad_accum_steps
+        if self.zero is not None:
+            self.zero.before_backward(final=self.micro_steps + 1 >= accum)
         (loss * (self.scaler.scale / accum)).backward()
         self.micro_steps += 1
 
@@ -78,20 +97,43 @@ class Engine:
         return self.optimizer_step()
 
     def optimizer_step(self) -> dict:
-        """Clip and step every group on already-reduced gradients, then drop the gradients."""
-        sq, nonfinite = self._grad_square_sum()
-        overflow = nonfinite > 0
-        grad_norm = math.sqrt(sq) / self.scaler.scale if not overflow else float("inf")
+        """Clip and step every group on already-reduced gradients, then drop the gradients.
+
+        An overflow (a non-finite gradient on any rank) skips the step on every rank.
+        """
         lr = self.current_lr()
+        if self.zero is not None:
+            opt = self.cfg.optimizer
+            grad_norm, overflow = self.zero.step(
+                lr=lr, scale=self.scaler.scale, max_norm=opt.max_grad_norm,
+                step=self.step_count + 1, betas=opt.betas, eps=opt.eps,
+                tiled=self.cfg.zero_optimization.tiled_step)
+            self.zero.zero_grad()
+        else:
+            self.meter.start()
+            sq, nonfinite = self._grad_square_sum()
+            overflow = nonfinite > 0
+            grad_norm = math.sqrt(sq) / self.scaler.scale if not overflow else float("inf")
+            if not overflow:
+                self._apply(lr, clip_coef(grad_norm, self.cfg.optimizer.max_grad_norm))
+            for p in self.params.values():
+                p.grad = None
         if not overflow:
-            self._apply(lr, clip_coef(grad_norm, self.cfg.optimizer.max_grad_norm))
             self.step_count += 1
         self.scaler.update(overflow)
-        for p in self.params.values():
-            p.grad = None
         self.micro_steps = 0
         return {"lr": lr, "grad_norm": grad_norm, "loss_scale": self.scaler.scale,
-                "skipped": bool(overflow)}
+                "skipped": bool(overflow), "step_peak_engine_bytes": self.meter.peak}
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The reduced gradients of this rank's params by FQN, full size.
+
+        For tests and debugging; collective at stages 1-2 (it all-gathers the partitions).
+        Call between ``reduce_gradients`` and ``optimizer_step``.
+        """
+        if self.zero is not None:
+            return self.zero.full_gradients()
+        return {fqn: p.grad for fqn, p in self.params.items()}
 
     def current_lr(self) -> float:
         opt = self.cfg.optimizer
@@ -106,11 +148,13 @@ class Engine:
             loss, parts = self.forward(batch)
             self.backward(loss)
             totals += torch.stack([loss.detach().float(), parts["ce"], parts["aux_loss"]])
+        # Reduce first: ranks may still have gradient buckets to launch on the world group.
+        self.reduce_gradients()
         totals /= len(micro_batches)
         if self.topology.distributed:
             dist.all_reduce(totals)
             totals /= self.topology.world_size
-        out = self.step()
+        out = self.optimizer_step()
         elapsed = time.perf_counter() - start
         tokens = sum(b[:, 1:].numel() for b in micro_batches)
         return {"loss": totals[0].item(), "ce": totals[1].item(), "aux_loss": totals[2].item(),
@@ -131,6 +175,9 @@ class Engine:
 
     def reduce_gradients(self) -> None:
         """Sum over each parameter's data-parallel group, divide by W (DESIGN.md §2)."""
+        if self.zero is not None:
+            self.zero.reduce_gradients()
+            return
         topo = self.topology
         _all_reduce_mean(self._grads(False), None, topo)
         for ep in topo.ep_sizes:
@@ -153,21 +200,51 @@ class Engine:
         return acc[0].item(), acc[1].item()
 
     def _apply(self, lr: float, clip: float) -> None:
-        """The step one optimizer group at a time: only that group's fp32 gradients exist."""
+        """The step one optimizer group at a time: only that group's fp32 gradients exist
+        (``tiled_step``), or every group upcast first (untiled; the same numbers)."""
+        slices = [(g.hparams, sl) for g in self.groups.local for sl in g.members]
+        upcast = None
+        if not self.cfg.zero_optimization.tiled_step:
+            upcast = [self._upcast(sl) for _, sl in slices]
+        for i, (hp, sl) in enumerate(slices):
+            g32, held = upcast[i] if upcast is not None else self._upcast(sl)
+            if upcast is not None:
+                upcast[i] = None
+            self._apply_slice(g32, hp, sl, lr, clip)
+            self.meter.drop(held)
+
+    def _upcast(self, sl) -> tuple[torch.Tensor, int]:
+        """The slice's gradient in fp32 and the bytes that took (0: fp32 grads are used as is)."""
+        grad = self.params[sl.fqn].grad.reshape(-1)[sl.start:sl.stop]
+        g32 = grad.float()
+        held = 0 if g32 is grad else nbytes(g32)
+        self.meter.hold(held)
+        return g32, held
+
+    def _apply_slice(self, g32: torch.Tensor, hp: dict, sl, lr: float, clip: float) -> None:
         opt = self.cfg.optimizer
-        for group in self.groups.local:
-            hp = group.hparams
-            for sl in group.members:
-                param, st = self.params[sl.fqn], self.state[sl.fqn]
-                g32 = param.grad.reshape(-1)[sl.start:sl.stop].float()
-                g32.mul_(1.0 / self.scaler.scale).mul_(clip)
-                master = st.master.view(-1)[sl.start:sl.stop]
-                adamw_(master, g32, st.exp_avg.view(-1)[sl.start:sl.stop],
-                       st.exp_avg_sq.view(-1)[sl.start:sl.stop], step=self.step_count + 1,
-                       lr=lr * hp.get("lr_scale", 1.0), beta1=opt.betas[0], beta2=opt.betas[1],
-                       eps=opt.eps, weight_decay=hp.get("weight_decay", 0.0))
-                if st.master is not param.data:
-                    param.data.view(-1)[sl.start:sl.stop].copy_(master)
+        param, st = self.params[sl.fqn], self.state[sl.fqn]
+        g32.mul_(1.0 / self.scaler.scale).mul_(clip)
+        master = st.master.view(-1)[sl.start:sl.stop]
+        self.meter.hold(ADAMW_TEMPORARIES * nbytes(g32))
+        adamw_(master, g32, st.exp_avg.view(-1)[sl.start:sl.stop],
+               st.exp_avg_sq.view(-1)[sl.start:sl.stop], step=self.step_count + 1,
+               lr=lr * hp.get("lr_scale", 1.0), beta1=opt.betas[0], beta2=opt.betas[1],
+               eps=opt.eps, weight_decay=hp.get("weight_decay", 0.0))
+        self.meter.drop(ADAMW_TEMPORARIES * nbytes(g32))
+        if st.master is not param.data:
+            param.data.view(-1)[sl.start:sl.stop].copy_(master)
+
+
+def _stage0_meter(params: dict, state: dict) -> MemoryMeter:
+    """Stage 0's persistent bytes: full grads, fp32 masters (unless the params) and moments."""
+    meter = MemoryMeter()
+    for fqn, p in params.items():
+        st = state[fqn]
+        meter.add_persistent(p, st.exp_avg, st.exp_avg_sq)  # p: the size of its gradient
+        if st.master is not p.data:
+            meter.add_persistent(st.master)
+    return meter
 
 
 def _all_reduce_mean(grads: list[torch.Tensor], group, topo: Topology) -> None:

@@ -22,7 +22,7 @@ from torch_impl.model.decoder import Decoder, ModelArgs, init_weights
 from torch_impl.parallel import Topology, build_topology
 
 METRIC_KEYS = ("step", "loss", "ce", "aux_loss", "lr", "grad_norm", "loss_scale", "skipped",
-               "tokens_per_s", "step_time_s", "peak_mem_bytes")
+               "tokens_per_s", "step_time_s", "peak_mem_bytes", "step_peak_engine_bytes")
 
 
 def model_args(cfg: Config) -> ModelArgs:

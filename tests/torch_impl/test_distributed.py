@@ -1,4 +1,5 @@
-"""Distributed equals single-process: W=2 (ep 1, 2) vs W=1 on the same global batch (fp32)."""
+"""Distributed equals single-process: W=2 (ep 1, 2; ZeRO stages 0, 1, 2) vs W=1 on the same
+global batch (fp32)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ def small_config(**moe) -> Config:
     return cfg
 
 
-def one_step(cfg_data: dict, world_of_batch: int) -> dict:
+def one_step(cfg_data: dict, world_of_batch: int, stage: int = 0) -> dict:
     """Forward/backward the global batch split over this run's ranks (or looped at W=1)."""
     cfg = Config.model_validate(cfg_data)
+    cfg.zero_optimization.stage = stage
     topo = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
     cfg.train.grad_accum_steps = world_of_batch // topo.world_size
     engine = initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu")
@@ -42,10 +44,15 @@ def one_step(cfg_data: dict, world_of_batch: int) -> dict:
         engine.backward(loss)
         losses.append(loss.item())
     engine.reduce_gradients()
-    grads = {k: p.grad.clone().numpy() for k, p in engine.params.items()}
+    grads = {k: g.clone().numpy() for k, g in engine.gradients().items()}
     engine.optimizer_step()
     params = {k: p.detach().clone().numpy() for k, p in engine.params.items()}
     return {"losses": losses, "grads": grads, "params": params}
+
+
+def each_stage(cfg_data: dict, world_of_batch: int, stages: tuple[int, ...]) -> dict:
+    """``one_step`` for each ZeRO stage, in one world (spawning ranks is the slow part)."""
+    return {stage: one_step(cfg_data, world_of_batch, stage) for stage in stages}
 
 
 def merged(results: list[dict], key: str) -> dict:
@@ -55,17 +62,20 @@ def merged(results: list[dict], key: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("ep,capacity", [(2, None), (1, None), (2, 1.0)])
-def test_w2_equals_w1(tmp_path, ep, capacity):
+@pytest.mark.parametrize("ep,capacity,stages", [(2, None, (0, 1, 2)), (1, None, (0, 1, 2)),
+                                                (2, 1.0, (0, 2))])
+def test_w2_equals_w1(tmp_path, ep, capacity, stages):
     cfg = small_config(ep_size=ep, capacity_factor=capacity)
-    dist_res = run_world(one_step, 2, tmp_path, cfg.model_dump(by_alias=True), 2)
+    by_rank = run_world(each_stage, 2, tmp_path, cfg.model_dump(by_alias=True), 2, stages)
     single_cfg = small_config(ep_size=1, capacity_factor=capacity)
     (single,) = run_world(one_step, 1, tmp_path, single_cfg.model_dump(by_alias=True), 2)
-    dist_loss = sum(r["losses"][0] for r in dist_res) / 2
     single_loss = sum(single["losses"]) / 2
-    assert rel_err(dist_loss, single_loss) <= RTOL["fp32"]
-    assert_close_by_fqn(merged(dist_res, "grads"), single["grads"], RTOL["fp32"])
-    assert_close_by_fqn(merged(dist_res, "params"), single["params"], RTOL["fp32"])
-    # experts really were split across the two ranks
-    if ep == 2:
-        assert len(dist_res[0]["grads"]) < len(single["grads"])
+    for stage in stages:
+        dist_res = [r[stage] for r in by_rank]
+        dist_loss = sum(r["losses"][0] for r in dist_res) / 2
+        assert rel_err(dist_loss, single_loss) <= RTOL["fp32"]
+        assert_close_by_fqn(merged(dist_res, "grads"), single["grads"], RTOL["fp32"])
+        assert_close_by_fqn(merged(dist_res, "params"), single["params"], RTOL["fp32"])
+        # experts really were split across the two ranks
+        if ep == 2:
+            assert len(dist_res[0]["grads"]) < len(single["grads"])

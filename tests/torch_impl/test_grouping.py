@@ -3,7 +3,6 @@ any nn.Module holding MoE layers, and specs for experts held by other EP ranks."
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from reference.plan import UserGroup
