@@ -50,8 +50,10 @@ def _train(args: argparse.Namespace) -> int:
         raise ConfigError(key, problem, f"world size {world}") from None
     run_dir = Path(args.out or cfg.train.out_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
 
-    from torch_impl.launcher import launch  # torch import deferred: errors above stay fast
+    from torch_impl.engine import check_supported  # torch import deferred: errors above stay fast
+    from torch_impl.launcher import launch
 
+    check_supported(cfg)
     return launch(cfg, run_dir, args.nproc)
 
 

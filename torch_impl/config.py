@@ -217,8 +217,7 @@ class OffloadConfig(_Section):
 class ZeroConfig(_Section):
     """ZeRO sharding (DeepSpeed's ``zero_optimization`` block)."""
 
-    # Default becomes 2 once stage 2 lands (DESIGN.md §4: the CLI default is ZeRO-2).
-    stage: int = Field(0, ge=0, le=3, description="0 = plain DP, 1 = shard optimizer state, "
+    stage: int = Field(2, ge=0, le=3, description="0 = plain DP, 1 = shard optimizer state, "
                                                   "2 = + gradients, 3 = + parameters.")
     tiled_step: bool = Field(True, description="Step one optimizer group at a time (bounded fp32 peak).")
     reduce_bucket_size: int = Field(int(5e7), ge=1, description="Elements per gradient-reduction bucket.")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_impl.config import Config
+from torch_impl.config import Config, ConfigError
 from torch_impl.grouping import OptimizerGroups, build_groups
 from torch_impl.model.moe import expert_tag
 from torch_impl.optim import LossScaler, adamw_, clip_coef, lr_at
@@ -46,6 +46,18 @@ class _ParamState:
     exp_avg_sq: torch.Tensor
 
 
+def check_supported(cfg: Config) -> None:
+    """One-line ``ConfigError`` for valid settings this version does not implement yet."""
+    zero = cfg.zero_optimization
+    if zero.stage > 2:
+        raise ConfigError("zero_optimization.stage", f"{zero.stage} is not implemented yet "
+                          "(stages 0, 1 and 2 are)", "config")
+    for key in ("offload_optimizer", "offload_param"):
+        if getattr(zero, key).device != "none":
+            raise ConfigError(f"zero_optimization.{key}.device", "offload is not implemented "
+                              "yet (only 'none')", "config")
+
+
 class Engine:
     """Owns the model's optimizer state and runs forward/backward/step across ranks."""
 
@@ -55,10 +67,8 @@ class Engine:
         self.model = model.to(device=device, dtype=self.dtype)
         self.params = dict(self.model.named_parameters())
         self.groups: OptimizerGroups = build_groups(self.model, cfg, topology)
+        check_supported(cfg)
         zero = cfg.zero_optimization
-        if zero.stage > 2:
-            raise ValueError(f"zero_optimization.stage: {zero.stage} is not implemented yet "
-                             "(stages 0, 1 and 2 are)")
         self.zero: ZeroOptimizer | None = None
         self.state: dict[str, _ParamState] = {}
         if zero.stage == 0:

@@ -36,7 +36,7 @@ def test_train_writes_the_run_directory(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(set(METRIC_KEYS) <= set(r) for r in rows)
     assert (out / "loss.png").stat().st_size > 1000
-    assert "stage: 0" in (out / "config.yaml").read_text()
+    assert "stage: 2" in (out / "config.yaml").read_text()
     groups = json.loads((out / "param_groups.json").read_text())
     assert any(g["name"].startswith("moe/ep_size_2/") for g in groups)
 
@@ -47,6 +47,9 @@ def test_train_writes_the_run_directory(tmp_path):
     (["--set", "zero_optimization.stagee=1"], "zero_optimization.stagee"),
     (["--data", "/no/such/file.txt"], "/no/such/file.txt"),
     (["--config", "/no/such/recipe.yaml"], "/no/such/recipe.yaml"),
+    (["--set", "zero_optimization.stage=3"], "zero_optimization.stage"),
+    (["--set", "zero_optimization.offload_optimizer.device=cpu"],
+     "zero_optimization.offload_optimizer.device"),
 ])
 def test_bad_input_is_one_line_before_any_rank_starts(tmp_path, args, key):
     res = moezero("train", *args, "--out", str(tmp_path / "r"), timeout=60)

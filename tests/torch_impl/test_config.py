@@ -177,7 +177,7 @@ def test_invalid_assignment_is_rejected_and_undone():
     assert cfg.moe.top_k == 2
     with pytest.raises(ValidationError):
         cfg.zero_optimization.stage = 5
-    assert cfg.zero_optimization.stage == 0
+    assert cfg.zero_optimization.stage == 2
 
 
 # (file contents or None, --set overrides, dotted key the one-line error must name)
@@ -202,7 +202,8 @@ BAD = [
     ("offload_param at stage 2", None,
      ["zero_optimization.stage=2", "zero_optimization.offload_param.device=cpu"],
      "zero_optimization.offload_param.device:"),
-    ("offload_optimizer at stage 0", None, ["zero_optimization.offload_optimizer.device=cpu"],
+    ("offload_optimizer at stage 0", None, ["zero_optimization.stage=0",
+                                            "zero_optimization.offload_optimizer.device=cpu"],
      "zero_optimization.offload_optimizer.device:"),
     ("keep_last 0", {"checkpoint": {"keep_last": 0}}, [], "checkpoint.keep_last:"),
     ("async not a bool", None, ["checkpoint.async=maybe"], "checkpoint.async:"),
