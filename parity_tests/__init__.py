@@ -1,0 +1,1 @@
+"""torch_impl vs reference: the only package that imports both sides (STYLE.md, Tests)."""

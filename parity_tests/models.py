@@ -1,0 +1,166 @@
+"""One model config, both sides: the torch decoder and the reference params with equal weights.
+
+Weights move torch → JAX by FQN (``reference.weights.from_fqn_dict``); init is torch's
+``init_weights`` (init need not match across sides, docs/model.md). The JAX functions are
+jitted once at import, keyed by their static config, so each config compiles once per session.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from parity_tests.compare import jax_fqns, to_numpy, torch_fqns
+from reference.model import ModelConfig, forward, loss_fn, oracle_loss
+from reference.optim import OptimConfig
+from reference.weights import from_fqn_dict
+from torch_impl.config import Config
+from torch_impl.data import Batches, make_corpus
+from torch_impl.engine import initialize
+from torch_impl.model.decoder import Decoder, ModelArgs, init_weights
+from torch_impl.parallel import build_topology
+
+SEQ = 16  # tokens per sequence
+BATCH = 2  # sequences per batch (per rank in distributed tests)
+
+TINY = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=48, num_experts=4,
+                   top_k=2)
+
+
+def tiny(**changes) -> ModelConfig:
+    return dataclasses.replace(TINY, **changes)
+
+
+def torch_args(cfg: ModelConfig, ep_size: int = 1) -> ModelArgs:
+    """The torch ``ModelArgs`` of a reference ``ModelConfig`` (same field names)."""
+    ref_names = {f.name for f in dataclasses.fields(ModelConfig)}
+    names = {f.name for f in dataclasses.fields(ModelArgs)} & ref_names
+    assert names == ref_names, f"ModelArgs lacks {sorted(ref_names - names)}"
+    return ModelArgs(**{n: getattr(cfg, n) for n in names}, ep_size=ep_size)
+
+
+def torch_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
+    """An fp32 torch decoder (all experts local) with ``init_weights(seed)``."""
+    model = Decoder(torch_args(cfg))
+    init_weights(model, seed)
+    return model
+
+
+def to_jax(model_or_fqns, cfg: ModelConfig) -> dict:
+    """Reference params holding exactly the torch weights (fp32)."""
+    flat = model_or_fqns if isinstance(model_or_fqns, dict) else torch_fqns(model_or_fqns)
+    return from_fqn_dict({k: np.asarray(v, np.float32) for k, v in flat.items()}, cfg)
+
+
+def tokens(seed: int, batch: int = BATCH, seq: int = SEQ + 1, vocab: int = TINY.vocab_size):
+    """Random token ids [batch, seq] as int64 numpy (torch indexes with int64)."""
+    return np.random.default_rng(seed).integers(0, vocab, (batch, seq), dtype=np.int64)
+
+
+@functools.cache
+def _batches(global_batch: int, seed: int) -> Batches:
+    corpus = make_corpus(None, vocab=32, sources=2, seed=7)
+    return Batches(corpus, global_batch=global_batch, seq_len=SEQ, seed=seed, dp_rank=0,
+                   dp_size=1)
+
+
+def corpus_batch(step: int, batch: int = BATCH, seed: int = 0) -> np.ndarray:
+    """Global batch ``step`` [batch, SEQ+1] of the synthetic Markov corpus (learnable data)."""
+    return _batches(batch, seed).global_batch_at(step)
+
+
+# ------------------------------------------------------------------ jitted reference functions
+
+def _loss_grads_logits(params, batch, cfg, dtype):
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, cfg,
+                                                                       dtype=dtype)
+    logits, _ = forward(params, batch[:, :-1], cfg, dtype=dtype)
+    return loss, metrics, grads, logits
+
+
+def _oracle_and_grads(params, batch, cfg, world_size):
+    return jax.value_and_grad(oracle_loss, has_aux=True)(params, batch, cfg, world_size)
+
+
+jit_loss_grads_logits = jax.jit(_loss_grads_logits, static_argnames=("cfg", "dtype"))
+jit_oracle_and_grads = jax.jit(_oracle_and_grads, static_argnames=("cfg", "world_size"))
+
+
+class Run(NamedTuple):
+    """One forward + backward of one side, as numpy: the loss, logits and grads by FQN."""
+
+    loss: float
+    ce: float
+    logits: np.ndarray
+    grads: dict[str, np.ndarray]
+
+
+def jax_run(params, batch, cfg: ModelConfig, dtype=jnp.float32) -> Run:
+    """``reference.model.loss_fn`` and its grads, and ``forward``'s logits, on one batch."""
+    loss, metrics, grads, logits = jit_loss_grads_logits(
+        params, jnp.asarray(batch, jnp.int32), cfg, jnp.dtype(dtype))
+    return Run(float(loss), float(metrics["ce"]), to_numpy(logits), jax_fqns(grads))
+
+
+def torch_run(model: Decoder, batch) -> Run:
+    """``Decoder.loss`` and its grads (zeroed first), and the logits, on one batch."""
+    model.zero_grad(set_to_none=True)
+    tokens_BS1 = torch.as_tensor(batch)
+    loss, metrics = model.loss(tokens_BS1)
+    loss.backward()
+    with torch.no_grad():
+        logits, _ = model(tokens_BS1[:, :-1])
+    return Run(loss.item(), metrics["ce"].item(), to_numpy(logits), torch_fqns(model, grads=True))
+
+
+# ------------------------------------------------------------------------------ torch engine
+
+
+def engine_config(cfg: ModelConfig, opt: OptimConfig, *, precision: str = "fp32",
+                  ep_size: int = 1, stage: int = 0) -> Config:
+    """The torch ``Config`` of a reference (model, optimizer) pair: same keys, same values.
+
+    ``optimizer.total_steps`` is the engine's ``train.steps`` (where the cosine ends).
+    """
+    c = Config()
+    c.model = c.model.model_copy(update={
+        k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim",
+                                     "rope_theta", "norm_eps")})
+    c.moe = c.moe.model_copy(update={
+        "num_experts": cfg.num_experts, "top_k": cfg.top_k, "ep_size": ep_size,
+        "capacity_factor": cfg.capacity_factor, "aux_loss_coef": cfg.aux_loss_coef,
+        "z_loss_coef": cfg.z_loss_coef})
+    c.optimizer = c.optimizer.model_copy(update={
+        "lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay,
+        "gradient_clipping": opt.gradient_clipping, "warmup_steps": opt.warmup_steps,
+        "min_lr_ratio": opt.min_lr_ratio})
+    c.train = c.train.model_copy(update={"steps": opt.total_steps, "seq_len": SEQ,
+                                         "micro_batch_size": BATCH})
+    c.data = c.data.model_copy(update={"synthetic_vocab": min(32, cfg.vocab_size)})
+    c.precision.dtype = precision
+    c.zero_optimization.stage = stage
+    return Config.model_validate(c.model_dump(by_alias=True))  # validated as a whole
+
+
+def engine_run(cfg: ModelConfig, batch, *, precision: str, seed: int = 1) -> Run:
+    """``Run`` of ``torch_model(cfg, seed)`` inside the engine at ``precision`` (W = 1): the
+    engine casts the model, ``engine.forward``/``backward`` give the loss and the grads."""
+    model = torch_model(cfg, seed)
+    engine = initialize(model, engine_config(cfg, OptimConfig(), precision=precision),
+                        topology=build_topology([1], num_experts=cfg.num_experts), device="cpu")
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    assert {p.dtype for p in engine.params.values()} == {want}, "the engine did not cast"
+    tokens_BS1 = torch.as_tensor(batch)
+    loss, metrics = engine.forward(tokens_BS1)
+    engine.backward(loss)
+    grads = torch_fqns({k: torch.zeros_like(p) if p.grad is None else p.grad
+                        for k, p in engine.params.items()})
+    with torch.no_grad():
+        logits, _ = model(tokens_BS1[:, :-1])  # the engine's model: cast in place
+    return Run(loss.item(), metrics["ce"].item(), to_numpy(logits), grads)
