@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_impl import checkpoint
 from torch_impl.config import Config, ConfigError
 from torch_impl.grouping import OptimizerGroups, build_groups
 from torch_impl.model.moe import expert_tag
@@ -81,7 +82,9 @@ class Engine:
             self.meter = self.zero.meter
         self.scaler = LossScaler.from_config(cfg.precision)
         self.step_count = 0  # optimizer steps taken (skipped steps excluded)
+        self.global_steps = 0  # optimizer_step calls, skipped ones included (checkpoint names)
         self.micro_steps = 0
+        self.checkpointer = checkpoint.Checkpointer(topology.rank, topology.world_size)
 
     def _new_state(self, param: nn.Parameter) -> _ParamState:
         master = param.data if param.dtype == torch.float32 else param.detach().float()
@@ -130,6 +133,7 @@ class Engine:
                 p.grad = None
         if not overflow:
             self.step_count += 1
+        self.global_steps += 1
         self.scaler.update(overflow)
         self.micro_steps = 0
         return {"lr": lr, "grad_norm": grad_norm, "loss_scale": self.scaler.scale,
@@ -170,6 +174,27 @@ class Engine:
         return {"loss": totals[0].item(), "ce": totals[1].item(), "aux_loss": totals[2].item(),
                 **out, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
                 "peak_mem_bytes": peak_memory_bytes(self.device)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, root, *, state: dict | None = None, step: int | None = None,
+                        background: bool | None = None):
+        """Save under ``root/step_XXXXXXXX/`` (collective; docs/checkpoint.md).
+
+        ``step`` defaults to ``global_steps``; ``state`` is the caller's JSON (e.g. the data
+        position), returned by ``load_checkpoint``; ``background`` defaults to
+        ``checkpoint.async`` (then call ``wait_checkpoint`` before exiting).
+        """
+        step = self.global_steps if step is None else step
+        return checkpoint.save(self, root, step=step, state=state, background=background)
+
+    def wait_checkpoint(self):
+        """Finish an async save in flight (raises its error); its directory or None."""
+        return self.checkpointer.wait()
+
+    def load_checkpoint(self, path) -> dict:
+        """Load a step directory or a root's newest complete checkpoint (collective);
+        returns the caller state given at save."""
+        return checkpoint.load(self, path)
 
     # ------------------------------------------------------------------ internals
     def _grads(self, expert: bool, ep: int | None = None) -> list[torch.Tensor]:

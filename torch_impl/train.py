@@ -1,8 +1,11 @@
-"""The training loop of one rank: model, engine, data, metrics, plot and summary.
+"""The training loop of one rank: model, engine, data, metrics, checkpoints, plot and summary.
 
 Runs inside an initialised process group (or alone with W = 1); the launcher decides how the
 ranks are started. Rank 0 writes the run directory: ``config.yaml``, ``param_groups.json``,
-``metrics.jsonl`` (one object per optimizer step) and ``loss.png``.
+``metrics.jsonl`` (one object per optimizer step) and ``loss.png``; every rank writes its part
+of the checkpoints under ``checkpoint.dir`` (default ``<run dir>/checkpoints``): every
+``checkpoint.every`` steps and at the end. ``checkpoint.load`` resumes at the saved step with
+the saved data position, so the run continues the same token stream.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from reference.plan import store
+from torch_impl.checkpoint import CheckpointError, check_shapes, model_shapes, resolve_load
 from torch_impl.config import Config, dump_config
 from torch_impl.data import Batches, make_corpus
 from torch_impl.engine import Engine, initialize
@@ -57,6 +62,39 @@ def setup(cfg: Config, device: torch.device) -> tuple[Engine, Batches]:
     return engine, batches
 
 
+def preflight(cfg: Config, run_dir: str | Path) -> Path | None:
+    """Checks that need no process group, for the CLI to report in one line before any rank
+    starts: the checkpoint ``checkpoint.load`` names exists, is complete and fits the model.
+
+    Returns:
+        The step directory to resume from, or None.
+
+    Raises:
+        CheckpointError: one line starting ``checkpoint.load:``.
+    """
+    if not cfg.checkpoint.load:
+        return None
+    ckpt = resolve_load(cfg.checkpoint.load, cfg.checkpoint.resolve_dir(run_dir))
+    with torch.device("meta"):  # shapes only: no memory, no init
+        shapes = model_shapes(Decoder(model_args(cfg)))
+    try:
+        check_shapes(store.read_manifest(ckpt), shapes, ckpt)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint.load: {exc}") from None
+    return ckpt
+
+
+def resume(cfg: Config, engine: Engine, batches: Batches, root: Path) -> Path | None:
+    """Load ``checkpoint.load`` (collective) into the engine and the data stream."""
+    if not cfg.checkpoint.load:
+        return None
+    ckpt = resolve_load(cfg.checkpoint.load, root)
+    client = engine.load_checkpoint(ckpt)
+    if "data" in client:
+        batches.load_state_dict(client["data"])
+    return ckpt
+
+
 def param_groups_table(groups: OptimizerGroups) -> list[dict]:
     """``param_groups.json``: every optimizer group with members and per-rank ranges."""
     rows = []
@@ -91,6 +129,8 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None) 
     run_dir = Path(run_dir)
     device = device or torch.device("cpu")
     engine, batches = setup(cfg, device)
+    root = cfg.checkpoint.resolve_dir(run_dir)
+    resumed = resume(cfg, engine, batches, root)
     lead = engine.topology.rank == 0
     if lead:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -101,21 +141,31 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None) 
               f"stage={cfg.zero_optimization.stage} dtype={str(engine.dtype).removeprefix('torch.')} "
               f"data: {batches.corpus.describe()}", flush=True)
         print_group_table(engine.groups)
-    history = _loop(cfg, engine, batches, run_dir if lead else None)
+        if resumed is not None:
+            print(f"moezero: resumed from {resumed} at step {engine.global_steps}", flush=True)
+    history = _loop(cfg, engine, batches, run_dir if lead else None, root,
+                    saved=engine.global_steps if resumed is not None else None)
     summary = summarize(history, batches.corpus)
     if lead:
         plot_loss(history, summary, run_dir / "loss.png")
         print(format_summary(summary, run_dir), flush=True)
+        latest = store.find_latest(root)
+        if latest is not None:
+            print(f"checkpoint: {latest}", flush=True)
     return summary
 
 
-def _loop(cfg: Config, engine: Engine, batches: Batches, run_dir: Path | None) -> list[dict]:
-    history = []
-    bar = tqdm(total=cfg.train.steps, disable=run_dir is None, dynamic_ncols=True,
-               mininterval=1.0 if sys.stderr.isatty() else 30.0, desc="train")
-    metrics_file = open(run_dir / "metrics.jsonl", "w") if run_dir else None  # noqa: SIM115
+def _loop(cfg: Config, engine: Engine, batches: Batches, run_dir: Path | None, root: Path, *,
+          saved: int | None) -> list[dict]:
+    """Train from ``engine.global_steps`` to ``train.steps``; save every ``checkpoint.every``
+    steps and at the end (unless step ``saved`` is already on disk)."""
+    every, start = cfg.checkpoint.every, engine.global_steps
+    history = _previous_metrics(run_dir, start) if run_dir else []
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=run_dir is None,
+               dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0, desc="train")
+    metrics_file = open(run_dir / "metrics.jsonl", "a") if run_dir else None  # noqa: SIM115
     try:
-        for step in range(engine.step_count, cfg.train.steps):
+        for step in range(start, cfg.train.steps):
             micro = [torch.from_numpy(batches.next()) for _ in range(cfg.train.grad_accum_steps)]
             row = {"step": step + 1, **engine.train_step(micro)}
             history.append(row)
@@ -124,11 +174,38 @@ def _loop(cfg: Config, engine: Engine, batches: Batches, run_dir: Path | None) -
                 metrics_file.flush()
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['ce']:.3f}", lr=f"{row['lr']:.1e}", refresh=False)
+            if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
+                saved = _save(engine, batches, root)
+        if saved != engine.global_steps:
+            _save(engine, batches, root)
+        engine.wait_checkpoint()
     finally:
         bar.close()
         if metrics_file:
             metrics_file.close()
     return history
+
+
+def _save(engine: Engine, batches: Batches, root: Path) -> int:
+    engine.save_checkpoint(root, state={"data": batches.state_dict()})
+    return engine.global_steps
+
+
+def _previous_metrics(run_dir: Path, start: int) -> list[dict]:
+    """Rows of ``metrics.jsonl`` up to step ``start`` (a resumed run's history); the file is
+    rewritten with just those, so rows of steps about to be redone disappear."""
+    path = run_dir / "metrics.jsonl"
+    rows = []
+    if start and path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:  # a line cut short by a crash
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= start:
+                rows.append(row)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
 
 
 def summarize(history: list[dict], corpus) -> dict:

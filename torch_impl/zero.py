@@ -508,6 +508,20 @@ class ZeroOptimizer:
                          for name in ("master", "exp_avg", "exp_avg_sq")}
                 yield piece, views
 
+    def shards(self):
+        """(partition, dp_rank, {"master", "exp_avg", "exp_avg_sq": padded fp32 shard}) for
+        every local group in plan order: the tensors themselves, for checkpoints."""
+        for slot in self.slots:
+            yield slot.group.partition, slot.dp_rank, {
+                name: getattr(slot, name) for name in ("master", "exp_avg", "exp_avg_sq")}
+
+    def params_from_master(self) -> None:
+        """Downcast every master shard and all-gather the params (collective), as the end
+        of ``step`` does; after loading a checkpoint into the shards."""
+        for slot in self.slots:
+            slot.grad.copy_(slot.master)
+        self._gather(lambda slot: slot.grad, [k.params for k in self.kinds])
+
     def layout(self) -> list[dict]:
         """What is stepped, per local group in plan order: members, shard range, state sizes."""
         rows = []

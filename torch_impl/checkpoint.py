@@ -1,0 +1,430 @@
+"""Checkpoints of a training engine: the plan's layout, written rank by rank (docs/checkpoint.md).
+
+Every rank computes the layout (``reference.plan.layout.plan_layout``) from the engine's
+optimizer groups; rank 0 creates the ``step_XXXXXXXX.partial/`` directory and every file's
+header; each rank writes its own fp32 partition of every group it holds (master, exp_avg,
+exp_avg_sq, straight from its ZeRO shards, or at stage 0 its DP slice of the replicated
+state) with ``store.write_partition``; rank 0 gathers the checksummed ranges, writes the
+manifest and commits atomically. Loading reads each rank's shard under the *current* plan with
+``store.read_shard``, whatever world size, ``ep``, stage or group cap saved it, then derives
+the compute-dtype params from the fp32 master. Only JSON and safetensors are ever read.
+
+Coordination uses a dedicated gloo process group (``Checkpointer.group``, created with the
+engine) that carries JSON only: the header status, the range records and RNG states, and the
+outcome of the commit, so every rank raises the same one-line ``CheckpointError`` when any
+rank fails. With ``checkpoint.async`` the shards are cloned to host memory at the step
+boundary and the whole protocol (files, collectives on that group, commit) runs on one
+background thread per rank, while training continues on the world's other groups; at most
+one save is in flight (the next save, a load or ``wait`` joins it first).
+
+Reference counterpart: ``reference.plan.store`` (the byte mover this module drives).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from reference.plan import plan_layout, store
+from reference.plan.layout import MANIFEST_NAME, STATES, Layout
+from reference.plan.partition import Partition
+from reference.plan.specs import UserGroup
+from reference.plan.store import CheckpointError
+from torch_impl.grouping import param_specs
+
+__all__ = ["Checkpointer", "CheckpointError", "find_checkpoint", "load", "resolve_load", "save"]
+
+_STEP_DIR = re.compile(r"step_\d{8,}(\.partial|\.stale)?")
+TEST_DELAY_ENV = "MOEZERO_TEST_CKPT_DELAY_S"
+"""Test hook: seconds to sleep before each partition write, the manifest and the commit, so
+crash tests can land a SIGKILL inside a save. Unset (0) in normal use."""
+
+
+def _test_delay() -> None:
+    delay = float(os.environ.get(TEST_DELAY_ENV, "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
+
+
+# ---------------------------------------------------------------- coordination
+
+
+class Checkpointer:
+    """Per-engine checkpoint context: the gloo group for checkpoint traffic and the writer
+    thread of an async save. Create it on every rank (``new_group`` is collective)."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self._thread: threading.Thread | None = None
+        self._result: Path | None = None
+        self._error: BaseException | None = None
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+
+    def all_gather(self, obj) -> list:
+        """Every rank's JSON-able ``obj`` in rank order (JSON bytes over gloo, no pickle)."""
+        if self.world_size == 1:
+            return [obj]
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        cap = max(int(s) for s in sizes)
+        buf = torch.zeros(cap, dtype=torch.uint8)
+        buf[:data.numel()] = data
+        out = [torch.empty(cap, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(out, buf, group=self.group)
+        return [json.loads(bytes(o[:int(s)].numpy())) for o, s in zip(out, sizes, strict=True)]
+
+    def agree(self, error: str | None, what: str) -> None:
+        """Raise the first rank's error on every rank (collective), or return if none failed."""
+        errors = [e for e in self.all_gather(error) if e]
+        if errors:
+            raise CheckpointError(f"{what}: {errors[0]}")
+
+    def start(self, job: _SaveJob, *, background: bool) -> Path:
+        """Run a save now, or on the writer thread after the previous one finished."""
+        self.wait()
+        if not background:
+            return _write(self, job)
+        self._thread = threading.Thread(target=self._run, args=(job,), daemon=True,
+                                        name="moezero-checkpoint")
+        self._thread.start()
+        return Path(job.root) / store.step_dir_name(job.step)
+
+    def _run(self, job: _SaveJob) -> None:
+        try:
+            self._result = _write(self, job)
+        except BaseException as exc:  # re-raised on the training thread by wait()
+            self._error = exc
+
+    def wait(self) -> Path | None:
+        """Finish the save in flight, if any; returns its directory (raises its error)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        result, self._result = self._result, None
+        return result
+
+    def shapes(self, model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+        """Full shapes of every parameter of the global model (every expert)."""
+        if self._shapes is None:
+            self._shapes = model_shapes(model)
+        return self._shapes
+
+
+def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """``{fqn: shape}`` of the global model (experts of every EP rank), as the plan sees it."""
+    specs, _ = param_specs(model, lambda fqn, p: UserGroup("all"))
+    return {s.fqn: s.shape for s in specs}
+
+
+# ---------------------------------------------------------------- snapshot
+
+
+@dataclass
+class _Shard:
+    """This rank's fp32 partition of one group (padded ``shard_numel`` elements per state)."""
+
+    partition: Partition
+    dp_rank: int
+    arrays: dict[str, np.ndarray]
+
+
+@dataclass
+class _SaveJob:
+    root: str
+    step: int
+    keep_last: int
+    layout: Layout
+    shards: list[_Shard]
+    rng: dict  # this rank's generator states
+    meta: dict  # config, topology, state (rank 0's is written)
+
+
+def _host(t: torch.Tensor, copy: bool) -> np.ndarray:
+    t = t.detach()
+    if t.device.type != "cpu" or copy:
+        t = t.to("cpu", copy=True)
+    return t.numpy()
+
+
+def snapshot(engine, *, copy: bool) -> list[_Shard]:
+    """This rank's partitions as fp32 numpy arrays: views of the ZeRO shards (``copy``: clones)
+    or, at stage 0, its DP slice of the replicated per-parameter state."""
+    if engine.zero is not None:
+        return [_Shard(part, dp_rank, {s: _host(t, copy) for s, t in arrays.items()})
+                for part, dp_rank, arrays in engine.zero.shards()]
+    shards = []
+    for group in engine.groups.local:
+        part = group.partition
+        dp_rank = part.dp_rank(engine.topology.rank)
+        arrays = {s: np.zeros(part.shard_numel, np.float32) for s in STATES}
+        for piece, at in part.rank_slices(dp_rank):
+            st = engine.state[piece.fqn]
+            for s in STATES:
+                src = getattr(st, s).detach().reshape(-1)[piece.start:piece.stop]
+                arrays[s][at:at + piece.numel] = src.cpu().numpy()
+        shards.append(_Shard(part, dp_rank, arrays))
+    return shards
+
+
+def _rng_state() -> dict:
+    b64 = lambda t: base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+    state = {"torch_cpu": b64(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = b64(torch.cuda.get_rng_state())
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    unb64 = lambda s: torch.from_numpy(np.frombuffer(base64.b64decode(s), np.uint8).copy())
+    torch.set_rng_state(unb64(state["torch_cpu"]))
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(unb64(state["torch_cuda"]))
+
+
+def engine_state(engine) -> dict:
+    """Counters of the engine that a resume needs (JSON; the LR schedule is a function of
+    ``step_count``)."""
+    return {"step_count": engine.step_count, "global_steps": engine.global_steps,
+            "lr_step": engine.step_count, "lr": engine.current_lr(),
+            "loss_scaler": engine.scaler.state_dict()}
+
+
+def topology_of(engine) -> dict:
+    zero = engine.cfg.zero_optimization
+    return {"world_size": engine.topology.world_size, "ep_sizes": list(engine.topology.ep_sizes),
+            "zero_stage": zero.stage, "dtype": str(engine.dtype).removeprefix("torch."),
+            "offload_optimizer": zero.offload_optimizer.device,
+            "max_group_size": engine.cfg.moe.max_group_size,
+            "split_groups_by_expert": engine.cfg.moe.split_groups_by_expert}
+
+
+# ---------------------------------------------------------------- save
+
+
+def save(engine, root: str | os.PathLike, *, step: int, state: dict | None = None,
+         background: bool | None = None) -> Path:
+    """Save the engine's fp32 state at ``step`` under ``root`` (collective: every rank calls it).
+
+    Args:
+        engine: The training engine (``torch_impl.engine.Engine``).
+        root: The checkpoint root; the save goes to ``root/step_XXXXXXXX/`` and ``latest``.
+        step: The step the directory is named by.
+        state: The caller's JSON state (e.g. ``{"data": batches.state_dict()}``), returned by
+            ``load``; rank 0's is written.
+        background: Write on a background thread (default ``checkpoint.async``).
+
+    Returns:
+        The step directory (committed when this returns, unless in the background).
+
+    Raises:
+        CheckpointError: (one line, on every rank) when any rank failed to write.
+    """
+    if background is None:
+        background = engine.cfg.checkpoint.async_save
+    ckpt = engine.checkpointer
+    layout = plan_layout(engine.groups.plan, ckpt.shapes(engine.model), step=step)
+    meta = {"config": engine.cfg.model_dump(by_alias=True, mode="json"),
+            "topology": topology_of(engine),
+            "state": {"engine": engine_state(engine), "client": state or {}}}
+    json.dumps(meta, allow_nan=False)  # fail now, on the caller's thread, if not strict JSON
+    job = _SaveJob(os.fspath(root), step, engine.cfg.checkpoint.keep_last, layout,
+                   snapshot(engine, copy=background), _rng_state(), meta)
+    return ckpt.start(job, background=background)
+
+
+def _write(ckpt: Checkpointer, job: _SaveJob) -> Path:
+    """The save protocol of docs/checkpoint.md; every rank agrees on each failure."""
+    what = f"checkpoint save of step {job.step} under {job.root}"
+    partial, error = Path(job.root) / (store.step_dir_name(job.step) + store.PARTIAL), None
+    headers = []
+    if ckpt.rank == 0:
+        try:
+            partial = store.begin_save(job.root, job.step)
+            headers = store.write_headers(job.layout, partial)
+        except Exception as exc:
+            error = _one_line(exc)
+    ckpt.agree(error, what)
+    records, error = [], None
+    try:
+        for shard in job.shards:
+            _test_delay()
+            records += store.write_partition(partial, job.layout, shard.partition, shard.dp_rank,
+                                             **shard.arrays, fsync=False)
+        for name in sorted({r.file for r in records}):  # one flush after all writes
+            store.fsync_file(partial / name)
+    except Exception as exc:
+        error = f"rank {ckpt.rank}: {_one_line(exc)}"
+    gathered = ckpt.all_gather({"error": error, "records": [list(r) for r in records],
+                                "rng": job.rng})
+    error = next((g["error"] for g in gathered if g["error"]), None)
+    final = Path(job.root) / store.step_dir_name(job.step)
+    if ckpt.rank == 0 and error is None:
+        try:
+            _finish(job, partial, headers, gathered)
+        except Exception as exc:
+            error = _one_line(exc)
+    outcome = ckpt.all_gather(error)[0]
+    if outcome:
+        raise CheckpointError(f"{what}: {outcome}")
+    return final
+
+
+def _finish(job: _SaveJob, partial: Path, headers: list, gathered: list[dict]) -> None:
+    """Rank 0: manifest, commit, retention."""
+    records = headers + [tuple(r) for g in gathered for r in g["records"]]
+    state = dict(job.meta["state"], rng=[g["rng"] for g in gathered])
+    _test_delay()
+    store.write_manifest(partial, job.layout, checksums=records, config=job.meta["config"],
+                         topology=job.meta["topology"], state=state)
+    _test_delay()
+    store.commit(partial)
+    store.apply_retention(job.root, job.keep_last)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if isinstance(exc, (CheckpointError, OSError)) else f"{type(exc).__name__}: {text}"
+
+
+# ---------------------------------------------------------------- load
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """A step directory as given, or a checkpoint root's ``latest`` (newest complete one).
+
+    Raises:
+        CheckpointError: (one line) no such directory, or a root with no complete checkpoint.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    named = _STEP_DIR.fullmatch(path.name)
+    if named and named.group(1):
+        raise CheckpointError(f"{path}: an unfinished save ({named.group(1)}), never loaded")
+    if named or (path / MANIFEST_NAME).exists():
+        return path
+    found = store.find_latest(path)
+    if found is None:
+        raise CheckpointError(f"{path}: no complete checkpoint (no step directory with a "
+                              "valid manifest)")
+    return found
+
+
+def resolve_load(value: str, root: str | os.PathLike) -> Path:
+    """``checkpoint.load`` to a checked step directory: ``latest`` is the newest complete one
+    under ``root``; a relative path is looked up under ``root`` first, then the working dir."""
+    root = Path(root)
+    if value == "latest":
+        if not root.is_dir():
+            raise CheckpointError(f"checkpoint.load: latest: no checkpoint root {root}")
+        path = root
+    else:
+        path = Path(value)
+        if not path.is_absolute() and (root / path).exists():
+            path = root / path
+        elif not path.exists():
+            where = "" if path.is_absolute() else f" (looked under {root} and the working directory)"
+            raise CheckpointError(f"checkpoint.load: {value}: no such checkpoint directory{where}")
+    try:
+        ckpt = find_checkpoint(path)
+        store.read_manifest(ckpt)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint.load: {exc}") from None
+    return ckpt
+
+
+def check_shapes(manifest, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
+    """CheckpointError (one line) unless the checkpoint holds exactly the model's params."""
+    saved = dict(manifest.layout.shapes)
+    for fqn, shape in shapes.items():
+        if fqn not in saved:
+            raise CheckpointError(f"{where}: parameter {fqn} is not in the checkpoint")
+        if tuple(saved[fqn]) != tuple(shape):
+            raise CheckpointError(f"{where}: parameter {fqn} has shape {tuple(saved[fqn])} in "
+                                  f"the checkpoint, {tuple(shape)} in the model")
+    extra = sorted(set(saved) - set(shapes))
+    if extra:
+        raise CheckpointError(f"{where}: the checkpoint has parameter {extra[0]} that the "
+                              "model does not")
+
+
+def load(engine, path: str | os.PathLike) -> dict:
+    """Load a checkpoint into the engine (collective: every rank calls it).
+
+    ``path`` is a step directory or a checkpoint root (its newest complete checkpoint). Any
+    world size, ``ep``, ZeRO stage or group cap may have saved it. Restores the fp32 master
+    and moments of this rank's shards, derives the compute params from the master, and sets
+    the step counters, loss scaler and RNG.
+
+    Returns:
+        The caller's state given to ``save`` (e.g. ``{"data": ...}``).
+    """
+    ckpt = engine.checkpointer
+    ckpt.wait()
+    error, manifest = None, None
+    try:
+        where = find_checkpoint(path)
+        manifest = store.read_manifest(where)
+        check_shapes(manifest, ckpt.shapes(engine.model), where)
+        _read_state(engine, where, manifest)
+    except (CheckpointError, OSError, ValueError) as exc:
+        error = f"rank {engine.topology.rank}: {_one_line(exc)}"
+    ckpt.agree(error, f"checkpoint load from {path}")
+    if engine.zero is not None:
+        engine.zero.params_from_master()
+    else:
+        for fqn, st in engine.state.items():
+            param = engine.params[fqn]
+            if st.master is not param.data:
+                param.data.copy_(st.master)
+    _restore_counters(engine, manifest.state, engine.topology.rank)
+    return manifest.state.get("client", {})
+
+
+def _read_into(tensor: torch.Tensor, read) -> None:
+    """``read(out=...)`` into a float32 tensor, through a host buffer when not on the CPU."""
+    if tensor.device.type == "cpu":
+        read(out=tensor.detach().reshape(-1).numpy())
+        return
+    host = np.empty(tensor.numel(), np.float32)
+    read(out=host)
+    tensor.detach().copy_(torch.from_numpy(host).view_as(tensor))
+
+
+def _read_state(engine, where: Path, manifest) -> None:
+    if engine.zero is not None:
+        for part, dp_rank, arrays in engine.zero.shards():
+            for s, t in arrays.items():
+                _read_into(t, partial(store.read_shard, where, manifest, part, dp_rank, s))
+        return
+    for fqn, st in engine.state.items():
+        for s in STATES:
+            _read_into(getattr(st, s), partial(store.read_param, where, manifest, fqn, state=s))
+
+
+def _restore_counters(engine, state: dict, rank: int) -> None:
+    counters = state.get("engine", {})
+    engine.step_count = int(counters.get("step_count", 0))
+    engine.global_steps = int(counters.get("global_steps", engine.step_count))
+    if "loss_scaler" in counters:
+        engine.scaler.load_state_dict(counters["loss_scaler"])
+    rngs = state.get("rng") or []
+    if rngs:  # a rank that did not exist at save takes the state of rank % saved world
+        _set_rng_state(rngs[rank % len(rngs)])
