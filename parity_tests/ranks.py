@@ -44,3 +44,31 @@ def one_step(cfg_data: dict, global_batch: np.ndarray) -> dict:
 def each_config(configs: list[dict], global_batch: np.ndarray) -> list[dict]:
     """``one_step`` for every config in one world (spawning ranks is the slow part)."""
     return [one_step(c, global_batch) for c in configs]
+
+
+def train_and_save(cfg_data: dict, rows: int, steps: int, save_at: int, root: str) -> dict:
+    """``steps`` engine train steps of this rank's rows ``[r·rows, (r+1)·rows)`` of the
+    synthetic corpus' global batches (``torch_impl.data.Batches``, the trainer's stream);
+    after step ``save_at`` it saves a checkpoint under ``root`` (data position as client state)
+    and keeps going: the uninterrupted continuation. Returns every step's metrics (the loss
+    is the mean of the ranks' losses) and this rank's fp32 state pieces at the save:
+    ``(fqn, start, stop, master, exp_avg, exp_avg_sq)`` from ``ZeroOptimizer.state_pieces``.
+    """
+    from torch_impl.data import Batches, make_corpus
+
+    cfg = Config.model_validate(cfg_data)
+    topo = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
+    engine = initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu")
+    data = Batches(make_corpus(None, vocab=cfg.data.synthetic_vocab, sources=2, seed=7),
+                   global_batch=rows * topo.world_size, seq_len=cfg.train.seq_len, seed=0,
+                   dp_rank=topo.rank, dp_size=topo.world_size)
+    metrics, pieces, saved = [], [], None
+    for step in range(1, steps + 1):
+        metrics.append(engine.train_step([torch.from_numpy(data.next())]))
+        if step == save_at:
+            saved = str(engine.save_checkpoint(root, state={"data": data.state_dict()}))
+            pieces = [(piece.fqn, piece.start, piece.stop,
+                       *(views[k].clone().numpy() for k in ("master", "exp_avg", "exp_avg_sq")))
+                      for piece, views in engine.zero.state_pieces()]
+    return {"rank": topo.rank, "metrics": metrics, "pieces": pieces, "saved": saved,
+            "step_count": engine.step_count}
