@@ -34,45 +34,12 @@ import optax
 
 from reference.optim import TrainConfig, TrainState, lr_at, make_optimizer
 from reference.plan import Manifest, partition_group, plan_groups, plan_layout, store
-from reference.plan.layout import MANIFEST_NAME
-from reference.plan.store import CheckpointError
+from reference.plan.store import CheckpointError, find_checkpoint
 from reference.weights import from_fqn_dict, param_shapes, to_fqn_dict
 from reference.zero import ZeroConfig, param_specs
 
 __all__ = ["CheckpointError", "find_checkpoint", "load_train_state", "read_fqn_state",
            "save_train_state", "step_count"]
-
-
-def find_checkpoint(path: str | os.PathLike) -> Path:
-    """A step directory as given (it has a manifest), or a root's newest complete checkpoint.
-
-    Raises:
-        CheckpointError: (one line) no such directory, or a root with no complete checkpoint.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    if (path / MANIFEST_NAME).exists():
-        return path
-    found = store.find_latest(path)
-    if found is None:
-        raise CheckpointError(f"{path}: no complete checkpoint (no step directory with a "
-                              "valid manifest)")
-    return found
-
-
-def _check_shapes(manifest: Manifest, cfg: TrainConfig, where: Path) -> None:
-    saved, want = dict(manifest.layout.shapes), param_shapes(cfg.model)
-    for fqn, shape in want.items():
-        if fqn not in saved:
-            raise CheckpointError(f"{where}: parameter {fqn} is not in the checkpoint")
-        if tuple(saved[fqn]) != tuple(shape):
-            raise CheckpointError(f"{where}: parameter {fqn} has shape {tuple(saved[fqn])} in "
-                                  f"the checkpoint, {tuple(shape)} in the model")
-    extra = sorted(set(saved) - set(want))
-    if extra:
-        raise CheckpointError(f"{where}: the checkpoint has parameter {extra[0]} that the "
-                              "model does not")
 
 
 def read_fqn_state(ckpt_dir: str | os.PathLike, manifest: Manifest,
@@ -109,7 +76,7 @@ def load_train_state(ckpt_dir: str | os.PathLike, cfg: TrainConfig) -> tuple[Tra
     """
     where = find_checkpoint(ckpt_dir)
     manifest = store.read_manifest(where)
-    _check_shapes(manifest, cfg, where)
+    store.check_shapes(manifest, param_shapes(cfg.model), where)
     params, mu, nu = (from_fqn_dict(read_fqn_state(where, manifest, s), cfg.model)
                       for s in ("master", "exp_avg", "exp_avg_sq"))
     steps = step_count(manifest)

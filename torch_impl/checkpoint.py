@@ -25,7 +25,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -37,15 +36,15 @@ import torch
 import torch.distributed as dist
 
 from reference.plan import plan_layout, store
-from reference.plan.layout import MANIFEST_NAME, STATES, Layout
+from reference.plan.layout import STATES, Layout
 from reference.plan.partition import Partition
 from reference.plan.specs import UserGroup
-from reference.plan.store import CheckpointError
+from reference.plan.store import CheckpointError, check_shapes, find_checkpoint
 from torch_impl.grouping import param_specs
 
-__all__ = ["Checkpointer", "CheckpointError", "find_checkpoint", "load", "resolve_load", "save"]
+__all__ = ["Checkpointer", "CheckpointError", "check_shapes", "find_checkpoint", "load",
+           "resolve_load", "save"]
 
-_STEP_DIR = re.compile(r"step_\d{8,}(\.partial|\.stale)?")
 TEST_DELAY_ENV = "MOEZERO_TEST_CKPT_DELAY_S"
 """Test hook: seconds to sleep before each partition write, the manifest and the commit, so
 crash tests can land a SIGKILL inside a save. Unset (0) in normal use."""
@@ -306,27 +305,6 @@ def _one_line(exc: BaseException) -> str:
 # ---------------------------------------------------------------- load
 
 
-def find_checkpoint(path: str | os.PathLike) -> Path:
-    """A step directory as given, or a checkpoint root's ``latest`` (newest complete one).
-
-    Raises:
-        CheckpointError: (one line) no such directory, or a root with no complete checkpoint.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint directory")
-    named = _STEP_DIR.fullmatch(path.name)
-    if named and named.group(1):
-        raise CheckpointError(f"{path}: an unfinished save ({named.group(1)}), never loaded")
-    if named or (path / MANIFEST_NAME).exists():
-        return path
-    found = store.find_latest(path)
-    if found is None:
-        raise CheckpointError(f"{path}: no complete checkpoint (no step directory with a "
-                              "valid manifest)")
-    return found
-
-
 def resolve_load(value: str, root: str | os.PathLike) -> Path:
     """``checkpoint.load`` to a checked step directory: ``latest`` is the newest complete one
     under ``root``; a relative path is looked up under ``root`` first, then the working dir."""
@@ -348,21 +326,6 @@ def resolve_load(value: str, root: str | os.PathLike) -> Path:
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint.load: {exc}") from None
     return ckpt
-
-
-def check_shapes(manifest, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
-    """CheckpointError (one line) unless the checkpoint holds exactly the model's params."""
-    saved = dict(manifest.layout.shapes)
-    for fqn, shape in shapes.items():
-        if fqn not in saved:
-            raise CheckpointError(f"{where}: parameter {fqn} is not in the checkpoint")
-        if tuple(saved[fqn]) != tuple(shape):
-            raise CheckpointError(f"{where}: parameter {fqn} has shape {tuple(saved[fqn])} in "
-                                  f"the checkpoint, {tuple(shape)} in the model")
-    extra = sorted(set(saved) - set(shapes))
-    if extra:
-        raise CheckpointError(f"{where}: the checkpoint has parameter {extra[0]} that the "
-                              "model does not")
 
 
 def load(engine, path: str | os.PathLike) -> dict:

@@ -535,3 +535,39 @@ def _is_complete(path: Path) -> bool:
         return read_manifest(path).step == _step_of(path)
     except CheckpointError:
         return False
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """A step directory as given, or a checkpoint root's ``latest`` (newest complete one).
+
+    Raises:
+        CheckpointError: (one line) no such directory, or a root with no complete checkpoint.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    named = _STEP_DIR.fullmatch(path.name)
+    if named and named.group(2):
+        raise CheckpointError(f"{path}: an unfinished save ({named.group(2)}), never loaded")
+    if named or (path / MANIFEST_NAME).exists():
+        return path
+    found = find_latest(path)
+    if found is None:
+        raise CheckpointError(f"{path}: no complete checkpoint (no step directory with a "
+                              "valid manifest)")
+    return found
+
+
+def check_shapes(manifest, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
+    """CheckpointError (one line) unless the checkpoint holds exactly the model's params."""
+    saved = dict(manifest.layout.shapes)
+    for fqn, shape in shapes.items():
+        if fqn not in saved:
+            raise CheckpointError(f"{where}: parameter {fqn} is not in the checkpoint")
+        if tuple(saved[fqn]) != tuple(shape):
+            raise CheckpointError(f"{where}: parameter {fqn} has shape {tuple(saved[fqn])} in "
+                                  f"the checkpoint, {tuple(shape)} in the model")
+    extra = sorted(set(saved) - set(shapes))
+    if extra:
+        raise CheckpointError(f"{where}: the checkpoint has parameter {extra[0]} that the "
+                              "model does not")
