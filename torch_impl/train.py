@@ -161,8 +161,10 @@ def _loop(cfg: Config, engine: Engine, batches: Batches, run_dir: Path | None, r
     steps and at the end (unless step ``saved`` is already on disk)."""
     every, start = cfg.checkpoint.every, engine.global_steps
     history = _previous_metrics(run_dir, start) if run_dir else []
-    bar = tqdm(total=cfg.train.steps, initial=start, disable=run_dir is None,
-               dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0, desc="train")
+    # A bar on a terminal; in logs (no tty) one line every ``train.log_every`` steps instead.
+    log_lines = run_dir is not None and not sys.stderr.isatty()
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=run_dir is None or log_lines,
+               dynamic_ncols=True, mininterval=1.0, desc="train")
     metrics_file = open(run_dir / "metrics.jsonl", "a") if run_dir else None  # noqa: SIM115
     try:
         for step in range(start, cfg.train.steps):
@@ -174,6 +176,9 @@ def _loop(cfg: Config, engine: Engine, batches: Batches, run_dir: Path | None, r
                 metrics_file.flush()
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['ce']:.3f}", lr=f"{row['lr']:.1e}", refresh=False)
+            if log_lines and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
+                print(f"step {step + 1}/{cfg.train.steps} loss {row['ce']:.3f} lr {row['lr']:.1e} "
+                      f"{row['tokens_per_s']:.0f} tokens/s", flush=True)
             if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
                 saved = _save(engine, batches, root)
         if saved != engine.global_steps:

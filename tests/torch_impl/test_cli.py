@@ -28,8 +28,12 @@ def moezero(*args, timeout=180, **kw) -> subprocess.CompletedProcess:
 
 def test_train_writes_the_run_directory(tmp_path):
     out = tmp_path / "run"
-    res = moezero("train", *TINY, "--set", "train.steps=3", "--out", str(out))
+    res = moezero("train", *TINY, "--set", "train.steps=3", "--set", "train.log_every=2",
+                  "--out", str(out))
     assert res.returncode == 0, res.stderr
+    # not a tty: a progress line every train.log_every steps, and the last one
+    assert [line.split(" loss")[0] for line in res.stdout.splitlines()
+            if line.startswith("step ")] == ["step 2/3", "step 3/3"]
     assert "final loss" in res.stdout and "unigram baseline" in res.stdout
     assert "entropy floor" in res.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
