@@ -50,9 +50,6 @@ class _ParamState:
 def check_supported(cfg: Config) -> None:
     """One-line ``ConfigError`` for valid settings this version does not implement yet."""
     zero = cfg.zero_optimization
-    if zero.stage > 2:
-        raise ConfigError("zero_optimization.stage", f"{zero.stage} is not implemented yet "
-                          "(stages 0, 1 and 2 are)", "config")
     for key in ("offload_optimizer", "offload_param"):
         if getattr(zero, key).device != "none":
             raise ConfigError(f"zero_optimization.{key}.device", "offload is not implemented "
@@ -78,7 +75,7 @@ class Engine:
         else:
             self.zero = ZeroOptimizer(self.params, self.groups, topology, stage=zero.stage,
                                       bucket_size=zero.reduce_bucket_size,
-                                      overlap=zero.overlap_comm)
+                                      overlap=zero.overlap_comm, model=self.model)
             self.meter = self.zero.meter
         self.scaler = LossScaler.from_config(cfg.precision)
         self.step_count = 0  # optimizer steps taken (skipped steps excluded)
@@ -101,6 +98,8 @@ class Engine:
         if self.zero is not None:
             self.zero.before_backward(final=self.micro_steps + 1 >= accum)
         (loss * (self.scaler.scale / accum)).backward()
+        if self.zero is not None:
+            self.zero.after_backward()
         self.micro_steps += 1
 
     # ------------------------------------------------------------------ step
@@ -149,6 +148,13 @@ class Engine:
             return self.zero.full_gradients()
         return {fqn: p.grad for fqn, p in self.params.items()}
 
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's params by FQN, full size: the params themselves, or at stage 3 copies
+        gathered from the shards (collective there)."""
+        if self.zero is not None:
+            return self.zero.full_parameters()
+        return dict(self.params)
+
     def current_lr(self) -> float:
         opt = self.cfg.optimizer
         return lr_at(self.step_count, lr=opt.lr, warmup_steps=opt.warmup_steps,
@@ -190,6 +196,12 @@ class Engine:
     def wait_checkpoint(self):
         """Finish an async save in flight (raises its error); its directory or None."""
         return self.checkpointer.wait()
+
+    def close(self) -> None:
+        """Finish an async save and release offload resources (swap files are removed)."""
+        self.checkpointer.wait()
+        if self.zero is not None:
+            self.zero.close()
 
     def load_checkpoint(self, path) -> dict:
         """Load a step directory or a root's newest complete checkpoint (collective);

@@ -80,3 +80,24 @@ def build_topology(ep_sizes: tuple[int, ...] | list[int], *, num_experts: int) -
                     if rank in ranks:
                         groups[ep] = group
     return Topology(rank, world, ep_sizes, ep_groups, edp_groups)
+
+
+def gather_groups(topology: Topology) -> dict[str, object]:
+    """Second copies of the world and EDP groups, for ZeRO-3's parameter all-gathers.
+
+    Keyed like ``zero._Kind.channel`` (``world``, ``edp<ep>``). Collectives on one group must
+    be issued in the same order on every rank; gathers follow the modules' order and gradient
+    reduce-scatters follow the gradients' arrival, so each gets its own groups. Collective:
+    call on every rank (``new_group`` for every group, in the same order).
+    """
+    groups: dict[str, object] = {"world": None}
+    if not topology.distributed:
+        return groups | {f"edp{ep}": None for ep in topology.ep_sizes}
+    groups["world"] = dist.new_group(list(range(topology.world_size)))
+    for ep in topology.ep_sizes:
+        for ranks in sorted({plan.edp_group_ranks(r, world_size=topology.world_size, ep_size=ep)
+                             for r in range(topology.world_size)}):
+            group = dist.new_group(list(ranks))
+            if topology.rank in ranks:
+                groups[f"edp{ep}"] = group
+    return groups

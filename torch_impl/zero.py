@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_impl.gather import ParamGatherer
 from torch_impl.grouping import LocalGroup, OptimizerGroups
 from torch_impl.optim import adamw_, clip_coef
 from torch_impl.parallel import Topology
@@ -107,6 +108,8 @@ class _Slot:
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
     grad: torch.Tensor | None = None  # reduced grad partition, compute dtype
+    param: torch.Tensor | None = None  # stage 3: the param shard, compute dtype
+    channel: str = ""  # its data-parallel group's name (``_Kind.channel``)
 
     @property
     def numel(self) -> int:
@@ -201,9 +204,12 @@ class ZeroOptimizer:
     """Sharded optimizer state, gradient reduction and the (tiled) step for stages 1 and 2."""
 
     def __init__(self, params: dict[str, nn.Parameter], groups: OptimizerGroups,
-                 topology: Topology, *, stage: int, bucket_size: int, overlap: bool):
-        if stage not in (1, 2):
-            raise ValueError(f"zero_optimization.stage: ZeroOptimizer runs 1 and 2, got {stage}")
+                 topology: Topology, *, stage: int, bucket_size: int, overlap: bool,
+                 model: nn.Module | None = None, prefetch: bool = True):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"zero_optimization.stage: ZeroOptimizer runs 1-3, got {stage}")
+        if stage == 3 and model is None:
+            raise ValueError("stage 3 needs the model (its modules are the gather units)")
         self.params, self.topology, self.stage = params, topology, stage
         self.meter = MemoryMeter()
         self.kinds = self._build_kinds(groups.local)
@@ -231,6 +237,9 @@ class ZeroOptimizer:
         if overlap:
             for fqn, p in params.items():
                 p.register_post_accumulate_grad_hook(lambda _p, fqn=fqn: self._on_grad(fqn))
+        self.gatherer = None
+        if stage == 3:
+            self.gatherer = ParamGatherer(self, model, topology, prefetch=prefetch)
 
     # ------------------------------------------------------------------ construction
     def _build_kinds(self, local: tuple[LocalGroup, ...]) -> list[_Kind]:
@@ -242,7 +251,8 @@ class ZeroOptimizer:
                 group = topo.edp_group(plan.ep_size) if plan.is_expert else None
                 channel = f"edp{plan.ep_size}" if plan.is_expert else "world"
                 kinds[name] = _Kind(name, part.dp_size, group, channel, [])
-            slot = _Slot(g, cursor[name], part.dp_rank(topo.rank), [off for _, off in part.offsets])
+            slot = _Slot(g, cursor[name], part.dp_rank(topo.rank),
+                         [off for _, off in part.offsets], channel=kinds[name].channel)
             kinds[name].slots.append(slot)
             cursor[name] += part.numel
         return list(kinds.values())
@@ -255,6 +265,9 @@ class ZeroOptimizer:
                 pos = slot.offset + off - member.start
                 if first.setdefault(member.fqn, pos) != pos:
                     raise AssertionError(f"{member.fqn}: pieces are not contiguous in {kind.name}")
+        self._where.update((fqn, (k, pos)) for fqn, pos in first.items())
+        if self.stage == 3:  # params keep their own storage, freed by the gatherer
+            return
         dtype = next(iter(self.params.values())).dtype
         numel = sum(s.numel for s in kind.slots)
         kind.params = torch.empty(numel, dtype=dtype, device=self._device)
@@ -263,7 +276,6 @@ class ZeroOptimizer:
             view = kind.params[pos:pos + p.numel()].view_as(p)
             view.copy_(p.detach())
             p.data = view
-            self._where[fqn] = (k, pos)
         if self.stage == 1:
             kind.grads = torch.zeros_like(kind.params)
             self.meter.add_persistent(kind.grads)
@@ -273,18 +285,22 @@ class ZeroOptimizer:
         return next(iter(self.params.values())).device
 
     def _init_state(self) -> None:
-        """fp32 master (this rank's shard of the params, zero padding) and zero moments."""
+        """fp32 master (this rank's shard of the params, zero padding) and zero moments; at
+        stage 3 also the compute-dtype param shard (the master itself in fp32)."""
         dtype = next(iter(self.params.values())).dtype
-        for kind in self.kinds:
-            for slot in kind.slots:
-                slot.master = torch.zeros(slot.shard, dtype=torch.float32, device=self._device)
-                lo = slot.dp_rank * slot.shard
-                hi = min(lo + slot.shard, slot.numel)
-                if lo < hi:
-                    slot.master[:hi - lo].copy_(kind.params[slot.offset + lo:slot.offset + hi])
-                slot.exp_avg, slot.exp_avg_sq = torch.zeros_like(slot.master), torch.zeros_like(slot.master)
-                slot.grad = torch.zeros(slot.shard, dtype=dtype, device=self._device)
-                self.meter.add_persistent(slot.master, slot.exp_avg, slot.exp_avg_sq, slot.grad)
+        for slot in self.slots:
+            slot.master = torch.zeros(slot.shard, dtype=torch.float32, device=self._device)
+            lo = slot.dp_rank * slot.shard
+            hi = min(lo + slot.shard, slot.numel)
+            if lo < hi:
+                self._read_members(slot, lo, hi, slot.master, lambda fqn: self.params[fqn].data)
+            slot.exp_avg, slot.exp_avg_sq = torch.zeros_like(slot.master), torch.zeros_like(slot.master)
+            slot.grad = torch.zeros(slot.shard, dtype=dtype, device=self._device)
+            self.meter.add_persistent(slot.master, slot.exp_avg, slot.exp_avg_sq, slot.grad)
+            if self.stage == 3:
+                slot.param = slot.master if dtype == torch.float32 else slot.master.to(dtype)
+                if slot.param is not slot.master:
+                    self.meter.add_persistent(slot.param)
 
     def _plan_buckets(self, cap: int) -> list[_Bucket]:
         """Column ranges of groups, <= cap elements each, in the order backward is expected to
@@ -322,6 +338,16 @@ class ZeroOptimizer:
         self._final = final
         if self.stage == 1:
             self._attach_grad_views()
+
+    def after_backward(self) -> None:
+        """Called after each micro-batch's backward: stage 3 releases what it still holds."""
+        if self.gatherer is not None:
+            self.gatherer.after_backward()
+
+    def close(self) -> None:
+        """Drop gathers in flight and release offload resources (idempotent)."""
+        if self.gatherer is not None:
+            self.gatherer.drain()
 
     def _attach_grad_views(self) -> None:
         for fqn, p in self.params.items():
@@ -363,7 +389,7 @@ class ZeroOptimizer:
             self._store(index, out, work)
         else:
             self._waiter.put((index, out, work, send))  # send stays alive until the op is done
-        if self.stage == 2:
+        if self.stage >= 2:
             self._release(bucket)
 
     def _read_grads(self, kind: _Kind, slot: _Slot, lo: int, hi: int, dst: torch.Tensor) -> None:
@@ -371,10 +397,16 @@ class ZeroOptimizer:
         if kind.grads is not None:
             dst.copy_(kind.grads[slot.offset + lo:slot.offset + hi])
             return
+        # no gradient (e.g. an expert that saw no token) is zero
+        self._read_members(slot, lo, hi, dst, lambda fqn: self.params[fqn].grad)
+
+    @staticmethod
+    def _read_members(slot: _Slot, lo: int, hi: int, dst: torch.Tensor, tensor_of) -> None:
+        """Copy the group elements [lo, hi) of ``tensor_of(fqn)`` (None: skipped) into ``dst``."""
         for fqn, start, at, count in slot.members_in(lo, hi):
-            grad = self.params[fqn].grad
-            if grad is not None:  # no gradient (e.g. an expert that saw no token) is zero
-                dst[at:at + count].copy_(grad.reshape(-1)[start:start + count])
+            t = tensor_of(fqn)
+            if t is not None:
+                dst[at:at + count].copy_(t.reshape(-1)[start:start + count])
 
     def _release(self, bucket: _Bucket) -> None:
         for fqn in bucket.fqns:
@@ -412,7 +444,7 @@ class ZeroOptimizer:
         for kind in self.kinds:
             if kind.grads is not None:
                 kind.grads.zero_()
-        if self.stage == 2:
+        if self.stage >= 2:
             for p in self.params.values():
                 p.grad = None
 
@@ -444,9 +476,17 @@ class ZeroOptimizer:
                    weight_decay=hp.get("weight_decay", 0.0))
             self.meter.drop((ADAMW_TEMPORARIES + 1) * nbytes(g32))
             del g32
-            slot.grad.copy_(slot.master)  # downcast; the grad partition is the gather's source
-        self._gather(lambda slot: slot.grad, [k.params for k in self.kinds])
+            self._downcast(slot)
+        if self.stage < 3:
+            self._gather(lambda slot: slot.grad, [k.params for k in self.kinds])
         return grad_norm, False
+
+    def _downcast(self, slot: _Slot) -> None:
+        """The updated master into the compute dtype: at stage 3 the param shard, else the
+        grad partition's storage (the all-gather's source)."""
+        target = slot.param if self.stage == 3 else slot.grad
+        if target is not slot.master:
+            target.copy_(slot.master)
 
     def _upcast(self, slot: _Slot) -> torch.Tensor:
         g32 = slot.grad.float() if slot.grad.dtype != torch.float32 else slot.grad.clone()
@@ -494,9 +534,21 @@ class ZeroOptimizer:
     # ------------------------------------------------------------------ inspection
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The reduced gradients by FQN, all-gathered (collective; after ``reduce_gradients``)."""
-        flats = [torch.empty_like(k.params) for k in self.kinds]
-        self._gather(lambda slot: slot.grad, flats)
-        return {fqn: flats[k][pos:pos + p.numel()].view_as(p)
+        return self._full(lambda slot: slot.grad)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters by FQN: the params themselves at stages 1-2; at stage 3 copies
+        all-gathered from the shards (collective)."""
+        if self.stage < 3:
+            return dict(self.params)
+        return self._full(lambda slot: slot.param)
+
+    def _full(self, shard_of) -> dict[str, torch.Tensor]:
+        p0 = next(iter(self.params.values()))
+        flats = [torch.empty(sum(s.numel for s in k.slots), dtype=p0.dtype, device=p0.device)
+                 for k in self.kinds]
+        self._gather(shard_of, flats)
+        return {fqn: flats[k][pos:pos + p.numel()].view(p.shape)
                 for fqn, p in self.params.items() for k, pos in [self._where[fqn]]}
 
     def state_pieces(self):
@@ -519,8 +571,9 @@ class ZeroOptimizer:
         """Downcast every master shard and all-gather the params (collective), as the end
         of ``step`` does; after loading a checkpoint into the shards."""
         for slot in self.slots:
-            slot.grad.copy_(slot.master)
-        self._gather(lambda slot: slot.grad, [k.params for k in self.kinds])
+            self._downcast(slot)
+        if self.stage < 3:
+            self._gather(lambda slot: slot.grad, [k.params for k in self.kinds])
 
     def layout(self) -> list[dict]:
         """What is stepped, per local group in plan order: members, shard range, state sizes."""

@@ -51,9 +51,11 @@ def test_train_writes_the_run_directory(tmp_path):
     (["--set", "zero_optimization.stagee=1"], "zero_optimization.stagee"),
     (["--data", "/no/such/file.txt"], "/no/such/file.txt"),
     (["--config", "/no/such/recipe.yaml"], "/no/such/recipe.yaml"),
-    (["--set", "zero_optimization.stage=3"], "zero_optimization.stage"),
-    (["--set", "zero_optimization.offload_optimizer.device=cpu"],
-     "zero_optimization.offload_optimizer.device"),
+    (["--set", "zero_optimization.stage=4"], "zero_optimization.stage"),
+    (["--set", "zero_optimization.offload_optimizer.device=nvme"],
+     "zero_optimization.offload_optimizer.nvme_path"),
+    (["--set", "zero_optimization.offload_param.device=cpu"],
+     "zero_optimization.offload_param.device"),  # needs stage 3
 ])
 def test_bad_input_is_one_line_before_any_rank_starts(tmp_path, args, key):
     res = moezero("train", *args, "--out", str(tmp_path / "r"), timeout=60)
