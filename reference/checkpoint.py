@@ -8,8 +8,8 @@ state of ``reference.optim.make_optimizer`` with the saved optimizer step count.
 with ``reference.optim.train_step`` is then the same run as the one that saved it.
 
 ``save_train_state(root, cfg, state)`` writes the same layout from one process: the plan's groups
-for the reference model (``reference.zero.param_specs``: the groups torch builds), each group
-written whole as the one DP rank of a ``dp_size = 1`` partition, then the manifest and an
+for the reference model (``reference.zero_layout.param_specs``: the groups torch builds), each
+group written whole as the one DP rank of a ``dp_size = 1`` partition, then the manifest and an
 atomic commit. The torch engine loads it like its own checkpoints.
 
 The optax state (``optax.adamw`` with a schedule) is ``(ScaleByAdamState(count, mu, nu),
@@ -36,7 +36,7 @@ from reference.optim import TrainConfig, TrainState, lr_at, make_optimizer
 from reference.plan import Manifest, partition_group, plan_groups, plan_layout, store
 from reference.plan.store import CheckpointError, find_checkpoint
 from reference.weights import from_fqn_dict, param_shapes, to_fqn_dict
-from reference.zero import ZeroConfig, param_specs
+from reference.zero_layout import ZeroConfig, param_specs
 
 __all__ = ["CheckpointError", "find_checkpoint", "load_train_state", "read_fqn_state",
            "save_train_state", "step_count"]
@@ -46,14 +46,19 @@ def read_fqn_state(ckpt_dir: str | os.PathLike, manifest: Manifest,
                    state: str = "master") -> dict[str, np.ndarray]:
     """``{fqn: fp32 array of its full shape}`` of one state (``master``, ``exp_avg``,
     ``exp_avg_sq``), each parameter gathered by ``store.read_param`` from whatever files and
-    fragments hold it."""
+    fragments hold it. The moments of a weights-only checkpoint (``moezero import-hf``) are
+    zeros: a fresh optimizer."""
+    if state != "master" and manifest.layout.weights_only:
+        return {fqn: np.zeros(shape, np.float32) for fqn, shape in manifest.layout.shapes}
     return {fqn: store.read_param(ckpt_dir, manifest, fqn, state=state).reshape(shape)
             for fqn, shape in manifest.layout.shapes}
 
 
 def step_count(manifest: Manifest) -> int:
     """Optimizer steps taken at save: ``state.engine.step_count`` (the step directory's
-    number counts fp16-skipped steps too), else the manifest's step."""
+    number counts fp16-skipped steps too), else the manifest's step; 0 for weights only."""
+    if manifest.layout.weights_only:
+        return 0
     counters = manifest.state.get("engine", {}) if isinstance(manifest.state, dict) else {}
     return int(counters.get("step_count", manifest.step))
 

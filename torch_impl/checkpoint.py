@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from reference.plan import plan_layout, store
-from reference.plan.layout import STATES, Layout
+from reference.plan.layout import STATES, Layout, RangeRecord, rank_ranges
 from reference.plan.partition import Partition
 from reference.plan.specs import UserGroup
 from reference.plan.store import CheckpointError, check_shapes, find_checkpoint
@@ -137,11 +137,13 @@ def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 @dataclass
 class _Shard:
-    """This rank's fp32 partition of one group (padded ``shard_numel`` elements per state)."""
+    """This rank's fp32 partition of one group (padded ``shard_numel`` elements per state):
+    in memory (``arrays``) or, NVMe-offloaded, in swap files (``files``: state -> path)."""
 
     partition: Partition
     dp_rank: int
-    arrays: dict[str, np.ndarray]
+    arrays: dict[str, np.ndarray] | None = None
+    files: dict[str, Path] | None = None
 
 
 @dataclass
@@ -165,6 +167,10 @@ def _host(t: torch.Tensor, copy: bool) -> np.ndarray:
 def snapshot(engine, *, copy: bool) -> list[_Shard]:
     """This rank's partitions as fp32 numpy arrays: views of the ZeRO shards (``copy``: clones)
     or, at stage 0, its DP slice of the replicated per-parameter state."""
+    swap = engine.zero.optim_swap if engine.zero is not None else None
+    if swap is not None:  # the swap files hold the same ranges: copied file to file
+        return [_Shard(slot.group.partition, slot.dp_rank,
+                       files={s: swap.path(slot, s) for s in STATES}) for slot in engine.zero.slots]
     if engine.zero is not None:
         return [_Shard(part, dp_rank, {s: _host(t, copy) for s, t in arrays.items()})
                 for part, dp_rank, arrays in engine.zero.shards()]
@@ -237,6 +243,8 @@ def save(engine, root: str | os.PathLike, *, step: int, state: dict | None = Non
     """
     if background is None:
         background = engine.cfg.checkpoint.async_save
+    if engine.zero is not None and engine.zero.optim_swap is not None:
+        background = False  # the next step rewrites the swap files that the save copies
     ckpt = engine.checkpointer
     layout = plan_layout(engine.groups.plan, ckpt.shapes(engine.model), step=step)
     meta = {"config": engine.cfg.model_dump(by_alias=True, mode="json"),
@@ -264,8 +272,11 @@ def _write(ckpt: Checkpointer, job: _SaveJob) -> Path:
     try:
         for shard in job.shards:
             _test_delay()
-            records += store.write_partition(partial, job.layout, shard.partition, shard.dp_rank,
-                                             **shard.arrays, fsync=False)
+            if shard.files is not None:
+                records += _copy_partition(partial, job.layout, shard)
+            else:
+                records += store.write_partition(partial, job.layout, shard.partition,
+                                                 shard.dp_rank, **shard.arrays, fsync=False)
         for name in sorted({r.file for r in records}):  # one flush after all writes
             store.fsync_file(partial / name)
     except Exception as exc:
@@ -283,6 +294,20 @@ def _write(ckpt: Checkpointer, job: _SaveJob) -> Path:
     if outcome:
         raise CheckpointError(f"{what}: {outcome}")
     return final
+
+
+def _copy_partition(ckpt_dir: Path, layout: Layout, shard: _Shard) -> list:
+    """A swapped shard's real elements, swap file -> checkpoint file (``os.copy_file_range``),
+    with the checksum of each range."""
+    ranges = rank_ranges(layout, shard.partition, shard.dp_rank)
+    records = []
+    for state in STATES:
+        where = getattr(ranges, state)
+        if where is not None and where.length:
+            crc = store.copy_range(shard.files[state], 0, ckpt_dir / where.file, where.offset,
+                                   where.length)
+            records.append(RangeRecord(where.file, where.offset, where.length, crc))
+    return records
 
 
 def _finish(job: _SaveJob, partial: Path, headers: list, gathered: list[dict]) -> None:
@@ -334,7 +359,9 @@ def load(engine, path: str | os.PathLike) -> dict:
     ``path`` is a step directory or a checkpoint root (its newest complete checkpoint). Any
     world size, ``ep``, ZeRO stage or group cap may have saved it. Restores the fp32 master
     and moments of this rank's shards, derives the compute params from the master, and sets
-    the step counters, loss scaler and RNG.
+    the step counters, loss scaler and RNG. A weights-only checkpoint (``moezero import-hf``)
+    sets the masters only: the moments start at zero, the counters at 0, RNG and loss scaler
+    are left as they are, and the returned state is empty (a fine-tune from step 0).
 
     Returns:
         The caller's state given to ``save`` (e.g. ``{"data": ...}``).
@@ -357,6 +384,9 @@ def load(engine, path: str | os.PathLike) -> dict:
             param = engine.params[fqn]
             if st.master is not param.data:
                 param.data.copy_(st.master)
+    if manifest.layout.weights_only:
+        _restore_counters(engine, {}, engine.topology.rank)
+        return {}
     _restore_counters(engine, manifest.state, engine.topology.rank)
     return manifest.state.get("client", {})
 
@@ -372,13 +402,22 @@ def _read_into(tensor: torch.Tensor, read) -> None:
 
 
 def _read_state(engine, where: Path, manifest) -> None:
+    """Each state of this rank's shards from the checkpoint; a state the checkpoint lacks
+    (the moments of a weights-only one) is zeroed."""
+    saved = ("master",) if manifest.layout.weights_only else STATES
     if engine.zero is not None:
         for part, dp_rank, arrays in engine.zero.shards():
             for s, t in arrays.items():
+                if s not in saved:
+                    t.detach().zero_()
+                    continue
                 _read_into(t, partial(store.read_shard, where, manifest, part, dp_rank, s))
         return
     for fqn, st in engine.state.items():
         for s in STATES:
+            if s not in saved:
+                getattr(st, s).detach().zero_()
+                continue
             _read_into(getattr(st, s), partial(store.read_param, where, manifest, fqn, state=s))
 
 

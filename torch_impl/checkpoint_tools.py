@@ -3,7 +3,9 @@
 They read a committed checkpoint with ``reference.plan.store`` (JSON and safetensors only) and
 need no process group. ``export`` writes consolidated model weights as Hugging Face
 safetensors files plus ``model.safetensors.index.json``, cast to bf16 or fp32, fragments
-joined into whole tensors keyed by FQN (global expert ids), no optimizer state.
+joined into whole tensors keyed by FQN (global expert ids), no optimizer state;
+``moezero checkpoint export --format hf-mixtral`` writes Hugging Face Mixtral names and a
+``config.json`` instead (``torch_impl.hf``, docs/hf.md).
 """
 
 from __future__ import annotations
@@ -17,9 +19,7 @@ import torch
 from reference.plan import store
 from reference.plan.layout import FORMAT_VERSION
 
-__all__ = ["describe", "export", "verify"]
-
-
+__all__ = ["describe", "export", "verify", "write_weights"]
 
 def verify(ckpt: Path) -> list[str]:
     """``moezero checkpoint verify``: one line per problem (``store.verify``), empty if sound."""
@@ -34,16 +34,20 @@ def describe(ckpt: Path) -> str:
     files = [ckpt / f.name for f in layout.files]
     on_disk = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file())
     headers = sum(f.data_start for f in layout.files)
+    per = 4 if layout.weights_only else 12  # master (+ exp_avg + exp_avg_sq)
+    what = "fp32 weights only (no optimizer state)" if layout.weights_only else "fp32 state"
     lines = [f"checkpoint {ckpt}  step {m.step}  format version {FORMAT_VERSION}",
              f"saved by: world size {topo.get('world_size', '?')}, ep {topo.get('ep_sizes', '?')}, "
-             f"ZeRO stage {topo.get('zero_stage', '?')}, {topo.get('dtype', '?')} compute",
+             f"ZeRO stage {topo.get('zero_stage', '?')}, {topo.get('dtype', '?')} compute"
+             if topo.get("writer") != "import-hf" else
+             f"written by moezero import-hf from {topo.get('dtype', '?')} Hugging Face weights",
              f"{len(layout.groups)} groups, {len(layout.shapes)} parameters ({numel:,} elements), "
              f"{sum(len(f.tensors) for f in layout.files)} tensors in {len(files)} safetensors files",
-             f"bytes on disk {on_disk:,}: fp32 state {12 * numel:,} (12 B x {numel:,}), "
-             f"headers {headers:,}, JSON {on_disk - 12 * numel - headers:,}",
+             f"bytes on disk {on_disk:,}: {what} {per * numel:,} ({per} B x {numel:,}), "
+             f"headers {headers:,}, JSON {on_disk - per * numel - headers:,}",
              f"{'group':<44} {'members':>7} {'elements':>12} {'bytes':>14}"]
     for g in layout.groups:
-        lines.append(f"{g.name:<44} {len(g.members):>7} {g.numel:>12,} {12 * g.numel:>14,}")
+        lines.append(f"{g.name:<44} {len(g.members):>7} {g.numel:>12,} {per * g.numel:>14,}")
     return "\n".join(lines)
 
 
@@ -57,28 +61,38 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
     Fragments are reassembled into whole tensors keyed by FQN (global expert ids), cast to
     ``dtype``; files ``model.safetensors`` (or ``model-0000i-of-0000N`` above 4 GiB) and
     ``model.safetensors.index.json`` in ``out``. One tensor is in memory at a time.
+    (``torch_impl.hf.export_hf`` writes the same under Hugging Face Mixtral names.)
     """
     m = store.read_manifest(ckpt)
+    items = [(fqn, fqn, shape) for fqn, shape in m.layout.shapes]
+    meta = {"format": "pt", "moezero.step": str(m.step), "moezero.dtype": dtype}
+    return write_weights(ckpt, m, out, items, dtype, meta=meta)
+
+
+def write_weights(ckpt: Path, m, out: Path, items: list[tuple[str, str, tuple]], dtype: str,
+                  *, meta: dict, shard_bytes: int | None = None) -> list[Path]:
+    """Write ``items`` (key on disk, FQN in the checkpoint, shape) as safetensors shards of at
+    most ``shard_bytes`` (default 4 GiB; one file is ``model.safetensors``) plus the index."""
     torch_dtype, tag = EXPORT_DTYPES[dtype]
     size = torch.tensor([], dtype=torch_dtype).element_size()
+    cap = SHARD_BYTES if shard_bytes is None else shard_bytes
     shards, current, used = [], [], 0
-    for fqn, shape in m.layout.shapes:
-        nbytes = math.prod(shape) * size
-        if current and used + nbytes > SHARD_BYTES:
+    for item in items:
+        nbytes = math.prod(item[2]) * size
+        if current and used + nbytes > cap:
             shards.append(current)
             current, used = [], 0
-        current.append((fqn, shape))
+        current.append(item)
         used += nbytes
     shards.append(current)
     out.mkdir(parents=True, exist_ok=True)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    meta = {"format": "pt", "moezero.step": str(m.step), "moezero.dtype": dtype}
     for name, tensors in zip(names, shards, strict=True):
         _write_safetensors(out / name, ckpt, m, tensors, torch_dtype, tag, meta)
-    weight_map = {fqn: name for name, tensors in zip(names, shards, strict=True)
-                  for fqn, _ in tensors}
-    total = sum(math.prod(s) for _, s in m.layout.shapes) * size
+    weight_map = {key: name for name, tensors in zip(names, shards, strict=True)
+                  for key, _, _ in tensors}
+    total = sum(math.prod(shape) for _, _, shape in items) * size
     index = {"metadata": {"total_size": total, **meta}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     return [out / n for n in names] + [out / "model.safetensors.index.json"]
@@ -88,14 +102,14 @@ def _write_safetensors(path: Path, ckpt: Path, m, tensors, torch_dtype, tag: str
                        meta: dict) -> None:
     size = torch.tensor([], dtype=torch_dtype).element_size()
     header, cursor = {"__metadata__": meta}, 0
-    for fqn, shape in tensors:
+    for key, _, shape in tensors:
         n = math.prod(shape) * size
-        header[fqn] = {"dtype": tag, "shape": list(shape), "data_offsets": [cursor, cursor + n]}
+        header[key] = {"dtype": tag, "shape": list(shape), "data_offsets": [cursor, cursor + n]}
         cursor += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     with open(path, "wb") as f:
         f.write(len(text).to_bytes(8, "little") + text)
-        for fqn, _ in tensors:
+        for _, fqn, _ in tensors:
             value = torch.from_numpy(store.read_param(ckpt, m, fqn)).to(torch_dtype)
             f.write(value.reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -5,7 +5,11 @@ with no arguments trains the embedded default recipe on 2 local ranks.
 
 ``moezero checkpoint inspect|verify|export DIR`` reads a checkpoint (a step directory, or a
 checkpoint root whose ``latest`` is taken): its groups and sizes, every checksum (exit 1 naming
-the first bad file and byte range), or consolidated model weights as Hugging Face safetensors.
+the first bad file and byte range), or consolidated model weights as Hugging Face safetensors
+(``--format hf-mixtral``: a model ``transformers`` loads, docs/hf.md).
+
+``moezero import-hf PATH --out DIR`` turns a local Hugging Face Mixtral directory into a
+weights-only moezero checkpoint that ``moezero train --set checkpoint.load=DIR`` fine-tunes.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from reference.plan.store import CheckpointError
+from reference.plan.store import CheckpointError, read_manifest
 from torch_impl.config import ConfigError, load_config
 from torch_impl.data import DataError, make_corpus
 from torch_impl.parallel import validate
@@ -45,9 +49,31 @@ def _parser() -> argparse.ArgumentParser:
                                                     "(its latest complete checkpoint)")
         if name == "export":
             cmd.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
+            cmd.add_argument("--format", choices=("moezero", "hf-mixtral"), default="moezero",
+                             help="moezero: tensors keyed by moezero FQNs; hf-mixtral: "
+                                  "config.json + Hugging Face Mixtral names (docs/hf.md)")
             cmd.add_argument("--out", required=True, metavar="PATH",
                              help="output directory (created)")
+    hf = sub.add_parser("import-hf", help="a local Hugging Face Mixtral directory to a "
+                                          "weights-only moezero checkpoint (docs/hf.md)")
+    hf.add_argument("path", metavar="PATH", help="directory with config.json and safetensors")
+    hf.add_argument("--out", required=True, metavar="DIR",
+                    help="checkpoint root to create (new or empty)")
     return parser
+
+
+def _import_hf(args: argparse.Namespace) -> int:
+    from torch_impl import hf  # torch import deferred, as for train
+
+    try:
+        step_dir = hf.import_hf(Path(args.path), Path(args.out))
+    except OSError as exc:
+        raise CheckpointError(f"import-hf to {args.out}: {exc.strerror or exc}") from None
+    numel = hf.num_params(read_manifest(step_dir))
+    print(f"imported {args.path}: {numel:,} parameters as weights-only checkpoint {step_dir}\n"
+          f"fine-tune: moezero train --set checkpoint.load={args.out} "
+          f"(or --config {Path(args.out) / 'config.yaml'})")
+    return 0
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
@@ -60,10 +86,16 @@ def _checkpoint(args: argparse.Namespace) -> int:
         return 0
     if args.action == "export":
         try:
-            files = checkpoint_tools.export(ckpt, Path(args.out), args.dtype)
+            if args.format == "hf-mixtral":
+                from torch_impl.hf import export_hf
+
+                files = export_hf(ckpt, Path(args.out), args.dtype)
+            else:
+                files = checkpoint_tools.export(ckpt, Path(args.out), args.dtype)
         except OSError as exc:
             raise CheckpointError(f"export to {args.out}: {exc.strerror or exc}") from None
-        print(f"exported step {ckpt.name} as {args.dtype}: " + ", ".join(str(f) for f in files))
+        print(f"exported step {ckpt.name} as {args.format} {args.dtype}: "
+              + ", ".join(str(f) for f in files))
         return 0
     problems = checkpoint_tools.verify(ckpt)
     for line in problems:
@@ -81,6 +113,14 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise ConfigError("--nproc", f"must be >= 1, got {args.nproc}", "command line")
     cfg = load_config(args.config, overrides)
+    run_dir = Path(args.out or cfg.train.out_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    if cfg.checkpoint.load:
+        from torch_impl.train import adopt_architecture
+
+        cfg, adopted = adopt_architecture(cfg, run_dir)
+        if adopted:
+            print(f"moezero: architecture from checkpoint {cfg.checkpoint.load}: "
+                  f"{', '.join(adopted)} (set a key to override)", flush=True)
     d = cfg.data
     make_corpus(d.path, vocab=d.synthetic_vocab, sources=d.synthetic_sources,
                 seed=d.synthetic_seed).check_seq_len(cfg.train.seq_len)
@@ -90,13 +130,13 @@ def _train(args: argparse.Namespace) -> int:
     except ValueError as exc:
         key, _, problem = str(exc).partition(": ")
         raise ConfigError(key, problem, f"world size {world}") from None
-    run_dir = Path(args.out or cfg.train.out_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
 
     from torch_impl.engine import check_supported  # torch import deferred: errors above stay fast
     from torch_impl.launcher import launch
-    from torch_impl.train import preflight
+    from torch_impl.train import model_numel, preflight
 
-    check_supported(cfg)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: this node's ranks
+    check_supported(cfg, numel=model_numel(cfg), share=local / world)
     preflight(cfg, run_dir)
     return launch(cfg, run_dir, args.nproc)
 
@@ -108,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "checkpoint":
             return _checkpoint(args)
+        if args.command == "import-hf":
+            return _import_hf(args)
     except (ConfigError, DataError, CheckpointError) as exc:
         print(f"moezero: error: {exc}", file=sys.stderr)
         return 2

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_impl import checkpoint
-from torch_impl.config import Config, ConfigError
+from torch_impl import checkpoint, offload_state
+from torch_impl.config import Config
 from torch_impl.grouping import OptimizerGroups, build_groups
 from torch_impl.model.moe import expert_tag
 from torch_impl.optim import LossScaler, adamw_, clip_coef, lr_at
@@ -47,13 +47,12 @@ class _ParamState:
     exp_avg_sq: torch.Tensor
 
 
-def check_supported(cfg: Config) -> None:
-    """One-line ``ConfigError`` for valid settings this version does not implement yet."""
-    zero = cfg.zero_optimization
-    for key in ("offload_optimizer", "offload_param"):
-        if getattr(zero, key).device != "none":
-            raise ConfigError(f"zero_optimization.{key}.device", "offload is not implemented "
-                              "yet (only 'none')", "config")
+def check_supported(cfg: Config, *, numel: int = 0, share: float = 1.0) -> None:
+    """Checks the CLI runs before any rank starts: NVMe swap folders exist, are writable
+    and have room for this node's ``share`` of the model's swap files. One-line
+    ``ConfigError``; nothing is written. Ranks check their exact sizes again."""
+    offload_state.check_paths(cfg.zero_optimization, numel=numel, share=share,
+                              param_bytes=2 if cfg.precision.dtype in ("bf16", "fp16") else 4)
 
 
 class Engine:
@@ -73,9 +72,14 @@ class Engine:
             self.state = {fqn: self._new_state(p) for fqn, p in self.params.items()}
             self.meter = _stage0_meter(self.params, self.state)
         else:
-            self.zero = ZeroOptimizer(self.params, self.groups, topology, stage=zero.stage,
-                                      bucket_size=zero.reduce_bucket_size,
-                                      overlap=zero.overlap_comm, model=self.model)
+            host = torch.device("cpu")
+            self.zero = ZeroOptimizer(
+                self.params, self.groups, topology, stage=zero.stage,
+                bucket_size=zero.reduce_bucket_size, overlap=zero.overlap_comm, model=self.model,
+                state_device=host if zero.offload_optimizer.device != "none" else device,
+                param_device=host if zero.offload_param.device != "none" else device,
+                swap_factory=lambda slots, meter: offload_state.build(
+                    zero, slots, topology.rank, self.dtype, meter))
             self.meter = self.zero.meter
         self.scaler = LossScaler.from_config(cfg.precision)
         self.step_count = 0  # optimizer steps taken (skipped steps excluded)

@@ -206,7 +206,7 @@ class ParamGatherer:
             if i in st.resident or i in st.inflight:
                 continue
             slot = self.zero.slots[i]
-            shard = slot.param
+            shard = self.zero.param_shard(slot)
             part = slot.group.partition
             if part.dp_size == 1:
                 st.inflight[i] = _Gathering(None, shard)

@@ -85,7 +85,7 @@ def build_topology(ep_sizes: tuple[int, ...] | list[int], *, num_experts: int) -
 def gather_groups(topology: Topology) -> dict[str, object]:
     """Second copies of the world and EDP groups, for ZeRO-3's parameter all-gathers.
 
-    Keyed like ``zero._Kind.channel`` (``world``, ``edp<ep>``). Collectives on one group must
+    Keyed like ``shards.Kind.channel`` (``world``, ``edp<ep>``). Collectives on one group must
     be issued in the same order on every rank; gathers follow the modules' order and gradient
     reduce-scatters follow the gradients' arrival, so each gets its own groups. Collective:
     call on every rank (``new_group`` for every group, in the same order).

@@ -5,26 +5,36 @@ ranks are started. Rank 0 writes the run directory: ``config.yaml``, ``param_gro
 ``metrics.jsonl`` (one object per optimizer step) and ``loss.png``; every rank writes its part
 of the checkpoints under ``checkpoint.dir`` (default ``<run dir>/checkpoints``): every
 ``checkpoint.every`` steps and at the end. ``checkpoint.load`` resumes at the saved step with
-the saved data position, so the run continues the same token stream.
+the saved data position, so the run continues the same token stream. With ``checkpoint.load``,
+the architecture keys the user did not set (``ARCH_KEYS``) are taken from the checkpoint's
+manifest (``adopt_architecture``), so ``--set checkpoint.load=DIR`` alone fine-tunes an
+imported Hugging Face model (docs/hf.md).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from reference.plan import store
 from torch_impl.checkpoint import CheckpointError, check_shapes, model_shapes, resolve_load
-from torch_impl.config import Config, dump_config
+from torch_impl.config import Config, ConfigError, dump_config
 from torch_impl.data import Batches, make_corpus
 from torch_impl.engine import Engine, initialize
 from torch_impl.grouping import OptimizerGroups
 from torch_impl.model.decoder import Decoder, ModelArgs, init_weights
 from torch_impl.parallel import Topology, build_topology
+
+ARCH_KEYS = {"model": ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "rope_theta",
+                       "norm_eps"),
+             "moe": ("num_experts", "top_k")}
+"""Config keys that define the model a checkpoint holds (shapes and forward numerics)."""
 
 METRIC_KEYS = ("step", "loss", "ce", "aux_loss", "lr", "grad_norm", "loss_scale", "skipped",
                "tokens_per_s", "step_time_s", "peak_mem_bytes", "step_peak_engine_bytes")
@@ -62,6 +72,38 @@ def setup(cfg: Config, device: torch.device) -> tuple[Engine, Batches]:
     return engine, batches
 
 
+def adopt_architecture(cfg: Config, run_dir: str | Path) -> tuple[Config, list[str]]:
+    """``cfg`` with each ``ARCH_KEYS`` key the user did not set (in a file or with ``--set``)
+    taken from the config in the manifest of the checkpoint ``checkpoint.load`` names.
+
+    Returns:
+        The config and the ``key=value`` items adopted (those that changed).
+
+    Raises:
+        CheckpointError: the checkpoint cannot be found or read (one line).
+        ConfigError: the adopted values make an invalid config (one line).
+    """
+    ckpt = resolve_load(cfg.checkpoint.load, cfg.checkpoint.resolve_dir(run_dir))
+    saved = store.read_manifest(ckpt).config
+    data, adopted = cfg.model_dump(by_alias=True), []
+    for section, keys in ARCH_KEYS.items():
+        theirs = saved.get(section) if isinstance(saved, dict) else None
+        explicit = getattr(cfg, section).model_fields_set
+        for key in keys:
+            if (isinstance(theirs, dict) and key in theirs and key not in explicit
+                    and theirs[key] != data[section][key]):
+                data[section][key] = theirs[key]
+                adopted.append(f"{section}.{key}={theirs[key]}")
+    if not adopted:
+        return cfg, []
+    try:
+        return Config.model_validate(data), adopted
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise ConfigError(".".join(map(str, err["loc"])), err["msg"],
+                          f"architecture adopted from {ckpt}") from None
+
+
 def preflight(cfg: Config, run_dir: str | Path) -> Path | None:
     """Checks that need no process group, for the CLI to report in one line before any rank
     starts: the checkpoint ``checkpoint.load`` names exists, is complete and fits the model.
@@ -82,6 +124,12 @@ def preflight(cfg: Config, run_dir: str | Path) -> Path | None:
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint.load: {exc}") from None
     return ckpt
+
+
+def model_numel(cfg: Config) -> int:
+    """Elements of the global model (every expert once), from shapes on the meta device."""
+    with torch.device("meta"):
+        return sum(math.prod(shape) for shape in model_shapes(Decoder(model_args(cfg))).values())
 
 
 def resume(cfg: Config, engine: Engine, batches: Batches, root: Path) -> Path | None:
@@ -145,6 +193,7 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None) 
             print(f"moezero: resumed from {resumed} at step {engine.global_steps}", flush=True)
     history = _loop(cfg, engine, batches, run_dir if lead else None, root,
                     saved=engine.global_steps if resumed is not None else None)
+    engine.close()  # a clean exit: swap files are removed
     summary = summarize(history, batches.corpus)
     if lead:
         plot_loss(history, summary, run_dir / "loss.png")

@@ -1,4 +1,4 @@
-"""ZeRO stages 1 and 2: flat parameter buffers, sharded fp32 state and the tiled step.
+"""ZeRO stages 1-3: flat parameter buffers, sharded fp32 state and the tiled step.
 
 **Layout.** The model's compute-dtype parameters are views into flat buffers, one per
 data-parallel *kind*: the dense params (sharded over all W ranks) and, for each moe group,
@@ -16,22 +16,8 @@ keeps the full local gradients in one flat buffer per kind that ``param.grad`` v
 accumulates micro-batches into it in place) and takes its partition from the reduction;
 stage 2 keeps only the partition and frees each ``param.grad`` as soon as it has been sent.
 
-**Reduction.** Seen as a [dp_size, shard_numel] matrix (row d = DP rank d's shard), a group
-can be reduce-scattered by column ranges. A bucket is a list of column ranges of groups of one
-kind (at most ``reduce_bucket_size`` elements); its send buffer is [dp_size, cols] in fp32 and
-one ``reduce_scatter_single`` (sum) gives every rank its columns, which are divided by W
-(DESIGN.md §2: dense grads averaged over W; expert grads summed over the EDP group and divided
-by W, i.e. the gradient of the global mean loss) and downcast into the grad partition. Sums are
-taken in fp32 (one rounding for bf16/fp16 grads, as stage 0 does; on CPU the extra bandwidth
-is not the bottleneck). With ``overlap_comm``, a ``register_post_accumulate_grad_hook`` on
-every parameter counts ready params during the *last* micro-batch's backward (earlier ones
-only accumulate locally) and launches a bucket asynchronously once all its params are ready,
-strictly in a fixed order per process group (groups by the registration order of their first
-param, reversed: roughly when backward finishes them), so every rank issues its collectives
-in the same order. A helper thread waits for them and stores the results, freeing each send
-buffer early; the hooks never block. ``reduce_gradients`` launches the rest (a missing
-gradient counts as zero) and waits. A bucket's readiness needs its columns in every row, so
-overlap is per group: cap groups (``max_group_size``) to overlap a large model well.
+**Reduction** (``torch_impl.reduce``): bucketed fp32 reduce-scatters into the grad
+partitions, launched from gradient hooks during the last micro-batch's backward.
 
 **Step** (``step``): the global grad norm is one all-reduce of local sums of squares over the
 partitions, which count each element exactly once, and of a non-finite count (fp16 overflow:
@@ -42,18 +28,23 @@ upcasts every group first and runs the same per-group ops, hence bit-identical r
 Finally the updated params are all-gathered (``all_gather_single``) group by group,
 straight into the flat buffers (a padded group goes through one temporary of its size).
 
+**Stage 3** keeps no flat buffer: each param keeps its own storage, freed between uses, and
+each group's shard of the params (``Slot.param``, the master itself in fp32) is gathered by
+``torch_impl.gather.ParamGatherer`` around each module; the step ends with the downcast into
+the shard, no all-gather. **Offload** (docs/offload.md): the fp32 state lives on
+``state_device`` (the host for ``cpu``) or, for ``nvme``, in swap files handed in by the
+engine (``swap_factory``: ``offload_state.SwapState`` objects, so this layer never imports
+``offload``); ``_states`` yields each group's state in plan order, from memory or read ahead
+from the swap files and written back behind the step.
+
 ``MemoryMeter`` counts the engine's own bytes during the step: persistent partitions and
 temporaries while they are alive. Reference counterpart: ``reference/plan/partition.py``.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
-import queue
-import threading
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -63,149 +54,23 @@ from torch_impl.gather import ParamGatherer
 from torch_impl.grouping import LocalGroup, OptimizerGroups
 from torch_impl.optim import adamw_, clip_coef
 from torch_impl.parallel import Topology
+from torch_impl.reduce import GradReduction
+from torch_impl.shards import Kind, MemoryMeter, Slot, nbytes
 
 # torch 2.13 renamed the tensor forms; older versions only have the *_tensor names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 ADAMW_TEMPORARIES = 2  # optim.adamw_ allocates m_hat and denom, each the size of its input
+__all__ = ["ADAMW_TEMPORARIES", "MemoryMeter", "ZeroOptimizer", "nbytes"]
 
 
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class MemoryMeter:
-    """Bytes of the engine's own buffers: persistent ones plus temporaries while alive."""
-
-    def __init__(self) -> None:
-        self.persistent = self.current = self.peak = 0
-
-    def add_persistent(self, *tensors: torch.Tensor) -> None:
-        self.persistent += sum(nbytes(t) for t in tensors)
-        self.peak = max(self.peak, self.persistent + self.current)
-
-    def start(self) -> None:
-        """Begin measuring one step."""
-        self.current, self.peak = 0, self.persistent
-
-    def hold(self, nbytes: int) -> None:
-        self.current += nbytes
-        self.peak = max(self.peak, self.persistent + self.current)
-
-    def drop(self, nbytes: int) -> None:
-        self.current -= nbytes
-
-
-@dataclass(eq=False)
-class _Slot:
-    """One local optimizer group: its place in its kind's flat buffer and this rank's shard."""
-
-    group: LocalGroup
-    offset: int  # element offset of the group in its kind's flat buffer
-    dp_rank: int
-    starts: list[int] = field(default_factory=list)  # member offsets (for bisect)
-    master: torch.Tensor | None = None
-    exp_avg: torch.Tensor | None = None
-    exp_avg_sq: torch.Tensor | None = None
-    grad: torch.Tensor | None = None  # reduced grad partition, compute dtype
-    param: torch.Tensor | None = None  # stage 3: the param shard, compute dtype
-    channel: str = ""  # its data-parallel group's name (``_Kind.channel``)
-
-    @property
-    def numel(self) -> int:
-        return self.group.partition.numel
-
-    @property
-    def shard(self) -> int:
-        return self.group.partition.shard_numel
-
-    def rows(self, a: int, b: int):
-        """(row d, lo, hi): the group elements of columns [a, b) in DP rank d's shard."""
-        for d in range(self.group.partition.dp_size):
-            lo, hi = d * self.shard + a, min(d * self.shard + b, self.numel)
-            if lo < hi:
-                yield d, lo, hi
-
-    def members_in(self, lo: int, hi: int):
-        """(fqn, param element start, start in [lo, hi), count) of members overlapping it."""
-        offsets = self.group.partition.offsets
-        i = max(bisect.bisect_right(self.starts, lo) - 1, 0)
-        while i < len(offsets) and offsets[i][1] < hi:
-            member, off = offsets[i]
-            start, stop = max(lo, off), min(hi, off + member.numel)
-            if start < stop:
-                yield member.fqn, member.start + start - off, start - lo, stop - start
-            i += 1
-
-
-@dataclass(eq=False)
-class _Kind:
-    """A flat buffer of groups sharing one data-parallel group (dense, or moe group x EP rank)."""
-
-    name: str
-    dp_size: int
-    group: object  # process group; None = the world (dense) or no communication (dp_size 1)
-    channel: str  # the process group's name, to order collectives
-    slots: list[_Slot]
-    params: torch.Tensor | None = None
-    grads: torch.Tensor | None = None  # stage 1: full local grads, viewed by param.grad
-
-
-@dataclass(frozen=True)
-class _Bucket:
-    kind: int
-    pieces: tuple[tuple[int, int, int], ...]  # (slot index in kind, column start, column stop)
-    fqns: tuple[str, ...]  # params it reads
-
-    @property
-    def cols(self) -> int:
-        return sum(b - a for _, a, b in self.pieces)
-
-
-class _Waiter:
-    """Waits for launched reduce-scatters on a helper thread and stores each result, so its
-    fp32 send buffer is freed once the collective is done, while the hooks never block (a
-    blocking wait inside backward could deadlock against a peer's expert all-to-all).
-    The thread lives for one reduction: the first ``put`` starts it, ``join`` ends it."""
-
-    def __init__(self, store) -> None:
-        self._store, self._queue, self._thread, self._error = store, None, None, None
-
-    def put(self, entry: tuple) -> None:
-        if self._thread is None:
-            self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._run, name="moezero-reduce", daemon=True)
-            self._thread.start()
-        self._queue.put(entry)
-
-    def _run(self) -> None:
-        while True:
-            entry = self._queue.get()
-            if entry is None:
-                return
-            try:
-                if self._error is None:
-                    self._store(*entry)
-            except BaseException as exc:  # re-raised on the training thread by join()
-                self._error = exc
-            del entry  # free the send buffer now, not at the next put
-
-    def join(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = self._queue = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-
-class ZeroOptimizer:
-    """Sharded optimizer state, gradient reduction and the (tiled) step for stages 1 and 2."""
+class ZeroOptimizer(GradReduction):
+    """Sharded optimizer state, gradient reduction and the (tiled) step for stages 1-3."""
 
     def __init__(self, params: dict[str, nn.Parameter], groups: OptimizerGroups,
                  topology: Topology, *, stage: int, bucket_size: int, overlap: bool,
-                 model: nn.Module | None = None, prefetch: bool = True):
+                 model: nn.Module | None = None, prefetch: bool = True,
+                 state_device: torch.device | None = None, param_device: torch.device | None = None,
+                 swap_factory=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"zero_optimization.stage: ZeroOptimizer runs 1-3, got {stage}")
         if stage == 3 and model is None:
@@ -215,6 +80,11 @@ class ZeroOptimizer:
         self.kinds = self._build_kinds(groups.local)
         self.slots = [s for kind in self.kinds for s in kind.slots]
         self.slots.sort(key=lambda s: s.group.plan.index)  # plan order, for the step
+        # Offload: where the fp32 state and the stage-3 param shards live in memory (the
+        # device, or the host for 'cpu'), or swap files (``offload_state.SwapState``).
+        self.state_device = state_device or self._device
+        self.param_device = param_device or self._device
+        self.optim_swap, self.param_swap = swap_factory(self.slots, self.meter) if swap_factory else (None, None)
         self._where: dict[str, tuple[int, int]] = {}  # fqn -> (kind, flat position)
         for k, kind in enumerate(self.kinds):
             self._place_params(k, kind)
@@ -224,25 +94,13 @@ class ZeroOptimizer:
         if stage == 1:
             self._attach_grad_views()
         self._init_state()
-        self.buckets = self._plan_buckets(bucket_size)
-        self._order: dict[str, list[int]] = defaultdict(list)
-        self._buckets_of: dict[str, list[int]] = defaultdict(list)
-        for i, bucket in enumerate(self.buckets):
-            self._order[self.kinds[bucket.kind].channel].append(i)
-            for fqn in bucket.fqns:
-                self._buckets_of[fqn].append(i)
-        self._final = False
-        self._waiter = _Waiter(self._store)
-        self._reset_reduction()
-        if overlap:
-            for fqn, p in params.items():
-                p.register_post_accumulate_grad_hook(lambda _p, fqn=fqn: self._on_grad(fqn))
+        self._init_reduction(bucket_size, overlap)
         self.gatherer = None
         if stage == 3:
             self.gatherer = ParamGatherer(self, model, topology, prefetch=prefetch)
 
     # ------------------------------------------------------------------ construction
-    def _build_kinds(self, local: tuple[LocalGroup, ...]) -> list[_Kind]:
+    def _build_kinds(self, local: tuple[LocalGroup, ...]) -> list[Kind]:
         topo, kinds, cursor = self.topology, {}, defaultdict(int)
         for g in local:
             plan, part = g.plan, g.partition
@@ -250,14 +108,14 @@ class ZeroOptimizer:
             if name not in kinds:
                 group = topo.edp_group(plan.ep_size) if plan.is_expert else None
                 channel = f"edp{plan.ep_size}" if plan.is_expert else "world"
-                kinds[name] = _Kind(name, part.dp_size, group, channel, [])
-            slot = _Slot(g, cursor[name], part.dp_rank(topo.rank),
+                kinds[name] = Kind(name, part.dp_size, group, channel, [])
+            slot = Slot(g, cursor[name], part.dp_rank(topo.rank),
                          [off for _, off in part.offsets], channel=kinds[name].channel)
             kinds[name].slots.append(slot)
             cursor[name] += part.numel
         return list(kinds.values())
 
-    def _place_params(self, k: int, kind: _Kind) -> None:
+    def _place_params(self, k: int, kind: Kind) -> None:
         """Copy the kind's params into one flat buffer and make them views of it."""
         first = {}  # fqn -> flat position of its element 0
         for slot in kind.slots:
@@ -285,159 +143,65 @@ class ZeroOptimizer:
         return next(iter(self.params.values())).device
 
     def _init_state(self) -> None:
-        """fp32 master (this rank's shard of the params, zero padding) and zero moments; at
-        stage 3 also the compute-dtype param shard (the master itself in fp32)."""
+        """fp32 master (this rank's shard of the params, zero padding) and zero moments, in
+        memory or swap files; at stage 3 also the compute-dtype param shard (in fp32 and on
+        the same device, the master itself)."""
         dtype = next(iter(self.params.values())).dtype
         for slot in self.slots:
-            slot.master = torch.zeros(slot.shard, dtype=torch.float32, device=self._device)
+            master = torch.zeros(slot.shard, dtype=torch.float32, device=self._device)
             lo = slot.dp_rank * slot.shard
             hi = min(lo + slot.shard, slot.numel)
             if lo < hi:
-                self._read_members(slot, lo, hi, slot.master, lambda fqn: self.params[fqn].data)
-            slot.exp_avg, slot.exp_avg_sq = torch.zeros_like(slot.master), torch.zeros_like(slot.master)
+                self._read_members(slot, lo, hi, master, lambda fqn: self.params[fqn].data)
             slot.grad = torch.zeros(slot.shard, dtype=dtype, device=self._device)
-            self.meter.add_persistent(slot.master, slot.exp_avg, slot.exp_avg_sq, slot.grad)
+            self.meter.add_persistent(slot.grad)
             if self.stage == 3:
-                slot.param = slot.master if dtype == torch.float32 else slot.master.to(dtype)
-                if slot.param is not slot.master:
-                    self.meter.add_persistent(slot.param)
+                self._init_param_shard(slot, master, dtype)
+            if self.optim_swap is not None:
+                bufs = self.optim_swap.buffers(slot)
+                bufs["master"].copy_(master)
+                bufs["exp_avg"].zero_()
+                bufs["exp_avg_sq"].zero_()
+                self.optim_swap.store(slot, bufs)
+                self.optim_swap.drop(bufs)
+                continue
+            slot.master = self._host_or_device(master, self.state_device)
+            slot.exp_avg, slot.exp_avg_sq = torch.zeros_like(slot.master), torch.zeros_like(slot.master)
+            self.meter.add_persistent(slot.master, slot.exp_avg, slot.exp_avg_sq)
+            if self.stage == 3 and slot.param is None and dtype == torch.float32 \
+                    and self.param_swap is None and self.param_device == self.state_device:
+                slot.param = slot.master
 
-    def _plan_buckets(self, cap: int) -> list[_Bucket]:
-        """Column ranges of groups, <= cap elements each, in the order backward is expected to
-        complete the groups: by the registration (~forward) order of their first param, last
-        first. Every rank of a data-parallel group computes the same order."""
-        position = {fqn: i for i, fqn in enumerate(self.params)}
-        buckets = []
-        for k, kind in enumerate(self.kinds):
-            cols_cap, pieces, cols = max(1, cap // kind.dp_size), [], 0
-            first_use = [min(position[m.fqn] for m in s.group.members) for s in kind.slots]
-            for si in sorted(range(len(kind.slots)), key=lambda i: -first_use[i]):
-                a, shard = 0, kind.slots[si].shard
-                while a < shard:
-                    b = min(shard, a + cols_cap - cols)
-                    pieces.append((si, a, b))
-                    cols, a = cols + b - a, b
-                    if cols == cols_cap:
-                        buckets.append(self._bucket(k, pieces))
-                        pieces, cols = [], 0
-            if pieces:
-                buckets.append(self._bucket(k, pieces))
-        return buckets
+    def _init_param_shard(self, slot: Slot, master: torch.Tensor, dtype: torch.dtype) -> None:
+        if self.param_swap is not None:
+            bufs = self.param_swap.buffers(slot)
+            bufs["param"].copy_(master)
+            self.param_swap.store(slot, bufs)
+            self.param_swap.drop(bufs)
+        elif dtype != torch.float32 or self.optim_swap is not None \
+                or self.param_device != self.state_device:
+            slot.param = self._host_or_device(master.to(dtype), self.param_device)
+            self.meter.add_persistent(slot.param)
 
-    def _bucket(self, k: int, pieces: list) -> _Bucket:
-        fqns = {}
-        for si, a, b in pieces:
-            slot = self.kinds[k].slots[si]
-            for _, lo, hi in slot.rows(a, b):
-                fqns.update((fqn, None) for fqn, *_ in slot.members_in(lo, hi))
-        return _Bucket(k, tuple(pieces), tuple(fqns))
+    def _host_or_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``t`` on ``device``; host copies are pinned only when an accelerator is used."""
+        if device == t.device:
+            return t
+        return t.to(device).pin_memory() if self._device.type == "cuda" else t.to(device)
 
     # ------------------------------------------------------------------ gradients
-    def before_backward(self, *, final: bool) -> None:
-        """Called before each micro-batch's backward; ``final`` = the step's last one."""
-        self._final = final
-        if self.stage == 1:
-            self._attach_grad_views()
-
     def after_backward(self) -> None:
         """Called after each micro-batch's backward: stage 3 releases what it still holds."""
         if self.gatherer is not None:
             self.gatherer.after_backward()
 
     def close(self) -> None:
-        """Drop gathers in flight and release offload resources (idempotent)."""
+        """Drop gathers in flight and remove the swap files (a clean exit)."""
         if self.gatherer is not None:
             self.gatherer.drain()
-
-    def _attach_grad_views(self) -> None:
-        for fqn, p in self.params.items():
-            if p.grad is None:
-                k, pos = self._where[fqn]
-                p.grad = self.kinds[k].grads[pos:pos + p.numel()].view_as(p)
-
-    def _on_grad(self, fqn: str) -> None:
-        if not self._final:
-            return
-        for i in self._buckets_of[fqn]:
-            self._waiting[i] -= 1
-        self._launch_ready(flush=False)
-
-    def _launch_ready(self, *, flush: bool) -> None:
-        for channel, order in self._order.items():
-            i = self._next[channel]
-            while i < len(order) and (flush or self._waiting[order[i]] == 0):
-                self._launch(order[i])
-                i += 1
-            self._next[channel] = i
-
-    def _launch(self, index: int) -> None:
-        bucket = self.buckets[index]
-        kind = self.kinds[bucket.kind]
-        send = torch.zeros(kind.dp_size, bucket.cols, dtype=torch.float32, device=self._device)
-        col = 0
-        for si, a, b in bucket.pieces:
-            slot = kind.slots[si]
-            for d, lo, hi in slot.rows(a, b):
-                self._read_grads(kind, slot, lo, hi, send[d, col:col + hi - lo])
-            col += b - a
-        if kind.dp_size == 1:
-            out, work = send[0], None
-        else:
-            out = torch.empty(bucket.cols, dtype=torch.float32, device=self._device)
-            work = _reduce_scatter(out, send.view(-1), group=kind.group, async_op=True)
-        if work is None:
-            self._store(index, out, work)
-        else:
-            self._waiter.put((index, out, work, send))  # send stays alive until the op is done
-        if self.stage >= 2:
-            self._release(bucket)
-
-    def _read_grads(self, kind: _Kind, slot: _Slot, lo: int, hi: int, dst: torch.Tensor) -> None:
-        """Copy (upcasting) the group elements [lo, hi) of the local gradients into ``dst``."""
-        if kind.grads is not None:
-            dst.copy_(kind.grads[slot.offset + lo:slot.offset + hi])
-            return
-        # no gradient (e.g. an expert that saw no token) is zero
-        self._read_members(slot, lo, hi, dst, lambda fqn: self.params[fqn].grad)
-
-    @staticmethod
-    def _read_members(slot: _Slot, lo: int, hi: int, dst: torch.Tensor, tensor_of) -> None:
-        """Copy the group elements [lo, hi) of ``tensor_of(fqn)`` (None: skipped) into ``dst``."""
-        for fqn, start, at, count in slot.members_in(lo, hi):
-            t = tensor_of(fqn)
-            if t is not None:
-                dst[at:at + count].copy_(t.reshape(-1)[start:start + count])
-
-    def _release(self, bucket: _Bucket) -> None:
-        for fqn in bucket.fqns:
-            self._unsent[fqn] -= 1
-            if self._unsent[fqn] == 0:
-                self.params[fqn].grad = None
-
-    def reduce_gradients(self) -> None:
-        """Launch every bucket not yet launched, wait, and store (sum / W) in the partitions."""
-        self._launch_ready(flush=True)
-        self._waiter.join()
-        self._reset_reduction()
-
-    def _store(self, index: int, out: torch.Tensor, work, _send=None) -> None:
-        """Wait for a bucket's reduce-scatter; put (sum / W) into the grad partitions."""
-        if work is not None:
-            work.wait()
-        out.div_(self.topology.world_size)
-        bucket, col = self.buckets[index], 0
-        for si, a, b in bucket.pieces:
-            self.kinds[bucket.kind].slots[si].grad[a:b].copy_(out[col:col + b - a])
-            col += b - a
-
-    def _reset_reduction(self) -> None:
-        self._final = False
-        self._waiting = [len(b.fqns) for b in self.buckets]
-        self._next = dict.fromkeys(self._order, 0)
-        self._unsent = defaultdict(int)
-        for bucket in self.buckets:
-            for fqn in bucket.fqns:
-                self._unsent[fqn] += 1
+        for swap in (self.optim_swap, self.param_swap):
+            if swap is not None:
+                swap.close(remove=True)
 
     def zero_grad(self) -> None:
         """After a step: clear the local gradients (stage 1 keeps its views, zeroed)."""
@@ -464,31 +228,56 @@ class ZeroOptimizer:
             return float("inf"), True
         grad_norm = math.sqrt(sq) / scale
         clip = clip_coef(grad_norm, max_norm)
-        for i, slot in enumerate(self.slots):
+        for i, (slot, st) in enumerate(self._states()):
             g32 = upcast[i] if upcast is not None else self._upcast(slot)
             if upcast is not None:
                 upcast[i] = None
             g32.mul_(1.0 / scale).mul_(clip)
+            held = nbytes(g32)
+            g32 = g32.to(self.state_device)  # offload: the step runs where the state is
             hp = slot.group.hparams
-            self.meter.hold(ADAMW_TEMPORARIES * nbytes(g32))
-            adamw_(slot.master, g32, slot.exp_avg, slot.exp_avg_sq, step=step,
+            self.meter.hold(ADAMW_TEMPORARIES * held)
+            adamw_(st["master"], g32, st["exp_avg"], st["exp_avg_sq"], step=step,
                    lr=lr * hp.get("lr_scale", 1.0), beta1=betas[0], beta2=betas[1], eps=eps,
                    weight_decay=hp.get("weight_decay", 0.0))
-            self.meter.drop((ADAMW_TEMPORARIES + 1) * nbytes(g32))
+            self.meter.drop((ADAMW_TEMPORARIES + 1) * held)
             del g32
-            self._downcast(slot)
+            self._downcast(slot, st["master"])
         if self.stage < 3:
             self._gather(lambda slot: slot.grad, [k.params for k in self.kinds])
         return grad_norm, False
 
-    def _downcast(self, slot: _Slot) -> None:
-        """The updated master into the compute dtype: at stage 3 the param shard, else the
-        grad partition's storage (the all-gather's source)."""
-        target = slot.param if self.stage == 3 else slot.grad
-        if target is not slot.master:
-            target.copy_(slot.master)
+    def _states(self):
+        """(slot, {"master", "exp_avg", "exp_avg_sq": fp32 shard}) in plan order: the tensors
+        themselves, or swap files' contents in host buffers that are written back."""
+        if self.optim_swap is not None:
+            yield from self.optim_swap.stepping(self.slots)
+            return
+        for slot in self.slots:
+            yield slot, {"master": slot.master, "exp_avg": slot.exp_avg,
+                         "exp_avg_sq": slot.exp_avg_sq}
 
-    def _upcast(self, slot: _Slot) -> torch.Tensor:
+    def _downcast(self, slot: Slot, master: torch.Tensor) -> None:
+        """The updated master into the compute dtype: at stage 3 the param shard (memory or
+        swap file), else the grad partition's storage (the all-gather's source)."""
+        if self.stage == 3 and self.param_swap is not None:
+            bufs = self.param_swap.buffers(slot)
+            bufs["param"].copy_(master)
+            self.param_swap.store(slot, bufs)
+            self.param_swap.drop(bufs)
+            return
+        target = slot.param if self.stage == 3 else slot.grad
+        if target is not master:
+            target.copy_(master)
+
+    def param_shard(self, slot: Slot) -> torch.Tensor:
+        """Stage 3: ``slot``'s param shard on the compute device (read from its swap file, or
+        copied from the host, when offloaded), the source of its all-gather."""
+        if self.param_swap is not None:
+            return self.param_swap.load(slot)["param"].to(self._device)
+        return slot.param.to(self._device)
+
+    def _upcast(self, slot: Slot) -> torch.Tensor:
         g32 = slot.grad.float() if slot.grad.dtype != torch.float32 else slot.grad.clone()
         self.meter.hold(nbytes(g32))
         return g32
@@ -541,7 +330,7 @@ class ZeroOptimizer:
         all-gathered from the shards (collective)."""
         if self.stage < 3:
             return dict(self.params)
-        return self._full(lambda slot: slot.param)
+        return self._full(self.param_shard)
 
     def _full(self, shard_of) -> dict[str, torch.Tensor]:
         p0 = next(iter(self.params.values()))
@@ -554,24 +343,35 @@ class ZeroOptimizer:
     def state_pieces(self):
         """(Slice of a param, {"master", "exp_avg", "exp_avg_sq": views}) for every element
         range this rank owns, in plan order (padding omitted)."""
-        for slot in self.slots:
+        for slot, st in self.shards_in_memory():
             for piece, at in slot.group.partition.rank_slices(slot.dp_rank):
-                views = {name: getattr(slot, name)[at:at + piece.numel]
-                         for name in ("master", "exp_avg", "exp_avg_sq")}
-                yield piece, views
+                yield piece, {name: t[at:at + piece.numel] for name, t in st.items()}
 
     def shards(self):
         """(partition, dp_rank, {"master", "exp_avg", "exp_avg_sq": padded fp32 shard}) for
-        every local group in plan order: the tensors themselves, for checkpoints."""
+        every local group in plan order: the tensors themselves, for checkpoints; with NVMe
+        offload host buffers whose contents are written back to the swap files."""
+        for slot, st in self.shards_in_memory(write_back=True):
+            yield slot.group.partition, slot.dp_rank, st
+
+    def shards_in_memory(self, *, write_back: bool = False):
+        """(slot, its fp32 states) one group at a time; swapped states are read into host
+        buffers (and written back after the caller's turn with ``write_back``)."""
+        if self.optim_swap is None:
+            yield from self._states()
+            return
         for slot in self.slots:
-            yield slot.group.partition, slot.dp_rank, {
-                name: getattr(slot, name) for name in ("master", "exp_avg", "exp_avg_sq")}
+            bufs = self.optim_swap.load(slot)
+            yield slot, bufs
+            if write_back:
+                self.optim_swap.store(slot, bufs)
+            self.optim_swap.drop(bufs)
 
     def params_from_master(self) -> None:
         """Downcast every master shard and all-gather the params (collective), as the end
         of ``step`` does; after loading a checkpoint into the shards."""
-        for slot in self.slots:
-            self._downcast(slot)
+        for slot, st in self.shards_in_memory():
+            self._downcast(slot, st["master"])
         if self.stage < 3:
             self._gather(lambda slot: slot.grad, [k.params for k in self.kinds])
 
@@ -586,7 +386,7 @@ class ZeroOptimizer:
                     "offset": slot.offset,
                     "members": [(m.fqn, m.start, m.stop) for m in slot.group.members],
                     "dp_rank": slot.dp_rank, "range": part.rank_range(slot.dp_rank),
-                    "ranks": list(part.ranks), "master": slot.master.numel(),
-                    "exp_avg": slot.exp_avg.numel(), "exp_avg_sq": slot.exp_avg_sq.numel(),
+                    "ranks": list(part.ranks), "master": slot.shard,
+                    "exp_avg": slot.shard, "exp_avg_sq": slot.shard,
                     "grad": slot.grad.numel()})
         return sorted(rows, key=lambda r: r["index"])

@@ -71,12 +71,13 @@ class RankRanges(NamedTuple):
     """Where one DP rank's partition of a group lies on disk, per state.
 
     ``numel`` is the number of real (unpadded) elements of the shard that go to disk; the
-    rank writes ``shard[:numel]`` of each state at the given range.
+    rank writes ``shard[:numel]`` of each state at the given range. The moments are ``None``
+    in a weights-only layout.
     """
 
     master: ByteRange
-    exp_avg: ByteRange
-    exp_avg_sq: ByteRange
+    exp_avg: ByteRange | None
+    exp_avg_sq: ByteRange | None
     numel: int
 
 
@@ -130,6 +131,12 @@ class Layout:
         """All files: model files, then optim files."""
         return self.model_files + self.optim_files
 
+    @property
+    def weights_only(self) -> bool:
+        """True for a layout of fp32 master weights without optimizer state (no optim files),
+        e.g. a model imported from Hugging Face; a loader starts the Adam moments at zero."""
+        return bool(self.model_files) and not self.optim_files
+
     @cached_property
     def _by_name(self) -> dict[str, FileLayout]:
         return {f.name: f for f in self.files}
@@ -157,6 +164,8 @@ class Layout:
     def pieces(self, fqn: str, state: str = "master") -> tuple[tuple[FileLayout, TensorEntry], ...]:
         """The (file, tensor) pieces holding ``fqn``'s ``state``, in element order."""
         _check_state(state)
+        if state != "master" and self.weights_only:
+            raise KeyError(f"a weights-only checkpoint has no {state} of {fqn!r}")
         if (fqn, state) not in self._pieces:
             raise KeyError(f"parameter {fqn!r} is not in the checkpoint")
         return self._pieces[(fqn, state)]
@@ -194,13 +203,14 @@ def shapes_of(specs: Iterable[ParamSpec]) -> dict[str, tuple[int, ...]]:
 
 
 def plan_layout(groups: Sequence[GroupPlan], shapes: Mapping[str, Sequence[int]], *,
-                step: int) -> Layout:
+                step: int, weights_only: bool = False) -> Layout:
     """The checkpoint layout of a plan at ``step``.
 
     Args:
         groups: The plan from ``plan_groups`` (every parameter's elements exactly once).
         shapes: Full shape of every parameter in ``groups`` (``shapes_of(specs)``).
         step: Optimizer step, recorded in each header's metadata.
+        weights_only: Model files only (fp32 masters), no optim files.
 
     Raises:
         ValueError: (one line) if shapes and groups disagree or an FQN contains ``@``.
@@ -209,7 +219,7 @@ def plan_layout(groups: Sequence[GroupPlan], shapes: Mapping[str, Sequence[int]]
     _check_coverage(groups, shapes)
     num = len(groups)
     model = tuple(_file("model", g, num, shapes, step) for g in groups)
-    optim = tuple(_file("optim", g, num, shapes, step) for g in groups)
+    optim = () if weights_only else tuple(_file("optim", g, num, shapes, step) for g in groups)
     order = [m.fqn for g in groups for m in g.members if m.start == 0]
     return Layout(step, tuple(groups), tuple((f, shapes[f]) for f in order), model, optim)
 
@@ -272,16 +282,18 @@ def rank_ranges(layout: Layout, partition: Partition, dp_rank: int) -> RankRange
 
     The partition must be of a group of this layout with the same members (any world size
     or alignment). Padding never reaches disk: a rank whose shard is all padding gets
-    zero-length ranges.
+    zero-length ranges. A weights-only layout has no moment ranges (``None``).
     """
     index = _matching_group(layout, partition)
     lo, hi = partition.rank_range(dp_rank)
     lo, hi = min(lo, partition.numel), min(hi, partition.numel)
-    model, optim = layout.model_files[index], layout.optim_files[index]
-    length = (hi - lo) * ITEMSIZE
+    model, length = layout.model_files[index], (hi - lo) * ITEMSIZE
+    master = ByteRange(model.name, model.data_start + lo * ITEMSIZE, length)
+    if layout.weights_only:
+        return RankRanges(master, None, None, hi - lo)
+    optim = layout.optim_files[index]
     avg = optim.data_start + lo * ITEMSIZE
-    return RankRanges(ByteRange(model.name, model.data_start + lo * ITEMSIZE, length),
-                      ByteRange(optim.name, avg, length),
+    return RankRanges(master, ByteRange(optim.name, avg, length),
                       ByteRange(optim.name, avg + partition.numel * ITEMSIZE, length), hi - lo)
 
 
@@ -352,14 +364,17 @@ class Manifest:
 def manifest_to_json(manifest: Manifest) -> dict:
     """The manifest as a JSON object (the layout as groups, shapes and file sizes)."""
     layout = manifest.layout
-    return {"format": "moezero-checkpoint", "format_version": FORMAT_VERSION,
-            "step": layout.step, "dtype": "F32", "config": manifest.config,
-            "topology": manifest.topology,
-            "groups": [group_to_json(g) for g in layout.groups],
-            "shapes": {fqn: list(shape) for fqn, shape in layout.shapes},
-            "files": [{"name": f.name, "kind": f.kind, "group": f.group, "size": f.size}
-                      for f in layout.files],
-            "checksums": [list(r) for r in manifest.checksums], "state": manifest.state}
+    obj = {"format": "moezero-checkpoint", "format_version": FORMAT_VERSION,
+           "step": layout.step, "dtype": "F32", "config": manifest.config,
+           "topology": manifest.topology,
+           "groups": [group_to_json(g) for g in layout.groups],
+           "shapes": {fqn: list(shape) for fqn, shape in layout.shapes},
+           "files": [{"name": f.name, "kind": f.kind, "group": f.group, "size": f.size}
+                     for f in layout.files],
+           "checksums": [list(r) for r in manifest.checksums], "state": manifest.state}
+    if layout.weights_only:  # only then: older manifests stay byte-identical
+        obj["weights_only"] = True
+    return obj
 
 
 def manifest_from_json(obj: Any) -> Manifest:
@@ -371,7 +386,7 @@ def manifest_from_json(obj: Any) -> Manifest:
                          f"(this reader knows {FORMAT_VERSION})")
     try:
         layout = plan_layout([group_from_json(g) for g in obj["groups"]], obj["shapes"],
-                             step=int(obj["step"]))
+                             step=int(obj["step"]), weights_only=obj.get("weights_only") is True)
         files = [(f["name"], f["kind"], f["group"], f["size"]) for f in obj["files"]]
         checksums = tuple(RangeRecord(str(f), int(o), int(n), int(c))
                           for f, o, n, c in obj["checksums"])

@@ -16,6 +16,7 @@ when the group is unchanged, per-tensor slices otherwise). Torch counterpart:
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -142,7 +143,7 @@ def write_partition(ckpt_dir: str | os.PathLike, layout: Layout, partition: Part
     records = []
     for state, shard in zip(STATES, (master, exp_avg, exp_avg_sq), strict=True):
         where = getattr(ranges, state)
-        if where.length:
+        if where is not None and where.length:  # None: a weights-only layout's moments
             data = _real_elements(shard, ranges.numel, f"{partition.group} {state}")
             crc = write_range(Path(ckpt_dir) / where.file, where.offset, data)
             records.append(RangeRecord(where.file, where.offset, where.length, crc))
@@ -155,25 +156,52 @@ def copy_range(src: str | os.PathLike, src_offset: int, dst: str | os.PathLike,
                dst_offset: int, length: int) -> int:
     """Copy ``length`` bytes file to file (an NVMe swap partition <-> its checkpoint range).
 
-    pread/pwrite in chunks of at most 8 MiB. Not ``os.copy_file_range``: the checksum
-    needs every byte in user space anyway, so the in-kernel copy would read twice.
-    ``dst`` must exist and be large enough (it is never extended).
+    Chunk by chunk (at most 8 MiB): ``os.copy_file_range`` moves the bytes inside the kernel
+    (a reflink or server-side copy where the filesystem has one, never a user-space write),
+    then the same source chunk is read back, from the page cache the copy just filled, for
+    the checksum. Where the kernel copy is refused (EXDEV, ENOSYS, EINVAL, EOPNOTSUPP) the
+    rest is pread/pwrite. ``dst`` must exist and be large enough (it is never extended).
 
     Returns:
         The crc32 of the bytes copied.
     """
-    crc = 0
+    crc, kernel = 0, hasattr(os, "copy_file_range")
     with open(src, "rb") as fin, open(dst, "r+b") as fout:
         if dst_offset < 0 or dst_offset + length > os.fstat(fout.fileno()).st_size:
             raise ValueError(f"{dst}: range [{dst_offset}, {dst_offset + length}) is outside it")
         for pos in range(0, length, CHUNK):
             size = min(CHUNK, length - pos)
+            if kernel:
+                kernel = _kernel_copy(fin.fileno(), src_offset + pos, fout.fileno(),
+                                      dst_offset + pos, size)
             data = os.pread(fin.fileno(), size, src_offset + pos)
             if len(data) != size:
                 raise CheckpointError(f"{src}: truncated at byte {src_offset + pos + len(data)}")
-            _pwrite_all(fout.fileno(), memoryview(data), dst_offset + pos)
+            if not kernel:
+                _pwrite_all(fout.fileno(), memoryview(data), dst_offset + pos)
             crc = zlib.crc32(data, crc)
     return crc
+
+
+_NO_KERNEL_COPY = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP})
+
+
+def _kernel_copy(fd_in: int, src: int, fd_out: int, dst: int, size: int) -> bool:
+    """``os.copy_file_range`` of ``size`` bytes; False if the kernel or filesystem refuses it.
+
+    Stops early at the source's end (the caller's read finds the truncation).
+    """
+    try:
+        while size:
+            done = os.copy_file_range(fd_in, fd_out, size, src, dst)
+            if not done:
+                break
+            src, dst, size = src + done, dst + done, size - done
+    except OSError as err:
+        if err.errno not in _NO_KERNEL_COPY:
+            raise
+        return False
+    return True
 
 
 def _real_elements(shard: np.ndarray, numel: int, what: str) -> np.ndarray:
@@ -333,6 +361,8 @@ def read_range(ckpt_dir: str | os.PathLike, manifest: Manifest, partition: Parti
     """
     ranges = rank_ranges(manifest.layout, partition, dp_rank)
     where = getattr(ranges, state)
+    if where is None:
+        raise CheckpointError(f"{ckpt_dir}: a weights-only checkpoint has no {state}")
     out = _output(out, partition.shard_numel)
     _pread_into(Path(ckpt_dir) / where.file, out[:ranges.numel], where.offset)
     out[ranges.numel:] = 0

@@ -1,0 +1,164 @@
+"""ZeRO state in NVMe swap files: the optimizer state of the tiled step and stage-3 param shards.
+
+One swap file per (optimizer group, state) and rank (``offload.SwapDir``), holding exactly the
+rank's padded partition of that group: ``master``/``exp_avg``/``exp_avg_sq`` in fp32 and, at
+stage 3 with ``offload_param.device: nvme``, ``param`` in the compute dtype. The checkpoint
+layout stores the same contiguous ranges, so a save copies file to file
+(``checkpoint.py``). ``SwapState.stepping`` pipelines the tiled step: while group g is
+stepped, group g+1 is being read and group g-1 written back; only those three groups' fp32
+state is in memory. The engine builds these objects; ``zero.ZeroOptimizer`` only calls them.
+Reference counterpart: none (the reference keeps every state in memory).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from torch_impl.offload import (
+    OPTIMIZER_KEY,
+    PARAM_KEY,
+    AsyncIO,
+    SwapDir,
+    aligned_empty,
+    aligned_size,
+)
+
+OPTIM_STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+class SwapState:
+    """Some states of every local group in swap files of one folder (one per rank)."""
+
+    def __init__(self, folder: SwapDir, io: AsyncIO, slots: Sequence, states: tuple[str, ...],
+                 dtype: torch.dtype, *, key: str, meter=None):
+        self.folder, self.io, self.slots, self.states = folder, io, list(slots), states
+        self.dtype, self.key, self.meter = dtype, key, meter
+
+    def nbytes(self) -> int:
+        """Bytes of this rank's swap files (each rounded up to the alignment)."""
+        size = self.dtype.itemsize
+        return sum(aligned_size(s.shard * size) for s in self.slots) * len(self.states)
+
+    def allocate(self) -> None:
+        """Create (or reuse, same size) every swap file; contents are written by the caller."""
+        for slot in self.slots:
+            for state in self.states:
+                self.folder.allocate(slot.group.name, state, slot.shard * self.dtype.itemsize)
+
+    def path(self, slot, state: str):
+        return self.folder.path(slot.group.name, state)
+
+    def buffers(self, slot) -> dict[str, torch.Tensor]:
+        """Fresh aligned host buffers for ``slot``'s states (counted by the meter while alive)."""
+        bufs = {s: aligned_empty(slot.shard, self.dtype) for s in self.states}
+        if self.meter is not None:
+            self.meter.hold(sum(b.numel() * b.element_size() for b in bufs.values()))
+        return bufs
+
+    def drop(self, bufs: dict[str, torch.Tensor]) -> None:
+        if self.meter is not None:
+            self.meter.drop(sum(b.numel() * b.element_size() for b in bufs.values()))
+
+    def read(self, slot, bufs: dict[str, torch.Tensor]) -> list[Future]:
+        return [self.io.read(self.path(slot, s), bufs[s]) for s in bufs]
+
+    def write(self, slot, bufs: dict[str, torch.Tensor]) -> list[Future]:
+        return [self.io.write(self.path(slot, s), bufs[s]) for s in bufs]
+
+    def load(self, slot) -> dict[str, torch.Tensor]:
+        """``slot``'s states read now into fresh buffers."""
+        bufs = self.buffers(slot)
+        _wait(self.read(slot, bufs))
+        return bufs
+
+    def store(self, slot, bufs: dict[str, torch.Tensor]) -> None:
+        """Write ``bufs`` (a buffer per state, ``shard`` elements) to ``slot``'s files, now."""
+        _wait(self.write(slot, bufs))
+
+    def stepping(self, slots: Sequence) -> Iterator[tuple[object, dict[str, torch.Tensor]]]:
+        """Yield (slot, its states in host buffers) in order; what the caller changes in the
+        buffers is written back. Reads run one group ahead, writes one group behind."""
+        slots = list(slots)
+        ahead = None
+        writing: list[tuple[dict, list[Future]]] = []
+        for i, slot in enumerate(slots):
+            if ahead is None:
+                ahead = self._start_read(slot)
+            bufs, reads = ahead
+            ahead = self._start_read(slots[i + 1]) if i + 1 < len(slots) else None
+            _wait(reads)
+            yield slot, bufs
+            writing.append((bufs, self.write(slot, bufs)))
+            while len(writing) > 1:
+                self._finish(*writing.pop(0))
+        for done in writing:
+            self._finish(*done)
+
+    def _start_read(self, slot) -> tuple[dict, list[Future]]:
+        bufs = self.buffers(slot)
+        return bufs, self.read(slot, bufs)
+
+    def _finish(self, bufs: dict, futures: list[Future]) -> None:
+        _wait(futures)
+        self.drop(bufs)
+
+    def check_space(self, others: Sequence[SwapState] = ()) -> None:
+        """One-line ``ConfigError`` before anything is written when the folder is missing,
+        unwritable or too small for these files (plus ``others`` sharing the folder)."""
+        same = [s for s in others if s.folder.folder == self.folder.folder]
+        self.folder.check(self.nbytes() + sum(s.nbytes() for s in same), self.key)
+
+    def close(self, *, remove: bool) -> None:
+        """Stop the I/O engine (shared stores: idempotent) and, at a clean exit, remove the
+        swap files."""
+        self.io.close()
+        if remove:
+            self.folder.cleanup()
+
+
+def _wait(futures: list[Future]) -> None:
+    for f in futures:
+        f.result()
+
+
+def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter) -> tuple:
+    """(optimizer SwapState or None, param SwapState or None) for the configured tiers, after
+    the free-space check of every folder (nothing is written before it passes)."""
+    optim = param = None
+    io = None
+    if cfg_zero.offload_optimizer.device == "nvme":
+        io = AsyncIO()
+        optim = SwapState(SwapDir(cfg_zero.offload_optimizer.nvme_path, rank), io, slots,
+                          OPTIM_STATES, torch.float32, key=OPTIMIZER_KEY, meter=meter)
+    if cfg_zero.stage == 3 and cfg_zero.offload_param.device == "nvme":
+        io = io or AsyncIO()
+        param = SwapState(SwapDir(cfg_zero.offload_param.nvme_path, rank), io, slots,
+                          ("param",), dtype, key=PARAM_KEY, meter=meter)
+    stores = [s for s in (optim, param) if s is not None]
+    for s in stores:
+        s.check_space([o for o in stores if o is not s])
+    for s in stores:
+        s.allocate()
+    return optim, param
+
+
+def check_paths(cfg_zero, *, numel: int, share: float, param_bytes: int) -> None:
+    """Before any rank starts: each NVMe folder exists, is a writable directory and has room
+    for what this node's ranks will swap there: their ``share`` of the model's ``numel``
+    elements at 12 B (fp32 master + moments) and, at stage 3, ``param_bytes`` (alignment
+    aside; each rank checks its exact size again). One-line ``ConfigError`` naming the key
+    and path; writes nothing."""
+    need: dict[str, list] = {}
+    tiers = [(cfg_zero.offload_optimizer, OPTIMIZER_KEY, 12)]
+    if cfg_zero.stage == 3:
+        tiers.append((cfg_zero.offload_param, PARAM_KEY, param_bytes))
+    for tier, key, per_elem in tiers:
+        if tier.device == "nvme":
+            entry = need.setdefault(os.path.abspath(tier.nvme_path), [key, 0])
+            entry[1] += int(per_elem * numel * share)
+    for path, (key, nbytes) in need.items():
+        SwapDir(path, 0).check(nbytes, key)
