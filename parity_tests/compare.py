@@ -25,7 +25,8 @@ from reference.weights import to_fqn_dict
 MEASURED: dict[str, tuple[float, float]] = {}
 
 
-def _record(what: str, err: float, tol: float) -> None:
+def record(what: str, err: float, tol: float) -> None:
+    """Keep the worst error of check ``what`` (up to its first comma) for PARITY_REPORT."""
     name = what.split(",")[0]
     worst, _ = MEASURED.get(name, (0.0, tol))
     MEASURED[name] = (max(worst, err), tol)
@@ -81,7 +82,7 @@ def max_rel(a, b) -> float:
 def assert_rel(actual, expected, rtol: float, what: str = "value") -> float:
     """Norm-wise relative error within ``rtol``; returns it."""
     err = rel_err(actual, expected)
-    _record(what, err, rtol)
+    record(what, err, rtol)
     assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:.1e}"
     return err
 
@@ -89,7 +90,7 @@ def assert_rel(actual, expected, rtol: float, what: str = "value") -> float:
 def assert_max_abs(actual, expected, atol: float, what: str = "value") -> float:
     """Elementwise ``max |a − b|`` within ``atol``; returns it."""
     err = max_abs(actual, expected)
-    _record(what, err, atol)
+    record(what, err, atol)
     assert err <= atol, f"{what}: max abs difference {err:.3e} > {atol:.1e}"
     return err
 
@@ -97,7 +98,7 @@ def assert_max_abs(actual, expected, atol: float, what: str = "value") -> float:
 def assert_max_rel(actual, expected, tol: float, what: str = "value") -> float:
     """``max |a − b| / max |b|`` within ``tol``; returns it."""
     err = max_rel(actual, expected)
-    _record(what, err, tol)
+    record(what, err, tol)
     assert err <= tol, f"{what}: max error / max value {err:.3e} > {tol:.1e}"
     return err
 
@@ -107,7 +108,7 @@ def assert_unequal_fraction(actual, expected, frac: float, what: str = "value") 
     a, b = to_numpy(actual), to_numpy(expected)
     assert a.shape == b.shape, f"shapes differ: {a.shape} vs {b.shape}"
     err = float(np.mean(a != b)) if a.size else 0.0
-    _record(what, err, frac)
+    record(what, err, frac)
     assert err <= frac, f"{what}: {err:.1%} of elements differ (at most {frac:.1%} may)"
     return err
 
@@ -127,7 +128,7 @@ def assert_close_by_fqn(actual: Mapping, expected: Mapping, rtol: float,
                         what: str = "tensors") -> float:
     """Same FQNs and every tensor within ``rtol`` norm-wise; returns the worst error."""
     worst = errors_by_fqn(actual, expected)
-    _record(what, worst[0][0], rtol)
+    record(what, worst[0][0], rtol)
     shown = ", ".join(f"{k}: {e:.3e}" for e, k in worst[:3])
     assert worst[0][0] <= rtol, f"{what}: largest relative errors (rtol {rtol:.1e}): {shown}"
     return worst[0][0]

@@ -4,7 +4,8 @@ One side only gets a perturbed expert weight (fp32: one element +0.01, half the 
 bf16: that expert's whole w1 ×1.1). The unperturbed pair passes (test_model.py); the perturbed
 one must fail the logits or the gradient check, with the perturbed expert among the worst
 FQNs. The per-rank semantics check lives in test_distributed.py
-(``test_per_rank_routing_matters``).
+(``test_per_rank_routing_matters``); the ZeRO step's in test_zero_parity.py
+(``test_isolated_step_detects_bugs``: a missing clip, a wrong /W, a shard one rank off).
 """
 
 from __future__ import annotations

@@ -5,15 +5,28 @@ torch: ``run_world`` spawns W gloo ranks; each builds the model with ``train.bui
 ``engine.initialize`` with a ``Config`` (``zero_optimization.stage`` 1 or 2, ``moe.ep_size``,
 ``moe.max_group_size``), reads its rows ``[r·b, (r+1)·b)`` of each global batch through
 ``torch_impl.data.Batches`` and runs forward → backward → ``reduce_gradients`` →
-``optimizer_step``; after every step it returns its parameters and its partitions of the fp32
-master, exp_avg and exp_avg_sq (``ZeroOptimizer.state_pieces``). The parent merges the ranks
-(every element owned exactly once; replicas bit-equal) and moves the initial weights to JAX by
-FQN. JAX: ``zero_train_step`` on a (W/ep, ep) mesh of forced host devices and
-``twin_train_step`` on the same global batches (``split_batch`` gives rank r the same rows).
+``optimizer_step``. Every step it records its local gradients (a post-accumulate hook
+registered before the engine's, so it runs before stage 2 frees them), its step count and loss
+scaler before the step, and after the step its params and its partitions of the fp32 master,
+exp_avg and exp_avg_sq (``ZeroOptimizer.state_pieces``). The parent merges the ranks (every
+element owned exactly once; replicas bit-equal).
 
-Compared after every step: master weights, exp_avg and exp_avg_sq by FQN (torch vs sharded,
-torch vs twin), the global grad norm, lr, loss scale and skip flag; and once: both sides'
-optimizer groups and partitions (the same plan). Tolerances and measured errors: ``TOL`` below.
+Two comparisons, both by FQN after every step:
+
+- **Isolated step** (``isolated_step``): step n is redone by ``zero_apply_grads`` (on a (W/ep,
+  ep) mesh of forced host devices, row r = torch rank r's local gradients) and by
+  ``twin_apply_grads`` (their mean), both from torch's state before step n. Only the step's
+  own numerics can differ (reduce-scatter, norm, unscale, clip, AdamW, loss scale, gather),
+  so fp32 holds 1e-6; ``test_isolated_step_detects_bugs`` shows that it catches real bugs.
+- **Trajectory** (``jax_run``): ``zero_train_step`` and ``twin_train_step`` run all 10 steps
+  from the torch initial weights with their own forward and backward on the same global
+  batches (``split_batch`` gives rank r the same rows). Gradient kernels differ by ulps and
+  AdamW amplifies those of noise-level elements, hence looser, measured tolerances.
+
+Compared: master weights, exp_avg, exp_avg_sq (torch vs sharded, torch vs twin), the gathered
+params, the global grad norm, lr, loss scale and skip flag; and once: both sides' optimizer
+groups and partitions (the same plan). Tolerances and measured errors:
+``parity_tests.tolerances.ZERO``.
 """
 
 from __future__ import annotations
@@ -23,28 +36,35 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 
-from parity_tests.compare import errors_by_fqn, rel_err
+from parity_tests.compare import errors_by_fqn, record, rel_err
 from parity_tests.models import SEQ, engine_config, tiny
-from reference.optim import OptimConfig
+from parity_tests.tolerances import SCHEDULE_REL, ZERO
+from reference.optim import OptimConfig, make_optimizer
 from reference.plan import plan_groups, plan_partitions
-from reference.weights import from_fqn_dict, to_fqn_dict
+from reference.scaling import LossScaleConfig, LossScaleState, init_loss_scale, update_loss_scale
+from reference.weights import from_fqn_dict, param_shapes, to_fqn_dict
 from reference.zero import (
-    LossScaleConfig,
-    ZeroConfig,
     adam_moments,
-    init_loss_scale,
     init_twin_state,
     init_zero_state,
+    state_shardings,
+    twin_apply_grads,
+    twin_train_step,
+    zero_apply_grads,
+    zero_train_step,
+)
+from reference.zero_layout import (
+    ZeroConfig,
     make_mesh,
     param_specs,
+    plan_stacks,
+    stack_arrays,
     stack_fqns,
-    twin_train_step,
-    update_loss_scale,
     user_groups,
-    zero_train_step,
 )
 from tests.torch_impl.distributed import run_world
 from torch_impl.config import Config
@@ -61,45 +81,7 @@ CAP = 999  # moe.max_group_size: odd and < one expert weight: sliced params, pad
 CLIP = 0.5  # grad norms here are 0.75-1.6: clipping acts on every step
 FP16_POWER, FP16_WINDOW, FP16_HYSTERESIS = 8, 3, 2
 POISON = (2, 3)  # fp16 runs: 1-based steps whose last rank's loss is multiplied by inf
-
-
-@dataclasses.dataclass(frozen=True)
-class Tol:
-    """Norm-wise relative errors (float64 arithmetic), torch vs each JAX side, per precision.
-
-    ``reduced``: what is linear in the reduced gradient: every step's loss and grad norm, and
-    exp_avg after step 1 (= (1 − β1)·clip·grad). ``master``: fp32 masters (and the gathered
-    compute params) by FQN after every step. ``moments``: exp_avg and exp_avg_sq by FQN after
-    every step; ``None``: compared after step 1 only (see below).
-    """
-
-    reduced: float
-    master: float
-    moments: float | None
-
-
-TOL = {
-    # Measured worst over 10 steps of W=2 ep 1/2 and W=4 ep 2, stages 1 and 2: loss 2.1e-7,
-    # grad norm 3.0e-7, step-1 exp_avg 3.7e-7; masters 1.3e-6, moments 4.9e-6. 1e-6 cannot hold
-    # for the state: AdamW's step-1 update ``lr·g/(|g| + eps)`` of the few gradient elements
-    # that are pure cancellation noise (|g| ≲ eps = 1e-8) turns an ulp of reassociation into
-    # ~1e-6 absolute in a param of norm ~0.5, and later steps carry it on (the JAX-only seed
-    # sweep of tests/reference/test_zero_step.py: ≤ 2.3e-6; 8.7e-6 with a vmap'd twin). The
-    # tolerance leaves ~4x headroom for other CPUs' kernel blockings; a wrong shard, a missing /W
-    # or a decayed norm gain is ≥ 5e-4.
-    "fp32": Tol(reduced=1e-6, master=2e-5, moments=2e-5),
-    # fp16: each side rounds the same math differently (torch fp16 kernels vs XLA), ~5e-4 per
-    # op: step-1 exp_avg 8.3e-4; a step-1 update that flips sign on a noise-level gradient
-    # element moves a param by 2·lr·|update| (one element: 1.2e-2 of the tensor), and near-tied
-    # top-2 routing decisions flip after that, so one expert's gradient differs by O(1/tokens)
-    # and the moments decorrelate (exp_avg 0.46 by step 10): moments are compared after step 1
-    # only; masters measured ≤ 0.12, grad norm ≤ 1.2e-2, loss ≤ 2.3e-4. The fp16 run is about
-    # loss scaling: skips, scales and the untouched state are compared exactly.
-    "fp16": Tol(reduced=3e-2, master=0.3, moments=None),
-    # bf16 (8-bit mantissa): step-1 exp_avg 6.9e-3, grad norm ≤ 4.6e-2, loss ≤ 6.3e-4,
-    # masters ≤ 0.18, moments decorrelate by step 6 (as fp16).
-    "bf16": Tol(reduced=0.1, master=0.4, moments=None),
-}
+STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
 def optim(clip: float | None) -> OptimConfig:
@@ -138,47 +120,68 @@ class Case:
 CASES = {
     "w2_ep1": Case(2, 1),
     "w2_ep2": Case(2, 2),
-    "w2_ep2_fp16": Case(2, 2, "fp16", stages=(2,), poison=POISON),
+    "w2_ep2_fp16": Case(2, 2, "fp16", poison=POISON),
+    "w2_ep2_bf16": Case(2, 2, "bf16"),
+    "w4_ep1": Case(4, 1),
     "w4_ep2": Case(4, 2),
-    "w2_ep2_bf16": Case(2, 2, "bf16", stages=(2,)),
 }
-FAST = ("w2_ep1", "w2_ep2", "w2_ep2_fp16")  # one W=2 world; the others are slow, one each
+# The cases each spawned world runs (spawning is the slow part); only the first is not slow.
+WORLDS = (("w2_ep1", "w2_ep2", "w2_ep2_fp16"), ("w2_ep2_bf16",), ("w4_ep1", "w4_ep2"))
+FAST = WORLDS[0]
 
 
 # ---------------------------------------------------------------------------- torch ranks
 
 
 def torch_run(cfg_data: dict, world_of_batch: int, poison: tuple[int, ...]) -> dict:
-    """This rank's view of STEPS engine steps: params and state partitions after each."""
+    """This rank's view of STEPS engine steps: local grads, state before, params and state
+    partitions after each."""
     cfg = Config.model_validate(cfg_data)
     topo = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
-    engine = initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu")
+    model = build_model(cfg, topo)
+    grads = {}  # this step's local gradients; an expert that saw no token has none (zero)
+    for fqn, p in model.named_parameters():  # before the engine's hooks: these run first
+        p.register_post_accumulate_grad_hook(_keep_grad(grads, fqn))
+    engine = initialize(model, cfg, topology=topo, device="cpu")
     data = Batches(make_corpus(None, vocab=cfg.data.synthetic_vocab, sources=2, seed=7),
                    global_batch=ROWS * world_of_batch, seq_len=cfg.train.seq_len, seed=0,
                    dp_rank=topo.rank, dp_size=topo.world_size)
     groups = engine.groups
     out = {"rank": topo.rank, "plan": groups.plan, "partitions": groups.partitions,
-           "user_groups": groups.user_groups, "initial": _params(engine), "steps": []}
+           "user_groups": groups.user_groups, "initial": _params(engine),
+           "initial_pieces": _pieces(engine), "steps": []}
     for step in range(1, STEPS + 1):
+        grads.clear()
         loss, _ = engine.forward(torch.from_numpy(data.next()))
         bad = step in poison and topo.rank == topo.world_size - 1
         engine.backward(loss * float("inf") if bad else loss)
+        before = {"step_count": engine.step_count, "scaler": engine.scaler.state_dict()}
         engine.reduce_gradients()
         metrics = engine.optimizer_step()
-        pieces = [(piece.fqn, piece.start, piece.stop,
-                   *(views[k].clone().numpy() for k in ("master", "exp_avg", "exp_avg_sq")))
-                  for piece, views in engine.zero.state_pieces()]
-        out["steps"].append({"metrics": metrics, "loss": loss.item(), "pieces": pieces,
-                             "params": _params(engine)})
+        out["steps"].append({"metrics": metrics, "loss": loss.item(), "pieces": _pieces(engine),
+                             "params": _params(engine), "grads": dict(grads),
+                             "before": before})
     return out
+
+
+def _keep_grad(store: dict, fqn: str):
+    def hook(p):
+        assert p.grad is not None, f"{fqn}: gradient freed before the test's hook ran"
+        store[fqn] = p.grad.detach().float().clone().numpy()  # exact for bf16/fp16
+    return hook
 
 
 def _params(engine) -> dict:
     return {k: p.detach().float().clone().numpy() for k, p in engine.params.items()}
 
 
+def _pieces(engine) -> list:
+    return [(piece.fqn, piece.start, piece.stop, *(views[k].clone().numpy() for k in STATES))
+            for piece, views in engine.zero.state_pieces()]
+
+
 def torch_cases(names: tuple[str, ...]) -> dict:
-    """Every (case, stage) of ``names`` in this world, in order (spawning is the slow part)."""
+    """Every (case, stage) of ``names`` in this world, in order."""
     return {(name, stage): torch_run(CASES[name].torch_config(stage), CASES[name].world,
                                      CASES[name].poison)
             for name in names for stage in CASES[name].stages}
@@ -195,9 +198,10 @@ def merge_params(ranks: list[dict]) -> dict:
     return out
 
 
-def merge_pieces(ranks: list[list], shapes: dict) -> tuple[dict, dict, dict]:
+def merge_pieces(ranks: list[list]) -> tuple[dict, dict, dict]:
     """(master, exp_avg, exp_avg_sq) by FQN from every rank's partitions, each element once."""
-    full = [{k: np.zeros(int(np.prod(s))) for k, s in shapes.items()} for _ in range(3)]
+    shapes = param_shapes(MODEL)
+    full = [{k: np.zeros(int(np.prod(s)), np.float32) for k, s in shapes.items()} for _ in STATES]
     count = {k: np.zeros(int(np.prod(s)), int) for k, s in shapes.items()}
     for pieces in ranks:
         for fqn, start, stop, *values in pieces:
@@ -214,16 +218,32 @@ def merge_pieces(ranks: list[list], shapes: dict) -> tuple[dict, dict, dict]:
 
 ZSTEP = jax.jit(zero_train_step, static_argnums=(0, 1))
 TSTEP = jax.jit(twin_train_step, static_argnums=0)
+ZAPPLY = jax.jit(zero_apply_grads, static_argnums=(0, 1))
+TAPPLY = jax.jit(twin_apply_grads, static_argnums=0)
 
 
 def _np(tree) -> dict:
     return {k: np.asarray(v, np.float64) for k, v in to_fqn_dict(tree).items()}
 
 
+def _jax_step(cfg: ZeroConfig, zs, zm, ts, tm) -> dict:
+    """One step of both JAX sides, as numpy by FQN."""
+    (mz, nz), (mt, nt) = adam_moments(zs.opt_state), adam_moments(ts.opt_state)
+    return {"zero": {k: float(v) for k, v in zm.items()},
+            "twin": {k: float(v) for k, v in tm.items()},
+            "zero_state": (stack_fqns(cfg, zs.master), stack_fqns(cfg, mz), stack_fqns(cfg, nz)),
+            "twin_state": (_np(ts.params), _np(mt), _np(nt)), "zero_params": _np(zs.params)}
+
+
+def _twin_config(cfg: ZeroConfig) -> ZeroConfig:
+    return dataclasses.replace(cfg, ep_size=1, max_group_size=None)  # one compile per W
+
+
 def jax_run(case: Case, initial: dict) -> list[dict]:
-    """STEPS steps of the sharded step and of its twin from the torch initial weights."""
+    """Trajectory: STEPS steps of the sharded step and of its twin from the torch initial
+    weights, each with its own forward and backward."""
     cfg = case.zero_config()
-    twin_cfg = dataclasses.replace(cfg, ep_size=1, max_group_size=None)  # one compile per W
+    twin_cfg = _twin_config(cfg)
     mesh = make_mesh(case.world, case.ep)
     params = from_fqn_dict({k: np.asarray(v, np.float32) for k, v in initial.items()}, MODEL)
     zs, ts = init_zero_state(cfg, mesh, params), init_twin_state(twin_cfg, params)
@@ -236,12 +256,67 @@ def jax_run(case: Case, initial: dict) -> list[dict]:
         mult[-1] = np.inf if step in case.poison else 1.0
         zs, zm = ZSTEP(cfg, mesh, zs, batch, jnp.asarray(mult))
         ts, tm = TSTEP(twin_cfg, ts, batch, jnp.asarray(mult))
-        (mz, nz), (mt, nt) = adam_moments(zs.opt_state), adam_moments(ts.opt_state)
-        out.append({
-            "zero": {k: float(v) for k, v in zm.items()}, "twin": {k: float(v) for k, v in tm.items()},
-            "zero_state": (stack_fqns(cfg, zs.master), stack_fqns(cfg, mz), stack_fqns(cfg, nz)),
-            "twin_state": (_np(ts.params), _np(mt), _np(nt)), "zero_params": _np(zs.params)})
+        out.append(_jax_step(cfg, zs, zm, ts, tm))
     return out
+
+
+def _loss_scale(before: dict) -> LossScaleState:
+    s = before["scaler"]
+    return LossScaleState(jnp.float32(s["scale"]), jnp.int32(s["good_steps"]),
+                          jnp.int32(s["hysteresis_left"]))
+
+
+def zero_state(cfg: ZeroConfig, mesh, state: tuple, before: dict):
+    """The reference sharded state holding torch's (master, exp_avg, exp_avg_sq) by FQN, its
+    step count (Adam's and the schedule's) and its loss scaler."""
+    master, mu, nu = (from_fqn_dict(d, MODEL) for d in state)
+    zs = init_zero_state(cfg, mesh, master)
+    count = jnp.int32(before["step_count"])
+    opt = optax.tree.set(zs.opt_state, mu=stack_arrays(cfg, mu), nu=stack_arrays(cfg, nu),
+                         count=count)
+    zs = zs._replace(step=count, opt_state=opt, loss_scale=_loss_scale(before))
+    return jax.device_put(zs, state_shardings(cfg, mesh, zs))
+
+
+def twin_state(cfg: ZeroConfig, state: tuple, before: dict):
+    """The twin's state holding the same (as ``zero_state``)."""
+    master, mu, nu = (from_fqn_dict(d, MODEL) for d in state)
+    count = jnp.int32(before["step_count"])
+    opt = optax.tree.set(make_optimizer(cfg.optim).init(master), mu=mu, nu=nu, count=count)
+    return init_twin_state(cfg, master)._replace(step=count, opt_state=opt,
+                                                 loss_scale=_loss_scale(before))
+
+
+def rank_grads(cfg: ZeroConfig, ranks: list[dict]) -> list[dict]:
+    """Every rank's local gradients as a full params tree in the compute dtype: zeros where
+    the rank holds no such param (other EP ranks' experts) or it got no gradient."""
+    shapes, dtype = param_shapes(MODEL), jnp.dtype(cfg.dtype)
+    return [from_fqn_dict({k: g.get(k, np.zeros(s, np.float32)) for k, s in shapes.items()},
+                          MODEL, dtype) for g in ranks]
+
+
+def isolated_step(case: Case, runs: list[dict], n: int, mutate=None) -> dict:
+    """Step ``n`` (0-based) of torch's run, redone by both JAX steps from torch's state before
+    it and its ranks' local gradients. ``mutate(cfg, state, grads_W) -> (cfg, state,
+    grads_W)``: a bug planted in the sharded side's inputs (test_isolated_step_detects_bugs).
+    """
+    cfg = case.zero_config()
+    mesh = make_mesh(case.world, case.ep)
+    pieces = [r["initial_pieces"] if n == 0 else r["steps"][n - 1]["pieces"] for r in runs]
+    state, before = merge_pieces(pieces), runs[0]["steps"][n]["before"]
+    assert all(r["steps"][n]["before"] == before for r in runs)
+    grads = rank_grads(cfg, [r["steps"][n]["grads"] for r in runs])
+    # the twin's input: torch's reduction (fp32 sum / W, rounded to the compute dtype)
+    mean = jax.tree.map(lambda *g: (sum(x.astype(jnp.float32) for x in g) / case.world)
+                        .astype(g[0].dtype), *grads)
+    grads_W = jax.tree.map(lambda *g: jnp.stack(g), *grads)
+    zs = zero_state(cfg, mesh, state, before)
+    if mutate is not None:
+        cfg, zs, grads_W = mutate(cfg, zs, grads_W)
+    zs, zm = ZAPPLY(cfg, mesh, zs, grads_W)
+    twin_cfg = _twin_config(case.zero_config())
+    ts, tm = TAPPLY(twin_cfg, twin_state(twin_cfg, state, before), mean)
+    return _jax_step(cfg, zs, zm, ts, tm)
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -249,21 +324,33 @@ def jax_run(case: Case, initial: dict) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """``get(name, stage)`` -> (torch ranks' results, JAX steps); each world and JAX run once."""
-    worlds, jax_runs = {}, {}
+    """``get(name, stage)`` -> torch ranks' results; each world runs once."""
+    worlds = {}
 
-    def get(name: str, stage: int) -> tuple[list[dict], list[dict]]:
-        names = FAST if name in FAST else (name,)
+    def get(name: str, stage: int) -> list[dict]:
+        names = next(w for w in WORLDS if name in w)
         if names not in worlds:
             worlds[names] = run_world(torch_cases, CASES[name].world,
                                       tmp_path_factory.mktemp("zero"), names, timeout_s=300)
-        runs = [r[(name, stage)] for r in worlds[names]]
-        initial = merge_params([r["initial"] for r in runs])
-        if name not in jax_runs:  # the same for every stage: the torch init is keyed by FQN
-            jax_runs[name] = (initial, jax_run(CASES[name], initial))
-        for fqn, value in jax_runs[name][0].items():
+        return [r[(name, stage)] for r in worlds[names]]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def trajectory(results):
+    """``get(name, stage)`` -> (torch ranks, JAX trajectory); JAX runs once per case (the
+    torch init is keyed by FQN, the same for every stage)."""
+    runs = {}
+
+    def get(name: str, stage: int) -> tuple[list[dict], list[dict]]:
+        ranks = results(name, stage)
+        initial = merge_params([r["initial"] for r in ranks])
+        if name not in runs:
+            runs[name] = (initial, jax_run(CASES[name], initial))
+        for fqn, value in runs[name][0].items():
             np.testing.assert_array_equal(initial[fqn], value)
-        return runs, jax_runs[name][1]
+        return ranks, runs[name][1]
 
     return get
 
@@ -276,18 +363,37 @@ def _case(name: str, stage: int):
 CASE_STAGES = [_case(n, s) for n, c in CASES.items() for s in c.stages]
 
 
-def step_errors(runs: list[dict], steps: list[dict], n: int) -> dict[str, tuple[float, str]]:
+def step_errors(runs: list[dict], jax_step: dict, n: int) -> dict[str, tuple[float, str]]:
     """Worst (relative error, FQN) at step ``n`` (0-based) of each compared pair of states."""
-    shapes = {k: v.shape for k, v in steps[n]["twin_state"][0].items()}
-    torch_state = merge_pieces([r["steps"][n]["pieces"] for r in runs], shapes)
+    torch_state = merge_pieces([r["steps"][n]["pieces"] for r in runs])
     out = {}
-    for i, what in enumerate(("master", "exp_avg", "exp_avg_sq")):
+    for i, what in enumerate(STATES):
         for other in ("zero", "twin"):
             out[f"{what}/torch-{other}"] = errors_by_fqn(torch_state[i],
-                                                         steps[n][f"{other}_state"][i])[0]
+                                                         jax_step[f"{other}_state"][i])[0]
     params = merge_params([r["steps"][n]["params"] for r in runs])  # compute dtype, gathered
-    out["params/torch-zero"] = errors_by_fqn(params, steps[n]["zero_params"])[0]
+    out["params/torch-zero"] = errors_by_fqn(params, jax_step["zero_params"])[0]
     return out
+
+
+def check_metrics(runs: list[dict], jax_step: dict, n: int, case: Case, norm_tol: float,
+                  what: str):
+    """Skip flag, loss scale, lr and grad norm of step ``n`` on every rank vs both JAX sides."""
+    for run in runs:  # every rank reports the same
+        mine = run["steps"][n]["metrics"]
+        assert mine["skipped"] == (n + 1 in case.poison)
+        for other in ("zero", "twin"):
+            theirs = jax_step[other]
+            assert bool(theirs["skipped"]) == mine["skipped"]
+            assert theirs["loss_scale"] == mine["loss_scale"]
+            assert rel_err(theirs["lr"], mine["lr"]) <= SCHEDULE_REL  # fp32 vs float64
+            if mine["skipped"]:
+                assert np.isinf(mine["grad_norm"]) and np.isinf(theirs["grad_norm"])
+            else:
+                err = rel_err(theirs["grad_norm"], mine["grad_norm"])
+                record(f"zero {what} {case.precision} grad_norm/torch-{other}", err, norm_tol)
+                assert err <= norm_tol, f"step {n + 1}: grad norm vs {other}: {err:.2e}"
+                assert mine["grad_norm"] > CLIP  # clipping acts
 
 
 # --------------------------------------------------------------------------------- tests
@@ -295,7 +401,7 @@ def step_errors(runs: list[dict], steps: list[dict], n: int) -> dict[str, tuple[
 
 @pytest.mark.parametrize(("name", "stage"), CASE_STAGES)
 def test_both_sides_plan_the_same_groups_and_partitions(results, name, stage):
-    runs, _ = results(name, stage)
+    runs = results(name, stage)
     cfg = CASES[name].zero_config()
     groups = plan_groups(param_specs(cfg), max_group_size=CAP)
     for run in runs:
@@ -306,8 +412,26 @@ def test_both_sides_plan_the_same_groups_and_partitions(results, name, stage):
         p.padded_numel > p.numel for p in runs[0]["partitions"])
 
 
-def _limit(tol: Tol, what: str, n: int) -> float | None:
-    """The tolerance of state ``what`` after step ``n`` (0-based); None: not compared."""
+@pytest.mark.parametrize(("name", "stage"), CASE_STAGES)
+def test_isolated_step_by_fqn_after_every_step(results, name, stage):
+    """Each of the 10 steps, redone from torch's state and local grads: master, exp_avg,
+    exp_avg_sq (vs the sharded step and vs the twin), gathered params, grad norm, lr, loss
+    scale and skips."""
+    runs, case = results(name, stage), CASES[name]
+    tol = ZERO[case.precision]
+    for n in range(STEPS):
+        jax_step = isolated_step(case, runs, n)
+        for pair, (err, fqn) in step_errors(runs, jax_step, n).items():
+            limit = tol.step_params if pair.startswith("params") else tol.step
+            record(f"zero step {case.precision} {pair}", err, limit)
+            assert err <= limit, f"step {n + 1}: {pair} {fqn} off by {err:.2e} (tol {limit})"
+        check_metrics(runs, jax_step, n, case, tol.step, "step")
+
+
+def _trajectory_limit(name: str, what: str, n: int) -> float | None:
+    """The trajectory tolerance of state ``what`` after step ``n`` (0-based); None: not
+    compared."""
+    tol = ZERO[CASES[name].precision]
     if what in ("master", "params"):
         return tol.master
     if n == 0 and what == "exp_avg":  # (1 − β1)·clip·reduced gradient
@@ -316,45 +440,77 @@ def _limit(tol: Tol, what: str, n: int) -> float | None:
 
 
 @pytest.mark.parametrize(("name", "stage"), CASE_STAGES)
-def test_state_by_fqn_after_every_step(results, name, stage):
-    """fp32 master, exp_avg and exp_avg_sq: torch vs the sharded step and vs the twin."""
-    runs, steps = results(name, stage)
-    tol = TOL[CASES[name].precision]
+def test_trajectory_state_by_fqn_after_every_step(trajectory, name, stage):
+    """Each side's own 10-step run: fp32 master, exp_avg and exp_avg_sq, torch vs the sharded
+    step and vs the twin (``ZERO``: why these are looser than the isolated step's)."""
+    runs, steps = trajectory(name, stage)
     for n in range(STEPS):
-        for pair, (err, fqn) in step_errors(runs, steps, n).items():
-            limit = _limit(tol, pair.split("/")[0], n)
+        for pair, (err, fqn) in step_errors(runs, steps[n], n).items():
+            limit = _trajectory_limit(name, pair.split("/")[0], n)
             if limit is not None:
+                record(f"zero trajectory {CASES[name].precision} {pair} n={min(n, 1)}", err,
+                       limit)
                 assert err <= limit, f"step {n + 1}: {pair} {fqn} off by {err:.2e} (tol {limit})"
     first, last = steps[0]["twin_state"][0], steps[-1]["twin_state"][0]
     assert max(rel_err(last[k], first[k]) for k in first) > 1e-3  # it trained
 
 
 @pytest.mark.parametrize(("name", "stage"), CASE_STAGES)
-def test_grad_norm_lr_loss_scale_and_skips_every_step(results, name, stage):
-    runs, steps = results(name, stage)
+def test_trajectory_loss_grad_norm_lr_loss_scale_and_skips(trajectory, name, stage):
+    runs, steps = trajectory(name, stage)
     case = CASES[name]
-    tol = TOL[case.precision].reduced
+    tol = ZERO[case.precision].reduced
     for n, jax_step in enumerate(steps):
-        for run in runs:  # every rank reports the same
-            mine = run["steps"][n]["metrics"]
-            assert mine["skipped"] == (n + 1 in case.poison)
-            for other in ("zero", "twin"):
-                theirs = jax_step[other]
-                assert bool(theirs["skipped"]) == mine["skipped"]
-                assert theirs["loss_scale"] == mine["loss_scale"]
-                assert rel_err(theirs["lr"], mine["lr"]) <= 1e-6  # fp32 vs float64 schedule
-                if mine["skipped"]:
-                    assert np.isinf(mine["grad_norm"]) and np.isinf(theirs["grad_norm"])
-                else:
-                    assert rel_err(theirs["grad_norm"], mine["grad_norm"]) <= tol, (n, other)
-                    assert mine["grad_norm"] > CLIP  # clipping acts
+        check_metrics(runs, jax_step, n, case, tol, "trajectory")
         loss = np.mean([r["steps"][n]["loss"] for r in runs])
         for other in ("zero", "twin"):
-            assert rel_err(jax_step[other]["loss"], loss) <= tol, (n, other)
+            err = rel_err(jax_step[other]["loss"], loss)
+            record(f"zero trajectory {case.precision} loss/torch-{other}", err, tol)
+            assert err <= tol, (n, other)
 
 
-def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(results):
-    runs, steps = results("w2_ep2_fp16", 2)
+def _scale_experts(cfg, state, grads_W):
+    """Expert grads divided by the EDP size W/ep instead of W (a wrong expert average)."""
+    scaled = jax.tree_util.tree_map_with_path(
+        lambda path, g: g * cfg.ep_size if "experts" in jax.tree_util.keystr(path) else g,
+        grads_W)
+    return cfg, state, scaled
+
+
+def _roll_shard(cfg, state, grads_W):
+    """A dense group's masters one DP rank off (device r steps rank r - 1's shard)."""
+    stack = next(s for s in plan_stacks(cfg) if not s.is_expert)
+    master = dict(state.master)
+    master[stack.name] = jnp.roll(master[stack.name], stack.padded_numel // cfg.world_size)
+    return cfg, state._replace(master=master), grads_W
+
+
+MUTATIONS = {
+    "no_clip": lambda cfg, s, g: (dataclasses.replace(cfg, optim=optim(None)), s, g),
+    "expert_grads_over_edp": _scale_experts,
+    "rolled_shard": _roll_shard,
+    # with clipping active, Adam's state hardly sees a global scale: only the norm shows it
+    "no_division_by_W": lambda cfg, s, g: (cfg, s, jax.tree.map(lambda x: x * cfg.world_size, g)),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_isolated_step_detects_bugs(results, mutation):
+    """The isolated comparison can fail: a bug planted in the sharded side's inputs of step 2
+    (W = 2, ep = 2, stage 2) breaks the fp32 tolerance (torch vs the sharded step)."""
+    runs, case = results("w2_ep2", 2), CASES["w2_ep2"]
+    jax_step = isolated_step(case, runs, 1, MUTATIONS[mutation])
+    errors = {k: e for k, (e, _) in step_errors(runs, jax_step, 1).items() if "twin" not in k}
+    mine = runs[0]["steps"][1]["metrics"]["grad_norm"]
+    errors["grad_norm"] = rel_err(jax_step["zero"]["grad_norm"], mine)
+    record(f"zero detects {mutation} (must exceed)", max(errors.values()),
+           ZERO["fp32"].step)
+    assert max(errors.values()) > 100 * ZERO["fp32"].step, errors
+
+
+@pytest.mark.parametrize("stage", CASES["w2_ep2_fp16"].stages)
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(trajectory, stage):
+    runs, steps = trajectory("w2_ep2_fp16", stage)
     scaler = LossScaler(scale=2.0 ** FP16_POWER, dynamic=True, window=FP16_WINDOW,
                         hysteresis=FP16_HYSTERESIS, hysteresis_left=FP16_HYSTERESIS)
     expected = []
@@ -364,6 +520,10 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(results):
     assert expected[:4] == [256.0, 256.0, 128.0, 128.0] and max(expected) > 256.0
     for run in runs:
         assert [s["metrics"]["loss_scale"] for s in run["steps"]] == expected
+        for n in POISON:  # the inf is in one rank's dense grads (EP carries it to experts)
+            dense = [g for k, g in run["steps"][n - 1]["grads"].items() if ".experts." not in k]
+            finite = all(np.isfinite(g).all() for g in dense)
+            assert finite == (run["rank"] != len(runs) - 1), (n, run["rank"])
         before, *skipped = (run["steps"][n - 2]["pieces"] for n in (POISON[0], *POISON))
         for pieces in skipped:  # this rank's partitions did not move
             for a, b in zip(before, pieces, strict=True):

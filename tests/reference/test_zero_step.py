@@ -33,23 +33,23 @@ import pytest
 from reference.model import ModelConfig, init_params
 from reference.optim import OptimConfig, TrainConfig, init_train_state, train_step
 from reference.plan import Partition
+from reference.scaling import LossScaleConfig, init_loss_scale, update_loss_scale
 from reference.weights import param_shapes, to_fqn_dict
 from reference.zero import (
-    LossScaleConfig,
-    ZeroConfig,
     adam_moments,
-    fqn_views,
-    group_buffer,
-    init_loss_scale,
     init_twin_state,
     init_zero_state,
+    twin_train_step,
+    zero_train_step,
+)
+from reference.zero_layout import (
+    ZeroConfig,
+    fqn_views,
+    group_buffer,
     make_mesh,
     master_params,
     plan_stacks,
     stack_fqns,
-    twin_train_step,
-    update_loss_scale,
-    zero_train_step,
 )
 
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_dim=48, num_experts=4,
