@@ -107,3 +107,6 @@ class DeepSpeedTrainer:
 
     def save(self, folder: str) -> None:
         self.engine.save_checkpoint(folder)
+
+    def load(self, folder: str) -> None:
+        self.engine.load_checkpoint(folder)

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -53,3 +53,10 @@ class Fsdp2Trainer:
     def save(self, folder: str) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+
+    def load(self, folder: str) -> None:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])

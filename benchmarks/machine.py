@@ -7,6 +7,7 @@ bandwidth (the line an optimizer step, which streams its fp32 state, is compared
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import re
@@ -48,7 +49,9 @@ def _read(path: str) -> str:
 def dd_bandwidth(folder: str | os.PathLike, mib: int) -> dict:
     """Direct-I/O write then read of ``mib`` MiB in a temporary folder under ``folder``.
 
-    Returns ``{"write": bytes/s, "read": bytes/s}``; a failed dd gives ``{"error": line}``.
+    Returns ``{"write": bytes/s, "read": bytes/s, "write_buffered": bytes/s}`` (the last: a
+    page-cache write flushed by ``conv=fsync``, the path a buffered ``pwrite`` + ``fsync``
+    takes); a failed dd gives ``{"error": line}``.
     The folder is removed afterwards.
     """
     tmp = tempfile.mkdtemp(prefix="dd-", dir=folder)
@@ -56,7 +59,9 @@ def dd_bandwidth(folder: str | os.PathLike, mib: int) -> dict:
     try:
         write = _dd(["if=/dev/zero", f"of={target}", "bs=8M", f"count={mib // 8}", "oflag=direct"])
         read = _dd([f"if={target}", "of=/dev/null", "bs=8M", "iflag=direct"])
-        return {"write": write, "read": read}
+        buffered = _dd(["if=/dev/zero", f"of={target}.b", "bs=8M", f"count={mib // 8}",
+                        "conv=fsync"])
+        return {"write": write, "read": read, "write_buffered": buffered}
     except RuntimeError as exc:
         return {"error": str(exc)}
     finally:
@@ -93,3 +98,20 @@ def memcpy_bandwidth(mib: int, repeats: int = 5) -> float:
         return 2 * src.numel() * 4 / sorted(times)[len(times) // 2]
     finally:
         torch.set_num_threads(threads)
+
+
+def swap_bandwidth(folder: str | os.PathLike, mib: int, repeats: int = 2) -> dict:
+    """NVMe swap-file throughput from ``benchmarks.swap.swap_throughput`` (AsyncIO vs dd),
+    measured in a temporary folder under ``folder``; ``{"error": line}`` when that module
+    does not exist yet or fails."""
+    if importlib.util.find_spec("benchmarks.swap") is None:
+        return {"error": "not available (benchmarks/swap.py does not exist yet)"}
+    tmp = tempfile.mkdtemp(prefix="swap-", dir=folder)
+    try:
+        from benchmarks.swap import swap_throughput
+
+        return {"mib": mib, "repeats": repeats, **swap_throughput(tmp, mib * 2**20, repeats)}
+    except Exception as exc:  # another engineer's module: report its failure, do not crash
+        return {"error": f"swap_throughput failed: {type(exc).__name__}: {exc}"[:300]}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -9,6 +9,7 @@ as plain data parallelism and the row would be a lie.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import time
@@ -16,6 +17,9 @@ import time
 import torch
 
 from benchmarks.common import Unsupported
+
+ADAMW_MODULES = ("torch_impl.zero", "torch_impl.engine")
+"""Modules whose ``adamw_`` (the update math) is timed; a missing one is skipped."""
 
 
 def overrides(spec: dict) -> list[str]:
@@ -60,16 +64,22 @@ class MoezeroTrainer:
             self.engine, self.batches = setup(cfg, torch.device("cpu"))
         except (NotImplementedError, ValueError) as exc:
             raise Unsupported(f"engine rejected it: {exc}") from None
-        self._step_call_s = 0.0
+        self._times = dict.fromkeys(("reduce_gradients", "optimizer_step", "adamw"), 0.0)
+        self.trace: dict[str, list] = {"reduce_s": [], "optimizer_s": [], "adamw_s": [],
+                                       "engine_peak": []}
         for name in ("reduce_gradients", "optimizer_step"):  # what engine.step() runs
-            setattr(self.engine, name, self._timed(getattr(self.engine, name)))
+            setattr(self.engine, name, self._timed(getattr(self.engine, name), name))
+        _time_adamw(self._timed)
         self.save_note = (None if hasattr(self.engine, "save_checkpoint")
                           else "n/a (not built yet)")
+        meter = getattr(self.engine, "meter", None)
         self.info = {"stage": cfg.zero_optimization.stage, "optimizer_elements": self._elements(),
+                     "dtype": str(self.engine.dtype).removeprefix("torch."),
+                     "persistent_engine_bytes": getattr(meter, "persistent", None),
                      "step_call": "engine.reduce_gradients() + engine.optimizer_step()"}
 
-    def _timed(self, method):
-        """``method`` adding its wall time to this step's step-call time (instance attribute,
+    def _timed(self, method, key: str):
+        """``method`` adding its wall time to this step's ``key`` time (instance attribute,
         so the engine's own ``self.method()`` calls go through it)."""
 
         def timed(*args, **kwargs):
@@ -77,7 +87,7 @@ class MoezeroTrainer:
             try:
                 return method(*args, **kwargs)
             finally:
-                self._step_call_s += time.perf_counter() - start
+                self._times[key] += time.perf_counter() - start
 
         return timed
 
@@ -85,16 +95,39 @@ class MoezeroTrainer:
         """Adam moment elements this rank holds (= elements its optimizer steps)."""
         zero = getattr(self.engine, "zero", None)
         try:
-            if zero is not None:
-                return sum(slot.exp_avg.numel() for slot in zero.slots)
+            if zero is not None:  # slot.shard: also when the state is in swap files
+                return sum(slot.shard for slot in zero.slots)
             return sum(st.exp_avg.numel() for st in self.engine.state.values())
         except (AttributeError, TypeError):
             return None
 
     def step(self, batch_BS1: torch.Tensor) -> tuple[float, float]:
-        self._step_call_s = 0.0
+        self._times.update(dict.fromkeys(self._times, 0.0))
         metrics = self.engine.train_step([batch_BS1])
-        return metrics["loss"], self._step_call_s
+        t = self._times
+        for key, value in (("reduce_s", t["reduce_gradients"]),
+                           ("optimizer_s", t["optimizer_step"]), ("adamw_s", t["adamw"]),
+                           ("engine_peak", metrics.get("step_peak_engine_bytes"))):
+            self.trace[key].append(value)
+        return metrics["loss"], t["reduce_gradients"] + t["optimizer_step"]
 
     def save(self, folder: str) -> None:
         self.engine.save_checkpoint(folder)
+
+    def load(self, folder: str) -> None:
+        self.engine.load_checkpoint(folder)
+
+    def close(self) -> None:
+        """A clean exit: finish saves, remove NVMe swap files."""
+        self.engine.close()
+
+
+def _time_adamw(timed) -> None:
+    """Route every ``adamw_`` call of the engine's step through ``timed(..., "adamw")``."""
+    for name in ADAMW_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "adamw_"):
+            module.adamw_ = timed(module.adamw_, "adamw")

@@ -21,7 +21,8 @@ def sweep_points(results: dict, key: str = "anon_peak") -> dict[str, dict[int, f
     points: dict[str, dict[int, list[float]]] = {name: {} for name, _, _ in SWEEP_SYSTEMS}
     for run in results["runs"]:
         name = run["spec"]["name"]
-        if run["status"] != "ok" or name not in points:
+        if run["status"] != "ok" or name not in points or run["spec"]["series"] not in (
+                "main", "sweep"):
             continue
         experts = run["spec"]["model"]["num_experts"]
         points[name].setdefault(experts, []).append(run_stats(run)[key])

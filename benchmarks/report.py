@@ -9,13 +9,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from benchmarks import plots
+from benchmarks import plots, tables_io, tables_memory
+from benchmarks.fmt import mbs, mib, table, verdict
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
 from benchmarks.stats import by_name, limits, param_count
-
-MiB = 2**20
-OPT_BYTES_PER_ELEMENT = 28  # AdamW fp32: read param, grad, m, v; write param, m, v
-
 
 # ----------------------------------------------------------------------------- targets
 
@@ -29,15 +26,6 @@ def _target_config(stats: dict) -> tuple[str | None, str]:
     return measured[-1], f"{TARGET_CONFIG} not supported yet: measured on {measured[-1]}"
 
 
-def _verdict(value: float, need: float, kind: str) -> str:
-    """'met' or 'missed by X%' for a ratio against its requirement (>=, <=, or <)."""
-    if kind == ">=":
-        return "met" if value >= need else f"missed by {100 * (1 - value / need):.0f}%"
-    if kind == "<=":
-        return "met" if value <= need else f"missed by {100 * (value / need - 1):.0f}%"
-    return "met" if value < need else f"missed by {100 * (value / need - 1):.0f}% (needs < {need:g}×)"
-
-
 def _ratio_target(label, moe, peer, peer_name, key, kind) -> dict:
     row = {"target": label, "measured": "", "status": ""}
     if peer is None or peer.get("status") != "ok":
@@ -49,7 +37,7 @@ def _ratio_target(label, moe, peer, peer_name, key, kind) -> dict:
         row["status"] = f"not measured: {peer_name} has no figure"
     else:
         value = moe[key] / peer[key]
-        row.update(measured=f"{value:.2f}× of {peer_name}", status=_verdict(value, 1.0, kind))
+        row.update(measured=f"{value:.2f}× of {peer_name}", status=verdict(value, 1.0, kind))
     return row
 
 
@@ -79,36 +67,24 @@ def _memory_target(label: str, moe: dict, peer: dict | None, peer_name: str) -> 
     if row["measured"]:
         rss = moe["peak_rss"] / peer["peak_rss"]
         row["measured"] = (f"{row['measured']} (peak anon); peak RSS {rss:.2f}×: "
-                           f"{_verdict(rss, 1.0, '<=')}")
+                           f"{verdict(rss, 1.0, '<=')}")
     return row
 
 
 def _save_target(moe: dict, lim: dict) -> dict:
-    row = {"target": "checkpoint save ≥ 80% of dd write bandwidth", "measured": "", "status": ""}
+    row = {"target": "checkpoint save ≥ 80% of dd write bandwidth (small checkpoint, first "
+           "save; large one: see below)", "measured": "", "status": ""}
     if moe.get("save_bw") is None:
         row["status"] = f"not measured: moezero checkpoint {moe.get('ckpt_note') or 'n/a'}"
     elif "dd_write" not in lim:
         row["status"] = f"not measured: dd failed ({lim['dd_error']})"
     else:
         frac = moe["save_bw"] / lim["dd_write"]
-        row.update(measured=f"{100 * frac:.0f}% of dd write", status=_verdict(frac, 0.8, ">="))
+        row.update(measured=f"{100 * frac:.0f}% of dd write", status=verdict(frac, 0.8, ">="))
     return row
 
 
 # ----------------------------------------------------------------------------- text
-
-
-def _mib(n: float | None) -> str:
-    return "–" if n is None else f"{n / MiB:,.0f} MiB"
-
-
-def _mbs(n: float | None) -> str:
-    return "–" if n is None else f"{n / 1e6:,.0f} MB/s"
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
 def _result_row(name: str, s: dict, lim: dict, params: int) -> list:
@@ -116,15 +92,15 @@ def _result_row(name: str, s: dict, lim: dict, params: int) -> list:
         return [name, f"{s['status']}: {s['reason']}"] + ["–"] * 10
     if s.get("ckpt_bytes") is not None:
         frac = f" ({100 * s['save_bw'] / lim['dd_write']:.0f}% of dd)" if "dd_write" in lim else ""
-        ckpt = [f"{s['ckpt_bytes']:,} ({s['ckpt_bytes'] / params:.1f} B/param)",
-                f"{s['save_s']:.2f} s", _mbs(s["save_bw"]) + frac]
+        ckpt = [f"{s['ckpt_bytes']:,.0f} ({s['ckpt_bytes'] / params:.1f} B/param)",
+                f"{s['save_s']:.2f} s", mbs(s["save_bw"]) + frac]
     else:
         ckpt = [s.get("ckpt_note") or "–", "–", "–"]
     low, high = s["tokens_per_s_range"]
     spread = f" ({low:,.0f}–{high:,.0f})" if s["runs"] > 1 else ""
     return [name, "ok", f"{s['tokens_per_s']:,.0f}{spread}", f"{s['step_ms']:.0f}",
-            f"{s['step_call_ms']:.1f}", _mib(s["peak_rss"]), _mib(s["anon_peak"]),
-            _mib(s["anon_growth"]), *ckpt,
+            f"{s['step_call_ms']:.1f}", mib(s["peak_rss"]), mib(s["anon_peak"]),
+            mib(s["anon_growth"]), *ckpt,
             f"{s['loss_first']:.2f} → {s['loss_last']:.2f}"]
 
 
@@ -141,20 +117,9 @@ def _ratio_rows(stats: dict) -> list[list]:
     return rows
 
 
-def _optimizer_rows(stats: dict, lim: dict) -> list[list]:
-    rows = []
-    for name, s in stats.items():
-        if s["status"] != "ok" or not s.get("opt_elements") or not s["step_call_ms"]:
-            continue
-        floor_ms = 1e3 * OPT_BYTES_PER_ELEMENT * s["opt_elements"] / lim["memcpy"]
-        rows.append([name, f"{s['opt_elements']:,}", f"{s['step_call_ms']:.1f}",
-                     f"{floor_ms:.2f}", f"{100 * floor_ms / s['step_call_ms']:.0f}%"])
-    return rows
-
-
 def _sweep_rows(anon: dict, rss: dict) -> list[list]:
     experts = sorted({e for series in anon.values() for e in series})
-    return [[e, *(f"{_mib(anon[n].get(e))} / {_mib(rss[n].get(e))}" for n in anon)]
+    return [[e, *(f"{mib(anon[n].get(e))} / {mib(rss[n].get(e))}" for n in anon)]
             for e in experts]
 
 
@@ -181,7 +146,9 @@ def _setup_lines(results: dict) -> list[str]:
             f"AdamW lr {train['lr']} constant, clipping 1.0; synthetic corpus "
             f"(torch_impl.data). Each run: fresh `torchrun` processes, {train['warmup']} "
             f"warm-up + {train['timed']} timed steps; {results.get('repeats', size['repeats'])} "
-            "interleaved rounds of the compared configurations, then the experts sweep once."]
+            "interleaved rounds of the compared configurations (stage 3 / offload rows: "
+            f"{size.get('slot_rounds', 'all')} round(s)), then the other series once each "
+            "(each section below says its model, loop and command)."]
 
 
 def render(results: dict, plot_links: dict[str, str]) -> str:
@@ -196,15 +163,18 @@ def render(results: dict, plot_links: dict[str, str]) -> str:
         _limit_section(lim),
         _results_section(results, stats, lim),
         ["## Ratios (moezero / peer)", "",
-         *_table(["moezero", "peer", "tokens/s", "peak anon", "peak RSS", "checkpoint bytes"],
+         *table(["moezero", "peer", "tokens/s", "peak anon", "peak RSS", "checkpoint bytes"],
                  _ratio_rows(stats)), "",
          "Throughput above 1× is better; memory and bytes below 1× are better."],
         _targets_section(stats, lim),
-        ["## Optimizer step against memory bandwidth", "",
-         *_table(["configuration", "fp32 elements stepped per rank", "step() ms",
-                  f"floor ms ({OPT_BYTES_PER_ELEMENT} B/element at memcpy bandwidth)",
-                  "floor / step()"], _optimizer_rows(stats, lim)), "", *NOTES_OPT],
+        tables_memory.tiled_section(results),
+        tables_memory.stages_section(results),
+        tables_io.ckpt_section(results, lim),
+        tables_io.optimizer_section(results, lim),
+        tables_memory.world_section(results),
         _sweep_section(results, plot_links),
+        tables_memory.slots_section(results),
+        tables_io.swap_section(results),
         _failure_section(results),
     ]
     return "\n\n".join("\n".join(section) for section in sections) + "\n"
@@ -216,7 +186,7 @@ def _results_section(results: dict, stats: dict, lim: dict) -> list[str]:
               "peak RSS per rank", "peak anon per rank", "anon growth", "checkpoint bytes",
               "save time", "save bandwidth", "loss first → last"]
     rows = [_result_row(n, s, lim, params) for n, s in stats.items()]
-    return ["## Results (median over rounds)", "", *_table(header, rows), "", *NOTES_RESULTS]
+    return ["## Results (median over rounds)", "", *table(header, rows), "", *NOTES_RESULTS]
 
 
 def _targets_section(stats: dict, lim: dict) -> list[str]:
@@ -224,16 +194,18 @@ def _targets_section(stats: dict, lim: dict) -> list[str]:
     lines = ["## Targets", ""]
     if note:
         lines += [f"Evaluated on **{name or 'nothing'}**: {note}.", ""]
-    return lines + _table(["target", "measured", "status"],
+    return lines + table(["target", "measured", "status"],
                           [[r["target"], r["measured"] or "–", r["status"]] for r in rows])
 
 
 def _limit_section(lim: dict) -> list[str]:
-    dd = ([["dd write (oflag=direct, bs=8M)", _mbs(lim["dd_write"])],
-           ["dd read (iflag=direct, bs=8M)", _mbs(lim["dd_read"])]] if "dd_write" in lim
+    dd = ([["dd write (oflag=direct, bs=8M)", mbs(lim["dd_write"])],
+           ["dd read (iflag=direct, bs=8M)", mbs(lim["dd_read"])],
+           ["dd write through the page cache (conv=fsync, bs=8M)",
+            mbs(lim.get("dd_write_buffered"))]] if "dd_write" in lim
           else [["dd", f"failed: {lim['dd_error']}"]])
     return ["## Machine limits (measured in this run)", "",
-            *_table(["limit", f"median over {lim['rounds']} round(s)"],
+            *table(["limit", f"median over {lim['rounds']} round(s)"],
                     [*dd, ["memory copy (torch, 1 thread, read + write bytes)",
                            f"{lim['memcpy'] / 1e9:.1f} GB/s"]])]
 
@@ -244,7 +216,7 @@ def _sweep_section(results: dict, plot_links: dict[str, str]) -> list[str]:
     if not anon:
         return lines + ["No sweep runs."]
     return lines + [f"![peak memory per rank vs experts]({plot_links['memory']})", "",
-                    *_table(["experts", *(f"{n}: peak anon / peak RSS" for n in anon)],
+                    *table(["experts", *(f"{n}: peak anon / peak RSS" for n in anon)],
                             _sweep_rows(anon, rss)),
                     "", f"Per-run throughput: ![tokens/s per run]({plot_links['throughput']})"]
 
@@ -283,12 +255,6 @@ NOTES_RESULTS = [
     "- FSDP2 has no expert parallelism: it shards every parameter over both ranks and runs all "
     "experts on each; moezero and DeepSpeed use expert parallelism ep = 2.",
 ]
-NOTES_OPT = [
-    "The floor is the time to stream the rank's fp32 AdamW state once at the measured memory "
-    "copy bandwidth; step() includes more than the optimizer for moezero and DeepSpeed.",
-]
-
-
 def write(results: dict, out: Path, plots_dir: Path) -> str:
     """Plots then BENCHMARKS.md; returns the text."""
     plots_dir.mkdir(parents=True, exist_ok=True)
@@ -306,5 +272,5 @@ def write(results: dict, out: Path, plots_dir: Path) -> str:
 def console_summary(text: str) -> str:
     """The results, ratios and targets sections, for the terminal."""
     start = text.index("## Results")
-    end = text.index("## Optimizer step")
+    end = text.index("## Tiled vs untiled")
     return text[start:end].rstrip()

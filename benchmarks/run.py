@@ -2,9 +2,12 @@
 
 ``python -m benchmarks.run [--quick] [--out BENCHMARKS.md] [--peer-python PATH]``
 
-Every configuration trains the same model on the same data at W=2 (gloo), each run in fresh
-processes started by ``torchrun``; configurations are interleaved round by round (A B C, A B C,
+The compared configurations train the same model on the same data at W=2 (gloo), each run in
+fresh processes started by ``torchrun``; they are interleaved round by round (A B C, A B C,
 ...) and the machine's limits (``dd``, memory copy) are measured at the start of every round.
+Then the other series (``benchmarks.specs``: experts sweep, tiled step, memory vs W, large
+checkpoints) run once each, and the NVMe swap throughput (``benchmarks.swap``) is measured
+once when that module exists.
 moezero and FSDP2 run with this interpreter; DeepSpeed with ``--peer-python`` (its own venv,
 ``DS_ACCELERATOR=cpu``). A configuration that is rejected or fails is reported with its error
 line and not retried; the other rows still run. Raw results go to ``<work-dir>/results.json``;
@@ -24,8 +27,8 @@ import time
 from pathlib import Path
 
 from benchmarks import report
-from benchmarks.machine import dd_bandwidth, machine_info, memcpy_bandwidth
-from benchmarks.specs import SIZES, WORLD_SIZE, main_specs, sweep_specs
+from benchmarks.machine import dd_bandwidth, machine_info, memcpy_bandwidth, swap_bandwidth
+from benchmarks.specs import SIZES, extra_specs, main_specs
 from benchmarks.stats import run_stats
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
     p.add_argument("--only", action="append", default=[], metavar="TEXT",
                    help="run only configurations whose name contains TEXT (repeatable)")
+    p.add_argument("--series", action="append", default=[], metavar="NAME",
+                   help="run only this series: main, sweep, tiled, world, ckpt (repeatable)")
     p.add_argument("--from-json", help="render the report from this results.json; run nothing")
     return p
 
@@ -88,7 +93,12 @@ def error_line(log: str) -> str:
 
 def run_one(spec: dict, tag: str, args: argparse.Namespace, work: Path) -> dict:
     """One configuration in fresh torchrun processes; the parsed result or the failure."""
-    spec = {**spec, "ckpt_dir": str(work / "ckpt" / tag)}
+    options = {k: v.replace("{work}", str(work)) if isinstance(v, str) else v
+               for k, v in spec["options"].items()}
+    for key, folder in options.items():
+        if key.endswith("nvme_path"):  # swap folders must exist (the engine checks free space)
+            Path(folder).mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "options": options, "ckpt_dir": str(work / "ckpt" / tag)}
     paths = {k: work / sub / f"{tag}.{ext}" for k, sub, ext in
              (("spec", "specs", "json"), ("result", "results", "json"), ("log", "logs", "log"))}
     for path in paths.values():
@@ -97,7 +107,7 @@ def run_one(spec: dict, tag: str, args: argparse.Namespace, work: Path) -> dict:
     paths["result"].unlink(missing_ok=True)
     python = args.peer_python if spec["system"] == "deepspeed" else sys.executable
     cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(WORLD_SIZE), "-m", "benchmarks.worker", str(paths["spec"]), str(paths["result"])]
+           str(spec["world_size"]), "-m", "benchmarks.worker", str(paths["spec"]), str(paths["result"])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     start = time.perf_counter()
@@ -133,20 +143,30 @@ def _progress(run: dict, index: int, total: int) -> None:
     print(f"{head}: {body} [{run['wall_s']:.1f} s]", flush=True)
 
 
+def _selected(specs: list[dict], args: argparse.Namespace) -> list[dict]:
+    """The specs ``--only`` (name) and ``--series`` let through."""
+    return [s for s in specs if (not args.only or any(t in s["name"] for t in args.only))
+            and (not args.series or s["series"] in args.series)]
+
+
+def _extra_tag(spec: dict) -> str:
+    return (f"{spec['series']}-{_slug(spec['name'])}-e{spec['model']['num_experts']}"
+            f"-w{spec['world_size']}")
+
+
 def run_all(args: argparse.Namespace, size: dict, repeats: int, work: Path) -> dict:
-    """Limits and main configurations round by round, then the memory sweep."""
+    """Limits and main configurations round by round, then the sweeps and series run once."""
     results = {"machine": machine_info(), "peer": peer_probe(args.peer_python, args.peer_note),
                "command": command_line(), "mode": "quick" if args.quick else "full",
-               "size": size, "repeats": repeats, "limits": [], "runs": []}
-    main, sweep = main_specs(size), sweep_specs(size)
-    if args.only:
-        main, sweep = ([s for s in specs if any(t in s["name"] for t in args.only)]
-                       for specs in (main, sweep))
-    total, done, dropped = repeats * len(main) + len(sweep), 0, set()
-    for rnd in range(1, repeats + 1):
+               "size": size, "repeats": repeats, "limits": [], "runs": [],
+               "swap": swap_bandwidth(work, size["swap_mib"])}
+    main, extra = _selected(main_specs(size), args), _selected(extra_specs(size), args)
+    rounds = [[s for s in main if rnd <= s.get("rounds", repeats)] for rnd in range(1, repeats + 1)]
+    total, done, dropped = sum(map(len, rounds)) + len(extra), 0, set()
+    for rnd, specs in enumerate(rounds, start=1):
         results["limits"].append({"dd": dd_bandwidth(work, size["dd_mib"]),
                                   "memcpy": memcpy_bandwidth(size["memcpy_mib"])})
-        for spec in main:
+        for spec in specs:
             done += 1
             if spec["name"] in dropped:
                 continue
@@ -155,10 +175,9 @@ def run_all(args: argparse.Namespace, size: dict, repeats: int, work: Path) -> d
             results["runs"].append(run)
             if run["status"] != "ok":
                 dropped.add(spec["name"])  # rejected or broken: do not retry
-    for spec in sweep:
+    for spec in extra:
         done += 1
-        tag = f"{_slug(spec['name'])}-e{spec['model']['num_experts']}"
-        run = run_one(spec, tag, args, work)
+        run = run_one(spec, _extra_tag(spec), args, work)
         _progress(run, done, total)
         results["runs"].append(run)
     return results

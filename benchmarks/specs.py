@@ -2,6 +2,12 @@
 
 Add a row by adding one line to a list below, e.g. ``("moezero stage 3", {...: 3})``.
 A configuration the engine or config rejects is reported as 'not supported yet', not fatal.
+A string option may name ``{work}``: the run's work directory (e.g. an NVMe swap folder).
+
+Series (each run's ``series``): ``main`` (the compared configurations, round by round),
+``sweep`` (per-rank memory vs experts), ``tiled`` (tiled vs untiled step) and ``state``
+(stages vs FSDP2, and per-rank memory vs W) on a model whose optimizer state dominates,
+``ckpt`` (checkpoint save/load of a few-hundred-MB model).
 """
 
 from __future__ import annotations
@@ -13,58 +19,126 @@ MOEZERO_CONFIGS: list[tuple[str, dict]] = [
 ]
 """moezero rows: (name, dotted config overrides on top of the shared model below)."""
 
+SLOT_CONFIGS: list[tuple[str, dict, str]] = [
+    ("moezero stage 3", {"zero_optimization.stage": 3}, "FSDP2 + DCP"),
+    ("moezero stage 2 + cpu optimizer offload",
+     {"zero_optimization.stage": 2, "zero_optimization.offload_optimizer.device": "cpu"},
+     "moezero stage 2"),
+    ("moezero stage 3 + nvme/nvme",
+     {"zero_optimization.stage": 3,
+      "zero_optimization.offload_optimizer.device": "nvme",
+      "zero_optimization.offload_optimizer.nvme_path": "{work}/nvme",
+      "zero_optimization.offload_param.device": "nvme",
+      "zero_optimization.offload_param.nvme_path": "{work}/nvme"},
+     "moezero stage 3"),
+]
+"""Stage 3 and offload rows: (name, overrides, the row they are compared with). Run with the
+main configurations (first round only in quick mode); 'not supported yet' until the engine
+implements them, then they fill in with no harness change."""
+
 PEER_CONFIGS: list[tuple[str, str, dict]] = [
     ("FSDP2 + DCP", "fsdp2", {}),
     ("DeepSpeed ZeRO-2", "deepspeed", {"stage": 2}),
 ]
 """Peer rows: (name, system, system options)."""
 
-SWEEP_EXPERTS = (8, 16, 32)
-"""Experts per MoE layer for the per-rank memory sweep."""
-
 SWEEP_SYSTEMS: list[tuple[str, str, dict]] = [
     ("moezero stage 0", "moezero", {"zero_optimization.stage": 0}),
     ("moezero stage 2", "moezero", {"zero_optimization.stage": 2}),
     ("FSDP2 + DCP", "fsdp2", {}),
 ]
-"""Rows of the sweep (names as in the lists above, so the main runs give the base point)."""
+"""Rows of the experts sweep (names as in the lists above, so the main runs give the base point)."""
+
+TILED_ROWS: list[tuple[str, dict]] = [
+    (f"stage 2 {dtype} {'tiled' if tiled else 'untiled'}",
+     {"zero_optimization.stage": 2, "zero_optimization.tiled_step": tiled,
+      "precision.dtype": dtype, "moe.max_group_size": 32768})
+    for dtype in ("fp32", "bf16") for tiled in (True, False)
+]
+"""Tiled vs untiled optimizer step, moezero rows on ``size["tiled_model"]``."""
+
+STATE_SYSTEMS: list[tuple[str, str, dict]] = [
+    ("moezero stage 0", "moezero", {"zero_optimization.stage": 0}),
+    ("moezero stage 1", "moezero", {"zero_optimization.stage": 1}),
+    ("moezero stage 2", "moezero", {"zero_optimization.stage": 2}),
+    ("FSDP2 + DCP", "fsdp2", {}),
+]
+"""Per-rank memory of stages 0/1/2 vs FSDP2 on ``size["tiled_model"]`` (>= 16 experts,
+optimizer state dominates) at W = 2."""
+
+WORLD_SYSTEMS = ("moezero stage 2", "FSDP2 + DCP")
+"""Rows of ``STATE_SYSTEMS`` also run at every W of ``size["world_sizes"]`` (same per-rank
+batch; ``ep = min(ep_size, W)``)."""
+
+CKPT_SYSTEMS: list[tuple[str, str, dict]] = [
+    ("moezero stage 2", "moezero", {"zero_optimization.stage": 2}),
+    ("FSDP2 + DCP", "fsdp2", {}),
+]
+"""Checkpoint save/load on ``size["ckpt_model"]`` (one training step, then save, save, load)."""
 
 TARGET_CONFIG = "moezero stage 2"
 """The moezero configuration the issue's targets name (the CLI default once it lands)."""
 
 WORLD_SIZE = 2
 
+_SHORT = {"micro_batch_size": 1, "seq_len": 32, "lr": 3e-3, "seed": 0, "warmup": 1, "timed": 2}
 SIZES = {
     "quick": {"model": {"vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4,
                         "ffn_dim": 256, "num_experts": 8, "top_k": 2, "ep_size": 2},
               "train": {"micro_batch_size": 4, "seq_len": 128, "lr": 3e-3, "seed": 0,
                         "warmup": 3, "timed": 8},
-              "repeats": 3, "dd_mib": 256, "memcpy_mib": 256},
+              "repeats": 2, "slot_rounds": 1, "dd_mib": 256, "memcpy_mib": 256,
+              "sweep_experts": (8, 16, 32), "world_sizes": (1, 2, 4), "short": _SHORT,
+              "tiled_model": {"vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4,
+                              "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
+              "tiled_train": {**_SHORT, "timed": 3},
+              "ckpt_model": {"vocab_size": 256, "dim": 256, "n_layers": 2, "n_heads": 4,
+                             "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
+              "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
+              "swap_mib": 256},
     "full": {"model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
                        "ffn_dim": 512, "num_experts": 8, "top_k": 2, "ep_size": 2},
              "train": {"micro_batch_size": 8, "seq_len": 128, "lr": 3e-3, "seed": 0,
                        "warmup": 5, "timed": 20},
-             "repeats": 5, "dd_mib": 1024, "memcpy_mib": 512},
+             "repeats": 5, "slot_rounds": 5, "dd_mib": 1024, "memcpy_mib": 512,
+             "sweep_experts": (8, 16, 32, 64), "world_sizes": (1, 2, 4),
+             "short": {**_SHORT, "warmup": 2, "timed": 3},
+             "tiled_model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
+                             "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
+             "tiled_train": {**_SHORT, "timed": 5},
+             "ckpt_model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
+                            "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
+             "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
+             "swap_mib": 1024},
 }
 """Shared model and loop per mode. ``ep_size`` applies to moezero and DeepSpeed (expert
-parallel); FSDP2 shards every parameter instead and runs all experts on each rank."""
+parallel); FSDP2 shards every parameter instead and runs all experts on each rank.
+``tiled_model`` (>= 16 experts, tiny batch: optimizer state dominates memory) serves the
+``tiled`` and ``state`` series; ``short`` is the loop of the memory-only ``state`` series.
+Quick mode runs 2 rounds of the compared configurations (3 before the tiled/state/ckpt series
+were added) so that ``nox -s bench -- --quick`` stays under 10 minutes on 2 cores."""
 
 
 def run_spec(name: str, system: str, options: dict, size: dict, *, experts: int | None = None,
-             checkpoint: bool = True, series: str = "main") -> dict:
+             checkpoint: bool = True, series: str = "main", model: dict | None = None,
+             train: dict | None = None, world: int = WORLD_SIZE) -> dict:
     """One run's full description, handed to ``benchmarks.worker`` as JSON."""
-    model = dict(size["model"])
+    model = dict(model or size["model"])
     if experts is not None:
         model["num_experts"] = experts
+    model["ep_size"] = min(model["ep_size"], world)
     return {"name": name, "system": system, "options": dict(options), "model": model,
-            "train": dict(size["train"]), "checkpoint": checkpoint, "series": series,
-            "world_size": WORLD_SIZE}
+            "train": dict(train or size["train"]), "checkpoint": checkpoint, "series": series,
+            "world_size": world}
 
 
 def main_specs(size: dict) -> list[dict]:
-    """The configurations compared side by side, in the order each round runs them."""
+    """The configurations compared side by side, in the order each round runs them; a spec's
+    ``rounds`` (if set) limits the rounds it runs in."""
     specs = [run_spec(name, "moezero", overrides, size) for name, overrides in MOEZERO_CONFIGS]
     specs += [run_spec(name, system, opts, size) for name, system, opts in PEER_CONFIGS]
+    for name, overrides, _ in SLOT_CONFIGS:
+        specs.append({**run_spec(name, "moezero", overrides, size), "rounds": size["slot_rounds"]})
     return specs
 
 
@@ -72,4 +146,24 @@ def sweep_specs(size: dict) -> list[dict]:
     """Memory-vs-experts runs not already covered by the main runs (those use the base E)."""
     base = size["model"]["num_experts"]
     return [run_spec(name, system, opts, size, experts=e, checkpoint=False, series="sweep")
-            for e in SWEEP_EXPERTS if e != base for name, system, opts in SWEEP_SYSTEMS]
+            for e in size["sweep_experts"] if e != base for name, system, opts in SWEEP_SYSTEMS]
+
+
+def state_specs(size: dict) -> list[dict]:
+    """Stages vs FSDP2 at W = 2, and the ``WORLD_SYSTEMS`` at the other world sizes."""
+    return [run_spec(name, system, opts, size, checkpoint=False, series="state",
+                     model=size["tiled_model"], train=size["short"], world=w)
+            for w in size["world_sizes"] for name, system, opts in STATE_SYSTEMS
+            if w == WORLD_SIZE or name in WORLD_SYSTEMS]
+
+
+def extra_specs(size: dict) -> list[dict]:
+    """Runs made once after the rounds: experts sweep, tiled step, state model, checkpoints."""
+    specs = sweep_specs(size)
+    specs += [run_spec(name, "moezero", opts, size, checkpoint=False, series="tiled",
+                       model=size["tiled_model"], train=size["tiled_train"])
+              for name, opts in TILED_ROWS]
+    specs += state_specs(size)
+    specs += [run_spec(name, system, opts, size, series="ckpt", model=size["ckpt_model"],
+                       train=size["ckpt_train"]) for name, system, opts in CKPT_SYSTEMS]
+    return specs

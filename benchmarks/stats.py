@@ -1,14 +1,14 @@
 """Figures of one run and of one configuration, from raw worker results.
 
 Per run: tokens/s per rank from the median step time after warm-up, peak RSS and peak
-anonymous memory per rank (the larger rank), checkpoint bytes and save time. Per configuration: the median over its rounds.
+anonymous memory per rank (the larger rank), moezero's engine step peak and timed parts of
+the step, checkpoint bytes, first and second save time and cold load time (the slower rank).
+Per configuration: the median over its rounds.
 """
 
 from __future__ import annotations
 
 from statistics import median
-
-from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS
 
 
 def param_count(model: dict) -> int:
@@ -30,14 +30,41 @@ def run_stats(run: dict) -> dict:
            "anon_peak": max(r["anon_peak"] for r in ranks),
            "anon_growth": max(r["anon_peak"] - r["anon_start"] for r in ranks),
            "loss_first": ranks[0]["losses"][0], "loss_last": ranks[0]["losses"][-1],
-           "opt_elements": ranks[0]["info"].get("optimizer_elements")}
+           "opt_elements": ranks[0]["info"].get("optimizer_elements"),
+           "dtype": ranks[0]["info"].get("dtype", "float32"),
+           "stage": ranks[0]["info"].get("stage")}
+    out.update(_trace_stats(ranks))
+    out.update(_checkpoint_stats(ranks))
+    return out
+
+
+def _trace_stats(ranks: list[dict]) -> dict:
+    """moezero's per-step figures: engine step peak (max over steps and ranks), persistent
+    engine bytes, and the median timed-step ms of each timed part (median of the ranks)."""
+    out = {}
+    persistent = [r["info"].get("persistent_engine_bytes") for r in ranks]
+    if all(p is not None for p in persistent):
+        out["persistent"] = max(persistent)
+    peaks = [p for r in ranks for p in r.get("trace", {}).get("engine_peak", []) if p is not None]
+    if peaks:
+        out["engine_peak"] = max(peaks)
+    for key in ("optimizer_s", "adamw_s", "reduce_s"):
+        timed = [r.get("trace", {}).get(key, [])[-len(r["step_s"]):] for r in ranks]
+        if all(timed):
+            out[key[:-2] + "_ms"] = 1e3 * median(median(t) for t in timed)
+    return out
+
+
+def _checkpoint_stats(ranks: list[dict]) -> dict:
     ckpt = ranks[0].get("checkpoint") or {}
-    if "bytes" in ckpt:
-        save_s = max(r["checkpoint"]["save_s"] for r in ranks)
-        out.update(ckpt_bytes=ckpt["bytes"], ckpt_files=ckpt["files"], save_s=save_s,
-                   save_bw=ckpt["bytes"] / save_s)
-    else:
-        out["ckpt_note"] = ckpt.get("note", "not saved in this run")
+    if "bytes" not in ckpt:
+        return {"ckpt_note": ckpt.get("note", "not saved in this run")}
+    out = {"ckpt_bytes": ckpt["bytes"], "ckpt_files": ckpt["files"]}
+    for key in ("save_s", "second_save_s", "load_s"):
+        if all(key in r["checkpoint"] for r in ranks):
+            out[key] = max(r["checkpoint"][key] for r in ranks)
+            out[key[:-2] + "_bw"] = ckpt["bytes"] / out[key]
+    out["load_note"] = ckpt.get("load_note")
     return out
 
 
@@ -53,6 +80,8 @@ def config_stats(runs: list[dict]) -> dict:
     stats = {k: median(s[k] for s in ok) for k in keys if all(s.get(k) is not None for s in ok)}
     rates = [s["tokens_per_s"] for s in ok]
     stats.update(status="ok", runs=len(ok), ckpt_note=ok[0].get("ckpt_note"),
+                 load_note=ok[0].get("load_note"), dtype=ok[0]["dtype"],
+                 system=runs[0]["spec"]["system"],
                  tokens_per_s_range=(min(rates), max(rates)))
     return stats
 
@@ -64,14 +93,26 @@ def limits(results: dict) -> dict:
     out = {"memcpy": median(r["memcpy"] for r in results["limits"]), "rounds": len(dd)}
     if dd and not errors:
         out.update(dd_write=median(d["write"] for d in dd), dd_read=median(d["read"] for d in dd))
+        if all("write_buffered" in d for d in dd):
+            out["dd_write_buffered"] = median(d["write_buffered"] for d in dd)
     else:
         out["dd_error"] = errors[0] if errors else "not measured"
     return out
 
 
 def by_name(results: dict, series: str = "main") -> dict[str, dict]:
-    """Configuration name -> stats, in the order of the spec lists."""
-    names = [n for n, _ in MOEZERO_CONFIGS] + [n for n, _, _ in PEER_CONFIGS]
+    """Configuration name -> stats over its rounds in ``series``, in the order they ran."""
     runs = [r for r in results["runs"] if r["spec"]["series"] == series]
-    return {n: config_stats([r for r in runs if r["spec"]["name"] == n])
-            for n in names if any(r["spec"]["name"] == n for r in runs)}
+    names = dict.fromkeys(r["spec"]["name"] for r in runs)
+    return {n: config_stats([r for r in runs if r["spec"]["name"] == n]) for n in names}
+
+
+def point(results: dict, series: str, name: str, *, experts: int | None = None,
+          world: int | None = None) -> dict | None:
+    """Stats of the runs of ``name`` in ``series`` at the given experts and world size
+    (None: any), or None when there are none."""
+    runs = [r for r in results["runs"] if r["spec"]["series"] == series
+            and r["spec"]["name"] == name
+            and experts in (None, r["spec"]["model"]["num_experts"])
+            and world in (None, r["spec"].get("world_size", 2))]
+    return config_stats(runs) if runs else None

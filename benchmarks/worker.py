@@ -2,9 +2,9 @@
 
 Joins the torchrun world (gloo), builds the spec's system (moezero, FSDP2 or DeepSpeed) on
 the shared model and data, runs warm-up then timed steps, records per-step times, peak RSS,
-peak anonymous memory (sampled every 10 ms from before the model is built) and a checkpoint
-save, and rank 0 writes every rank's raw figures as JSON. Statistics are
-left to ``benchmarks.report``.
+peak anonymous memory (sampled every 10 ms from before the model is built), moezero's
+per-step engine figures, and a checkpoint save, second save and cold load; rank 0 writes every
+rank's raw figures as JSON. Statistics are left to ``benchmarks.stats``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from benchmarks.common import AnonPeak, Unsupported, anon_rss, peak_rss, tree_by
 
 def build_trainer(spec: dict):
     """The system's trainer: ``.batches``, ``.step(batch) -> (loss, step_call_s)``,
-    ``.save(folder)``, ``.save_note`` (None when it can save) and ``.info``."""
+    ``.save(folder)``, ``.load(folder)``, ``.save_note`` (None when it can save), ``.info``
+    and, for moezero, ``.trace`` (per-step engine figures)."""
     if spec["system"] == "moezero":
         from benchmarks.moezero_trainer import MoezeroTrainer
         return MoezeroTrainer(spec)
@@ -55,27 +56,58 @@ def train_and_time(trainer, spec: dict) -> dict:
             "tokens_per_step": train["micro_batch_size"] * train["seq_len"]}
 
 
-def timed_save(trainer, folder: str) -> dict:
-    """Save once from every rank; wall time from a barrier to a barrier, bytes on disk.
+def _barrier_timed(fn, folder: str) -> float:
+    """Wall time of ``fn(folder)`` on every rank, from a barrier before to a barrier after."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn(folder)
+    dist.barrier()
+    return time.perf_counter() - start
 
-    A save that raises is reported (the training figures are kept), not fatal.
+
+def drop_page_cache(folder: str) -> None:
+    """Flush every file under ``folder`` and ask the kernel to drop its cached pages, so the
+    next read comes from the disk (``posix_fadvise(DONTNEED)``; needs no privileges)."""
+    for root, _, names in os.walk(folder):
+        for name in names:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def checkpoint_io(trainer, folder: str) -> dict:
+    """Save twice in this process (the first and a second save, each into a fresh folder),
+    then drop the second from the page cache and load it (a cold read).
+
+    A save or load that raises is reported (the training figures are kept), not fatal.
     """
     if trainer.save_note is not None:
         return {"note": trainer.save_note}
     shutil.rmtree(folder, ignore_errors=True)
-    dist.barrier()
-    start = time.perf_counter()
+    first, second, out = os.path.join(folder, "first"), os.path.join(folder, "second"), {}
     try:
-        trainer.save(folder)
+        out["save_s"] = _barrier_timed(trainer.save, first)
+        out["bytes"], out["files"] = tree_bytes(first)
+        out["second_save_s"] = _barrier_timed(trainer.save, second)
     except Exception as exc:  # any failure is a figure to report, not a crash
-        return {"note": f"save failed: {type(exc).__name__}: {exc}"[:300]}
-    dist.barrier()
-    elapsed = time.perf_counter() - start
-    size, files = tree_bytes(folder)
+        return {**out, "note": f"save failed: {type(exc).__name__}: {exc}"[:300]}
+    if dist.get_rank() == 0:
+        drop_page_cache(second)
+    load = getattr(trainer, "load", None)
+    try:
+        if load is None:
+            out["load_note"] = "n/a (no load in this trainer)"
+        else:
+            out["load_s"] = _barrier_timed(load, second)
+    except Exception as exc:
+        out["load_note"] = f"load failed: {type(exc).__name__}: {exc}"[:300]
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(folder, ignore_errors=True)
-    return {"bytes": size, "files": files, "save_s": elapsed}
+    return out
 
 
 def run_rank(spec: dict) -> dict:
@@ -87,9 +119,11 @@ def run_rank(spec: dict) -> dict:
     finally:
         anon_peak = sampler.stop()
     record.update(status="ok", anon_start=anon_start, anon_peak=anon_peak, peak_rss=peak_rss(),
-                  info=trainer.info)
+                  info=trainer.info, trace=getattr(trainer, "trace", {}))
     if spec["checkpoint"]:
-        record["checkpoint"] = timed_save(trainer, spec["ckpt_dir"])
+        record["checkpoint"] = checkpoint_io(trainer, spec["ckpt_dir"])
+    if hasattr(trainer, "close"):
+        trainer.close()
     return record
 
 
