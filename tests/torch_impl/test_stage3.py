@@ -12,12 +12,8 @@ import torch
 from tests.torch_impl.distributed import run_world
 from tests.torch_impl.test_cli import TINY, moezero
 from tests.torch_impl.test_distributed import MICRO
-from tests.torch_impl.test_zero import CAP, zcfg
-from torch_impl.config import Config
-from torch_impl.data import Batches, make_corpus
-from torch_impl.engine import initialize
-from torch_impl.parallel import build_topology
-from torch_impl.train import build_model
+from tests.torch_impl.test_zero import CAP, engine_and_batches, zcfg
+from torch_impl.model.moe import MoE
 
 STEPS = 10
 
@@ -36,21 +32,18 @@ def train(cfg_data: dict, steps: int = STEPS, world_of_batch: int = 2, first: in
           load: str | None = None, save: str | None = None) -> dict:
     """Optimizer steps ``first``..``steps``-1 on this rank's slices of the global batch
     (resuming from ``load``; saving to ``save`` at the end); full params, losses, swap files."""
-    cfg = Config.model_validate(cfg_data)
-    topo = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
-    cfg.train.grad_accum_steps = world_of_batch // topo.world_size
-    engine = initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu")
-    batches = Batches(make_corpus(None, vocab=32, sources=2, seed=7), seed=3, dp_rank=0,
-                      dp_size=1, global_batch=MICRO * world_of_batch, seq_len=cfg.train.seq_len)
+    engine, topo, batches = engine_and_batches(cfg_data, world_of_batch)
     if load:
         engine.load_checkpoint(load)
     for _ in range(first):
         batches.next()
-    losses, at_rest = [], None
+    losses, counts, at_rest = [], [], None
     for _ in range(first, steps):
         slices = torch.from_numpy(batches.next()).split(MICRO)
         metrics = engine.train_step(list(slices[topo.rank::topo.world_size]))
         losses.append(metrics["loss"])
+        counts.append([m.last_stats["tokens_per_expert"].tolist() for m in engine.model.modules()
+                       if isinstance(m, MoE)])
         if at_rest is None:
             at_rest = sum(p.untyped_storage().nbytes() for p in engine.params.values())
     if save:
@@ -61,12 +54,18 @@ def train(cfg_data: dict, steps: int = STEPS, world_of_batch: int = 2, first: in
     listing = sorted({entry for folder in swaps for entry in folder.listing()})
     engine.close()
     left = sorted({entry for folder in swaps for entry in folder.listing()})
-    return {"losses": losses, "params": params, "at_rest_param_bytes": at_rest,
+    return {"losses": losses, "params": params, "at_rest_param_bytes": at_rest, "counts": counts,
             "swap_files": listing, "swap_left": left}
 
 
 def run_cases(cases: dict) -> dict:
     return {name: train(*args) for name, args in cases.items()}
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert got["losses"] == want["losses"]
+    for fqn, value in want["params"].items():
+        assert np.array_equal(got["params"][fqn], value), fqn
 
 
 PAIRS = [("none", "none"), ("none", "cpu"), ("cpu", "cpu"), ("cpu", "none"),
@@ -98,17 +97,12 @@ def w2(tmp_path_factory):
 @pytest.mark.parametrize("param,optim", PAIRS)
 def test_stage3_offload_bit_identical_to_stage2(w2, dtype, param, optim):
     for rank in w2:
-        want, got = rank[f"s2_{dtype}"], rank[f"s3_{param}_{optim}_{dtype}"]
-        assert got["losses"] == want["losses"]
-        for fqn, value in want["params"].items():
-            assert np.array_equal(got["params"][fqn], value), fqn
+        _assert_same(rank[f"s3_{param}_{optim}_{dtype}"], rank[f"s2_{dtype}"])
 
 
 def test_stage3_without_group_cap(w2):
     for rank in w2:
-        assert rank["s3_nocap"]["losses"] == rank["s2_nocap"]["losses"]
-        for fqn, value in rank["s2_nocap"]["params"].items():
-            assert np.array_equal(rank["s3_nocap"]["params"][fqn], value), fqn
+        _assert_same(rank["s3_nocap"], rank["s2_nocap"])
 
 
 def test_stage3_params_at_rest_are_freed(w2):
@@ -118,12 +112,6 @@ def test_stage3_params_at_rest_are_freed(w2):
         assert rank["s2_fp32"]["at_rest_param_bytes"] > 0
 
 
-def _assert_same(got: dict, want: dict) -> None:
-    assert got["losses"] == want["losses"]
-    for fqn, value in want["params"].items():
-        assert np.array_equal(got["params"][fqn], value), fqn
-
-
 @pytest.mark.parametrize("name", ["s1_optim_cpu", "s1_optim_nvme", "s2_optim_cpu", "s2_optim_nvme"])
 def test_optimizer_offload_at_stages_1_and_2(w2, name):
     for rank in w2:
@@ -131,6 +119,9 @@ def test_optimizer_offload_at_stages_1_and_2(w2, name):
 
 
 def test_experts_without_tokens(w2):
+    # kept tokens per (step, layer, global expert), summed over the ranks that sent them
+    received = np.sum([rank["s3_starved"]["counts"] for rank in w2], axis=0)
+    assert (received == 0).any(), "no expert went without tokens: the case tests nothing"
     for rank in w2:
         _assert_same(rank["s3_starved"], rank["s2_starved"])
 
@@ -162,10 +153,7 @@ def resumed(tmp_path_factory):
 def test_checkpoint_moves_between_nvme_and_memory_bitwise(w2, resumed, name):
     for rank, uninterrupted in zip(resumed, w2, strict=True):
         want = uninterrupted["s3_none_none_fp32"]
-        got = rank[name]
-        assert got["losses"] == want["losses"][4:]
-        for fqn, value in want["params"].items():
-            assert np.array_equal(got["params"][fqn], value), fqn
+        _assert_same(rank[name], {**want, "losses": want["losses"][4:]})
 
 
 NVME = ["--set", "zero_optimization.stage=3",

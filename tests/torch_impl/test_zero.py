@@ -37,6 +37,18 @@ def zcfg(*, stage: int, ep: int = 1, dtype: str = "fp32", tiled: bool = True,
     return cfg.model_dump(by_alias=True)
 
 
+def engine_and_batches(cfg_data: dict, world_of_batch: int):
+    """An engine on this process group and the global batches (``world_of_batch`` micro-batches,
+    each rank accumulating its share)."""
+    cfg = Config.model_validate(cfg_data)
+    topo = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
+    cfg.train.grad_accum_steps = world_of_batch // topo.world_size
+    engine = initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu")
+    batches = Batches(make_corpus(None, vocab=32, sources=2, seed=7), seed=3, dp_rank=0,
+                      dp_size=1, global_batch=MICRO * world_of_batch, seq_len=cfg.train.seq_len)
+    return engine, topo, batches
+
+
 def train_steps(cfg_data: dict, world_of_batch: int, steps: int = STEPS,
                 overflow_steps: tuple[int, ...] = (), probe: bool = False) -> dict:
     """``steps`` optimizer steps on the global batch (split over ranks, looped at W=1).
@@ -44,12 +56,7 @@ def train_steps(cfg_data: dict, world_of_batch: int, steps: int = STEPS,
     ``overflow_steps``: 1-based steps whose loss is made infinite on the last rank only.
     ``probe``: check after step 1 that exp_avg = (1 - beta1) * clip * reduced gradient.
     """
-    cfg = Config.model_validate(cfg_data)
-    topo = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
-    cfg.train.grad_accum_steps = world_of_batch // topo.world_size
-    engine = initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu")
-    batches = Batches(make_corpus(None, vocab=32, sources=2, seed=7), seed=3, dp_rank=0,
-                      dp_size=1, global_batch=MICRO * world_of_batch, seq_len=cfg.train.seq_len)
+    engine, topo, batches = engine_and_batches(cfg_data, world_of_batch)
     initial = _params(engine)
     metrics, probe_err = [], None
     for step in range(1, steps + 1):
