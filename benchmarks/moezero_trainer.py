@@ -117,6 +117,15 @@ class MoezeroTrainer:
     def load(self, folder: str) -> None:
         self.engine.load_checkpoint(folder)
 
+    def swap_files(self) -> list[str]:
+        """This rank's optimizer swap files (master, exp_avg, exp_avg_sq of every local group),
+        the bytes a save of NVMe-resident state copies; empty when the state is in memory."""
+        zero = getattr(self.engine, "zero", None)
+        swap = getattr(zero, "optim_swap", None)
+        if swap is None:
+            return []
+        return [str(swap.path(slot, state)) for slot in zero.slots for state in swap.states]
+
     def close(self) -> None:
         """A clean exit: finish saves, remove NVMe swap files."""
         self.engine.close()

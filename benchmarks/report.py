@@ -170,6 +170,7 @@ def render(results: dict, plot_links: dict[str, str]) -> str:
         tables_memory.tiled_section(results),
         tables_memory.stages_section(results),
         tables_io.ckpt_section(results, lim),
+        tables_io.nvme_ckpt_section(results, lim),
         tables_io.optimizer_section(results, lim),
         tables_memory.world_section(results),
         _sweep_section(results, plot_links),

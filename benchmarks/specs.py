@@ -19,18 +19,21 @@ MOEZERO_CONFIGS: list[tuple[str, dict]] = [
 ]
 """moezero rows: (name, dotted config overrides on top of the shared model below)."""
 
+NVME_CONFIG = "moezero stage 3 + nvme/nvme"
+NVME_OVERRIDES = {"zero_optimization.stage": 3,
+                  "zero_optimization.offload_optimizer.device": "nvme",
+                  "zero_optimization.offload_optimizer.nvme_path": "{work}/nvme",
+                  "zero_optimization.offload_param.device": "nvme",
+                  "zero_optimization.offload_param.nvme_path": "{work}/nvme"}
+"""ZeRO-3 with optimizer state and params in swap files under the bench work dir (a main
+slot row and a ``ckpt`` row)."""
+
 SLOT_CONFIGS: list[tuple[str, dict, str]] = [
     ("moezero stage 3", {"zero_optimization.stage": 3}, "FSDP2 + DCP"),
     ("moezero stage 2 + cpu optimizer offload",
      {"zero_optimization.stage": 2, "zero_optimization.offload_optimizer.device": "cpu"},
      "moezero stage 2"),
-    ("moezero stage 3 + nvme/nvme",
-     {"zero_optimization.stage": 3,
-      "zero_optimization.offload_optimizer.device": "nvme",
-      "zero_optimization.offload_optimizer.nvme_path": "{work}/nvme",
-      "zero_optimization.offload_param.device": "nvme",
-      "zero_optimization.offload_param.nvme_path": "{work}/nvme"},
-     "moezero stage 3"),
+    (NVME_CONFIG, NVME_OVERRIDES, "moezero stage 3"),
 ]
 """Stage 3 and offload rows: (name, overrides, the row they are compared with). Run with the
 main configurations (first round only in quick mode); 'not supported yet' until the engine
@@ -73,8 +76,10 @@ batch; ``ep = min(ep_size, W)``)."""
 CKPT_SYSTEMS: list[tuple[str, str, dict]] = [
     ("moezero stage 2", "moezero", {"zero_optimization.stage": 2}),
     ("FSDP2 + DCP", "fsdp2", {}),
+    (NVME_CONFIG, "moezero", NVME_OVERRIDES),
 ]
-"""Checkpoint save/load on ``size["ckpt_model"]`` (one training step, then save, save, load)."""
+"""Checkpoint save/load on ``size["ckpt_model"]`` (one training step, then save, save, load);
+the NVMe row also times a plain copy of its optimizer swap files after each save."""
 
 TARGET_CONFIG = "moezero stage 2"
 """The moezero configuration the issue's targets name (the CLI default once it lands)."""

@@ -2,7 +2,8 @@
 
 Per run: tokens/s per rank from the median step time after warm-up, peak RSS and peak
 anonymous memory per rank (the larger rank), moezero's engine step peak and timed parts of
-the step, checkpoint bytes, first and second save time and cold load time (the slower rank).
+the step, checkpoint bytes, first and second save time and cold load time (the slower rank),
+and the plain copies of NVMe swap files beside the saves (bytes summed over the ranks).
 Per configuration: the median over its rounds.
 """
 
@@ -65,6 +66,24 @@ def _checkpoint_stats(ranks: list[dict]) -> dict:
             out[key] = max(r["checkpoint"][key] for r in ranks)
             out[key[:-2] + "_bw"] = ckpt["bytes"] / out[key]
     out["load_note"] = ckpt.get("load_note")
+    out.update(_copy_stats(ranks))
+    return out
+
+
+def _copy_stats(ranks: list[dict]) -> dict:
+    """The plain copy of the swap files after each save (``worker.plain_copy``): bytes summed
+    over the ranks, time of the slower rank."""
+    ckpts = [r["checkpoint"] for r in ranks]
+    if any("copy_note" in c for c in ckpts):
+        return {"copy_note": next(c["copy_note"] for c in ckpts if "copy_note" in c)}
+    if not all("copy_s" in c for c in ckpts):
+        return {}
+    out = {"copy_bytes": sum(c["copy_bytes"] for c in ckpts),
+           "copy_files": sum(c["copy_files"] for c in ckpts), "copy_method": ckpts[0]["copy_method"]}
+    for key in ("copy_s", "second_copy_s"):
+        if all(key in c for c in ckpts):
+            out[key] = max(c[key] for c in ckpts)
+            out[key[:-2] + "_bw"] = out["copy_bytes"] / out[key]
     return out
 
 
@@ -80,7 +99,8 @@ def config_stats(runs: list[dict]) -> dict:
     stats = {k: median(s[k] for s in ok) for k in keys if all(s.get(k) is not None for s in ok)}
     rates = [s["tokens_per_s"] for s in ok]
     stats.update(status="ok", runs=len(ok), ckpt_note=ok[0].get("ckpt_note"),
-                 load_note=ok[0].get("load_note"), dtype=ok[0]["dtype"],
+                 load_note=ok[0].get("load_note"), copy_note=ok[0].get("copy_note"),
+                 copy_method=ok[0].get("copy_method"), dtype=ok[0]["dtype"],
                  system=runs[0]["spec"]["system"],
                  tokens_per_s_range=(min(rates), max(rates)))
     return stats

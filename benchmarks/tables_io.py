@@ -4,6 +4,7 @@ against memory bandwidth, and NVMe swap throughput. Every figure comes from ``re
 from __future__ import annotations
 
 from benchmarks.fmt import commands, mbs, ok, table, verdict, why_not
+from benchmarks.specs import NVME_CONFIG
 from benchmarks.stats import by_name
 
 SAVE_TARGET = 0.8
@@ -116,6 +117,107 @@ def ckpt_section(results: dict, lim: dict) -> list[str]:
         "- moezero writes each rank's fp32 partitions (master, exp_avg, exp_avg_sq) into "
         "safetensors files; FSDP2 saves model + optimizer state with "
         "`torch.distributed.checkpoint` (`dcp.save` / `dcp.load` + `set_state_dict`).", "",
+        *commands(results, "ckpt")]
+
+
+# ----------------------------------------------------------------------------- NVMe state vs copy
+
+
+def _rate_cell(seconds: float | None, nbytes: float | None, limit: float | None,
+               what: str = "dd write") -> str:
+    if seconds is None or not nbytes:
+        return "–"
+    frac = f" · {100 * nbytes / seconds / limit:.0f}% of {what}" if limit else ""
+    return f"{seconds:.2f} s · {mbs(nbytes / seconds)}{frac}"
+
+
+def _nvme_rows(stats: dict, lim: dict) -> list[list]:
+    """Per configuration, a row per save: its time, the plain copy after it, the ratio; the
+    cold load on the second save's row (the checkpoint it loads)."""
+    rows = []
+    for name in (MOEZERO, NVME_CONFIG):
+        s = stats.get(name)
+        if not ok(s) or s.get("ckpt_bytes") is None:
+            rows.append([name, "–", why_not(s) if not ok(s) else s.get("ckpt_note")] + ["–"] * 5)
+            continue
+        copies = s.get("copy_s") is not None
+        for which, save, copy in (("first" + (" (copy right after)" if copies else ""),
+                                   "save_s", "copy_s"),
+                                  ("second" + (" (copy right before)" if copies else ""),
+                                   "second_save_s", "second_copy_s")):
+            save_s, copy_s, nbytes = s.get(save), s.get(copy), s.get("copy_bytes")
+            cells = [s.get("copy_note") or "– (state in memory)", "–", "–"]
+            if copy_s is not None and nbytes:
+                cells = [f"{nbytes:,.0f} ({s['copy_files']:.0f} files)",
+                         _rate_cell(copy_s, nbytes, lim.get("dd_write")), "–"]
+                if save_s is not None:
+                    per_byte = save_s * nbytes / (copy_s * s["ckpt_bytes"])
+                    cells[2] = f"{save_s / copy_s:.2f}× (per byte {per_byte:.2f}×)"
+            load = ""
+            if save == "second_save_s":
+                load = (_rate_cell(s["load_s"], s["ckpt_bytes"], lim.get("dd_read"), "dd read")
+                        if s.get("load_s") is not None else s.get("load_note") or "–")
+            rows.append([name, which, f"{s['ckpt_bytes']:,.0f}",
+                         _rate_cell(save_s, s["ckpt_bytes"], lim.get("dd_write")), *cells, load])
+    return rows
+
+
+def _abba_line(s: dict | None) -> list[str]:
+    """Both saves against both copies of the NVMe row (the drift-free ratio of the ABBA)."""
+    keys = ("save_s", "second_save_s", "copy_s", "second_copy_s")
+    if not ok(s) or any(s.get(k) is None for k in keys):
+        return []
+    saves, copies = s["save_s"] + s["second_save_s"], s["copy_s"] + s["second_copy_s"]
+    return [f"{NVME_CONFIG}, both saves / both copies: {saves:.2f} s / {copies:.2f} s = "
+            f"**{saves / copies:.2f}×** the time of a plain copy (per byte "
+            f"{saves * s['copy_bytes'] / (copies * s['ckpt_bytes']):.2f}×).", ""]
+
+
+def nvme_ckpt_section(results: dict, lim: dict) -> list[str]:
+    """Checkpoint of NVMe-resident optimizer state against a plain copy of its swap files."""
+    stats = by_name(results, "ckpt")
+    lines = ["## Checkpoint of NVMe-resident state vs a plain copy of the same bytes (issue 7)", ""]
+    if NVME_CONFIG not in stats:
+        return lines + ["Not run in this report."]
+    method = stats[NVME_CONFIG].get("copy_method") or "sendfile"
+    m = results["size"]["ckpt_model"]
+    return lines + [
+        *table(["configuration", "save", "checkpoint bytes", "save time", "plain-copy bytes",
+                "plain-copy time", "save / copy time", "cold load (of the second save)"],
+               _nvme_rows(stats, lim)), "", *_abba_line(stats.get(NVME_CONFIG)),
+        f"- The large checkpoint model (dim {m['dim']}, {m['n_layers']} layers, "
+        f"{m['num_experts']} experts of width {m['ffn_dim']}), W = 2, 1 training step, then "
+        "in the same processes: save, plain copy, plain copy, second save (ABBA, so a drift "
+        "of the disk's speed during the sequence, which repeated writes of a few hundred MB "
+        "show on this VM, weighs on saves and copies alike), cold load. "
+        f"{NVME_CONFIG}: ZeRO-3 with `offload_optimizer.device=nvme` and "
+        "`offload_param.device=nvme`, swap files under `bench_out/nvme` (the checkpoint "
+        "folder's filesystem); stage 2 keeps its state in memory (reference row, no copy). "
+        "Times from a barrier before to a barrier after, slower rank; % of dd = (bytes / time) "
+        "/ this run's `oflag=direct` dd write (load: `iflag=direct` dd read).",
+        "- Before each save and each copy every rank fsyncs its optimizer swap files and drops "
+        "them from the page cache (`posix_fadvise(DONTNEED)`, untimed), so both read them "
+        "from the disk.",
+        "- Save time: rank 0 creates `step_XXXXXXXX.partial/` and writes every file's "
+        "safetensors header; the ranks agree (gloo); each rank copies the real elements of "
+        "each state of each group from its swap files into the checkpoint files with "
+        "`os.copy_file_range` in 8 MiB chunks, reading each chunk back (page cache) for its "
+        "crc32, then fsyncs the files it wrote; the range records and RNG states are gathered; "
+        "rank 0 writes the manifest (temporary file, fsync, rename), fsyncs the files and the "
+        "folder, renames `.partial` to the step folder and updates `latest`. The stage-2 row "
+        "writes its in-memory partitions (crc32 of the bytes in memory) instead of copying.",
+        "- Plain-copy time: each rank `shutil.copyfile`s its optimizer swap files (master, "
+        "exp_avg, exp_avg_sq of every local group: the rank's partitions, padding included, "
+        f"rounded up to 4096 B), whole, into a fresh folder next to the checkpoint ({method} in "
+        "the kernel), then fsyncs each copy; no header, checksum, manifest, folder fsync or "
+        "rename. The copies are deleted with the checkpoints, after the load.",
+        "- Bytes: checkpoint = every file of the step folder and `latest` (both ranks' "
+        "partitions without padding, headers, manifest); plain copy = both ranks' swap files. "
+        "Per byte = (save time / checkpoint bytes) / (copy time / copy bytes).",
+        "- Cold load: the second checkpoint, flushed and dropped from the page cache, loaded "
+        "into the same configuration: each group's shard read into a host buffer and written "
+        "to its swap file, then the params derived from the masters (param swap files "
+        "written).", "",
         *commands(results, "ckpt")]
 
 

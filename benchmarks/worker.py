@@ -3,7 +3,8 @@
 Joins the torchrun world (gloo), builds the spec's system (moezero, FSDP2 or DeepSpeed) on
 the shared model and data, runs warm-up then timed steps, records per-step times, peak RSS,
 peak anonymous memory (sampled every 10 ms from before the model is built), moezero's
-per-step engine figures, and a checkpoint save, second save and cold load; rank 0 writes every
+per-step engine figures, and a checkpoint save, second save and cold load (with optimizer
+state in swap files, also a plain copy of those files after each save); rank 0 writes every
 rank's raw figures as JSON. Statistics are left to ``benchmarks.stats``.
 """
 
@@ -68,30 +69,83 @@ def _barrier_timed(fn, folder: str) -> float:
 def drop_page_cache(folder: str) -> None:
     """Flush every file under ``folder`` and ask the kernel to drop its cached pages, so the
     next read comes from the disk (``posix_fadvise(DONTNEED)``; needs no privileges)."""
-    for root, _, names in os.walk(folder):
-        for name in names:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    drop_files(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names)
+
+
+def drop_files(paths) -> None:
+    """``fsync`` each file, then drop its pages from the page cache."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+COPY_METHOD = "copy_file_range" if getattr(shutil, "_USE_CP_COPY_FILE_RANGE", False) else "sendfile"
+"""What ``shutil.copyfile`` moves the bytes with on Linux in this Python (both in the kernel)."""
+
+
+def plain_copy(files: list[str], folder: str, name: str) -> dict:
+    """A plain copy of the same bytes a save of NVMe-resident state copies: this rank's swap
+    files, whole, ``shutil.copyfile`` into a scratch folder under ``folder`` (the checkpoint's
+    filesystem), each then fsynced; timed from a barrier to a barrier, like the save. The
+    copies stay until the run's checkpoint folder is removed, after the load, so that no
+    deletion (and its discards) falls between the timed operations."""
+    dest = os.path.join(folder, f"plain-copy-{name}", f"rank{dist.get_rank():05d}")
+    os.makedirs(dest, exist_ok=True)
+    errors: list[str] = []
+
+    def copy(target: str) -> None:
+        try:
+            copied = [shutil.copyfile(src, os.path.join(target, os.path.basename(src)))
+                      for src in files]
+            for path in copied:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except OSError as exc:  # reported; the barrier after still runs on this rank
+            errors.append(f"plain copy failed: {exc}"[:300])
+
+    seconds = _barrier_timed(copy, dest)
+    if errors:
+        return {"copy_note": errors[0]}
+    return {"s": seconds, "bytes": sum(os.path.getsize(f) for f in files), "files": len(files),
+            "method": COPY_METHOD}
 
 
 def checkpoint_io(trainer, folder: str) -> dict:
     """Save twice in this process (the first and a second save, each into a fresh folder),
     then drop the second from the page cache and load it (a cold read).
 
-    A save or load that raises is reported (the training figures are kept), not fatal.
+    When the trainer's optimizer state lives in swap files (``trainer.swap_files()``), those
+    files are also copied plainly (``plain_copy``) twice, in the order save, copy, copy, save
+    (``copy_s`` right after the first save, ``second_copy_s`` right before the second), so a
+    drift of the disk's speed falls on both; they are dropped from the page cache before
+    each save and each copy. A save or load that raises is reported, not fatal.
     """
     if trainer.save_note is not None:
         return {"note": trainer.save_note}
     shutil.rmtree(folder, ignore_errors=True)
+    swap = trainer.swap_files() if hasattr(trainer, "swap_files") else []
+    order = ("save_s", "copy_s", "second_copy_s", "second_save_s") if swap else \
+        ("save_s", "second_save_s")
     first, second, out = os.path.join(folder, "first"), os.path.join(folder, "second"), {}
     try:
-        out["save_s"] = _barrier_timed(trainer.save, first)
-        out["bytes"], out["files"] = tree_bytes(first)
-        out["second_save_s"] = _barrier_timed(trainer.save, second)
+        for key in order:
+            name = "second" if key.startswith("second") else "first"
+            drop_files(swap)  # each save and each copy reads the swap files from the disk
+            if key.endswith("save_s"):
+                out[key] = _barrier_timed(trainer.save, os.path.join(folder, name))
+            else:  # on every rank, even after a failed copy (the copy has barriers)
+                copied, prefix = plain_copy(swap, folder, name), key.removesuffix("copy_s")
+                out.update(copied if "copy_note" in copied
+                           else {f"{prefix}copy_{k}": v for k, v in copied.items()})
+            if key == "save_s":
+                out["bytes"], out["files"] = tree_bytes(first)
     except Exception as exc:  # any failure is a figure to report, not a crash
         return {**out, "note": f"save failed: {type(exc).__name__}: {exc}"[:300]}
     if dist.get_rank() == 0:

@@ -104,7 +104,8 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     ranks = _children(proc.pid)
     assert len(ranks) >= 2
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-    assert proc.wait(timeout=60) == 130
+    # ~20 s on a quiet machine; > 60 s was seen once with benchmarks sharing the 2 cores and disk
+    assert proc.wait(timeout=180) == 130
     time.sleep(1)
     assert not [p for p in ranks if Path(f"/proc/{p}").exists()
                 and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1][:3]]
