@@ -258,7 +258,7 @@ class AsyncIO:
             if self._direct_dirs.get(folder) is False:
                 return
             self._direct_dirs[folder] = False
-            log.warning("O_DIRECT refused in %s (%s: %s); swap I/O there is buffered", folder,
+            log.warning("O_DIRECT refused in %s (%s: %s); I/O there is buffered", folder,
                         errno.errorcode.get(err.errno, err.errno), err.strerror or err)
 
     def _count(self, key: str, nbytes: int) -> None:

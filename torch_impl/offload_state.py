@@ -15,10 +15,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 
+from reference.plan import store
+from reference.plan.layout import rank_ranges, same_group
 from torch_impl.offload import (
+    CHUNK,
     OPTIMIZER_KEY,
     PARAM_KEY,
     AsyncIO,
@@ -106,6 +110,25 @@ class SwapState:
         _wait(futures)
         self.drop(bufs)
 
+    def fill_from_checkpoint(self, slot, ckpt_dir, manifest) -> bool:
+        """Fill ``slot``'s swap files from a checkpoint file to file (``store.copy_range``)
+        when the checkpoint holds its group unchanged (any world size: the rank's range is
+        then one byte range per state); False when the plan differs (read it instead).
+        Padding and the moments of a weights-only checkpoint become zeros."""
+        part = slot.group.partition
+        if not same_group(manifest.layout, part):
+            return False
+        ranges = rank_ranges(manifest.layout, part, slot.dp_rank)
+        for state in self.states:
+            path, where = self.path(slot, state), getattr(ranges, state)
+            done = 0
+            if where is not None and where.length:
+                store.copy_range(Path(ckpt_dir) / where.file, where.offset, path, 0, where.length)
+                done = where.length
+            self.io.release(path)  # the copy bypassed the engine's descriptors
+            _zero_fill(path, done, slot.shard * self.dtype.itemsize)
+        return True
+
     def check_space(self, others: Sequence[SwapState] = ()) -> None:
         """One-line ``ConfigError`` before anything is written when the folder is missing,
         unwritable or too small for these files (plus ``others`` sharing the folder)."""
@@ -118,6 +141,16 @@ class SwapState:
         self.io.close()
         if remove:
             self.folder.cleanup()
+
+
+def _zero_fill(path, start: int, stop: int) -> None:
+    """Zeros in bytes [start, stop) of an existing file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for at in range(start, stop, CHUNK):
+            os.pwrite(fd, bytes(min(CHUNK, stop - at)), at)
+    finally:
+        os.close(fd)
 
 
 def _wait(futures: list[Future]) -> None:

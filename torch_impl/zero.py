@@ -347,20 +347,23 @@ class ZeroOptimizer(GradReduction):
             for piece, at in slot.group.partition.rank_slices(slot.dp_rank):
                 yield piece, {name: t[at:at + piece.numel] for name, t in st.items()}
 
-    def shards(self):
+    def shards(self, slots=None):
         """(partition, dp_rank, {"master", "exp_avg", "exp_avg_sq": padded fp32 shard}) for
-        every local group in plan order: the tensors themselves, for checkpoints; with NVMe
-        offload host buffers whose contents are written back to the swap files."""
-        for slot, st in self.shards_in_memory(write_back=True):
+        every local group (or ``slots``) in plan order: the tensors themselves, for checkpoints;
+        with NVMe offload host buffers whose contents are written back to the swap files."""
+        for slot, st in self.shards_in_memory(write_back=True, slots=slots):
             yield slot.group.partition, slot.dp_rank, st
 
-    def shards_in_memory(self, *, write_back: bool = False):
+    def shards_in_memory(self, *, write_back: bool = False, slots=None):
         """(slot, its fp32 states) one group at a time; swapped states are read into host
         buffers (and written back after the caller's turn with ``write_back``)."""
+        slots = self.slots if slots is None else slots
         if self.optim_swap is None:
-            yield from self._states()
+            for slot, st in self._states():
+                if slot in slots:
+                    yield slot, st
             return
-        for slot in self.slots:
+        for slot in slots:
             bufs = self.optim_swap.load(slot)
             yield slot, bufs
             if write_back:

@@ -24,7 +24,7 @@ import re
 import shutil
 import stat
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -124,7 +124,9 @@ def _create(path: Path, size: int) -> None:
 
 def write_partition(ckpt_dir: str | os.PathLike, layout: Layout, partition: Partition,
                     dp_rank: int, *, master: np.ndarray, exp_avg: np.ndarray,
-                    exp_avg_sq: np.ndarray, fsync: bool = True) -> list[RangeRecord]:
+                    exp_avg_sq: np.ndarray, fsync: bool = True,
+                    writer: Callable[[Path, int, np.ndarray], int] | None = None,
+                    ) -> list[RangeRecord]:
     """Write one DP rank's shard of one group (every state) at its ranges from the layout.
 
     Args:
@@ -135,17 +137,21 @@ def write_partition(ckpt_dir: str | os.PathLike, layout: Layout, partition: Part
         master, exp_avg, exp_avg_sq: The rank's fp32 shards (``shard_numel`` elements,
             padding included; only the real elements are written).
         fsync: Flush the written files before returning (do it on the writing host).
+        writer: ``writer(path, offset, array) -> crc32`` writes one range into the existing
+            file and returns the crc32 of its bytes (default ``write_range``; the torch side
+            passes one that uses O_DIRECT). The records hold what it returns. A writer that
+            returns before its bytes are written needs ``fsync=False`` and its own flush.
 
     Returns:
         The non-empty ranges written with their crc32, for the manifest.
     """
     ranges = rank_ranges(layout, partition, dp_rank)
-    records = []
+    writer, records = writer or write_range, []
     for state, shard in zip(STATES, (master, exp_avg, exp_avg_sq), strict=True):
         where = getattr(ranges, state)
         if where is not None and where.length:  # None: a weights-only layout's moments
             data = _real_elements(shard, ranges.numel, f"{partition.group} {state}")
-            crc = write_range(Path(ckpt_dir) / where.file, where.offset, data)
+            crc = writer(Path(ckpt_dir) / where.file, where.offset, data)
             records.append(RangeRecord(where.file, where.offset, where.length, crc))
     for name in sorted({r.file for r in records} if fsync else ()):
         fsync_file(Path(ckpt_dir) / name)
@@ -306,7 +312,8 @@ def _resolve(root: Path, name: object, base: str) -> Path:
     """
     bad = (not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name)
            or ".." in Path(name).parts)
-    if not bad:
+    if not bad and (os.sep in name or os.path.islink(os.path.join(base, name))):
+        # a plain entry of ``base`` (the usual case) is inside; else resolve the links
         bad = os.path.commonpath([base, os.path.realpath(os.path.join(base, name))]) != base
     if bad:
         raise CheckpointError(f"{root}: manifest names a file outside the checkpoint "
@@ -465,11 +472,13 @@ def begin_save(root: str | os.PathLike, step: int) -> Path:
     return partial
 
 
-def commit(partial_dir: str | os.PathLike) -> Path:
+def commit(partial_dir: str | os.PathLike, *, flushed: bool = False) -> Path:
     """Publish a finished save: fsync files and dir, rename, then replace ``latest``.
 
     Refuses (CheckpointError) a directory whose manifest is missing or names a missing or
-    truncated file. An existing checkpoint of the same step is replaced.
+    truncated file. An existing checkpoint of the same step is replaced. ``flushed``: the
+    caller already fsynced every file after its last write (each writer its own ranges, the
+    header writer every file; the JSON files are always fsynced), so only the directories are.
 
     Returns:
         The committed ``step_XXXXXXXX`` directory.
@@ -478,7 +487,7 @@ def commit(partial_dir: str | os.PathLike) -> Path:
     if not partial.name.endswith(PARTIAL):
         raise ValueError(f"{partial}: not a {PARTIAL} directory")
     read_manifest(partial)
-    for path in partial.iterdir():
+    for path in () if flushed else partial.iterdir():
         fsync_file(path)
     fsync_dir(partial)
     final, root = partial.with_name(partial.name[:-len(PARTIAL)]), partial.parent

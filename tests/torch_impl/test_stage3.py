@@ -146,6 +146,9 @@ def resumed(tmp_path_factory):
     run_world(run_cases, 2, tmp_path_factory.mktemp("save"), saves, timeout_s=300)
     loads = {f"{m}_from_{other}": (modes[m], STEPS, 2, 4, str(ckpt / other), None)
              for m, other in (("none", "nvme"), ("nvme", "none"))}
+    # another group cap: the groups differ, so NVMe state is read per tensor and written
+    loads["nvme_nocap_from_none"] = (offload_cfg(3, "nvme", "nvme", nvme=str(nvme), cap=None),
+                                     STEPS, 2, 4, str(ckpt / "none"), None)
     return run_world(run_cases, 2, tmp_path_factory.mktemp("load"), loads, timeout_s=300)
 
 
@@ -197,3 +200,13 @@ def test_bad_nvme_path_is_one_line_before_any_rank_starts(tmp_path, where, probl
     assert "zero_optimization.offload_optimizer.nvme_path" in lines[0] and problem in lines[0]
     assert not (tmp_path / "run").exists()
     assert not path.is_dir() or list(path.iterdir()) == []  # nothing written there either
+
+
+def test_checkpoint_reshards_into_nvme(w2, resumed):
+    """Loaded under another group cap: the same state, then steps that differ only by the
+    summation order of the grad norm."""
+    for rank, uninterrupted in zip(resumed, w2, strict=True):
+        want, got = uninterrupted["s3_none_none_fp32"], rank["nvme_nocap_from_none"]
+        np.testing.assert_allclose(got["losses"], want["losses"][4:], rtol=1e-5)
+        for fqn, value in want["params"].items():
+            np.testing.assert_allclose(got["params"][fqn], value, rtol=1e-4, atol=1e-6, err_msg=fqn)
