@@ -229,6 +229,9 @@ def _failure_section(results: dict) -> list[str]:
         lines.append(f"- DeepSpeed peer setup: {peer['error']}")
     seen = set()
     for run in results["runs"]:
+        if run.get("exit_note"):
+            lines.append(f"- {run['spec']['name']} ({run['tag']}): measured, then {run['exit_note']}")
+    for run in results["runs"]:
         name = run["spec"]["name"]
         if run["status"] == "ok" or name in seen:
             continue

@@ -32,7 +32,7 @@ from benchmarks.specs import SIZES, extra_specs, main_specs
 from benchmarks.stats import run_stats
 
 REPO = Path(__file__).resolve().parent.parent
-_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception)\b|error:)")
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception)\b|error:|terminate called)")
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")  # torchrun's prefix on a rank's stderr lines
 _NOISE = ("ChildFailedError", "torch.distributed.elastic")
 _PEER_PROBE = """
@@ -120,9 +120,17 @@ def run_one(spec: dict, tag: str, args: argparse.Namespace, work: Path) -> dict:
     except OSError as exc:
         rc = f"cannot start {python}: {exc}"
     wall = time.perf_counter() - start
-    if rc == 0 and paths["result"].exists():
+    if not isinstance(rc, str) and paths["result"].exists():
+        # Rank 0 writes the file after gathering every rank's record: the measurements are
+        # complete even when a process then dies at teardown (seen: FSDP2 ranks aborting with
+        # "terminate called without an active exception" after destroy_process_group). Kept,
+        # and the exit is reported.
         out = json.loads(paths["result"].read_text())
-        return {**out, "status": out["ranks"][0]["status"], "wall_s": wall, "tag": tag}
+        run = {**out, "status": out["ranks"][0]["status"], "wall_s": wall, "tag": tag}
+        if rc:
+            run["exit_note"] = f"exit code {rc} after writing its results: " \
+                               f"{error_line(paths['log'].read_text())}"
+        return run
     error = rc if isinstance(rc, str) else error_line(paths["log"].read_text())
     return {"spec": spec, "status": "failed", "error": error, "wall_s": wall, "tag": tag}
 
