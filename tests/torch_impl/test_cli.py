@@ -92,10 +92,13 @@ def _children(pid: int) -> set[int]:
 
 
 def test_ctrl_c_stops_every_rank(tmp_path):
+    # A child inherits an ignored SIGINT (and Python then keeps ignoring it); an earlier test's
+    # library may leave SIGINT ignored in this process, so give the child a terminal's default.
     proc = subprocess.Popen([sys.executable, "-m", "torch_impl.cli", "train", *TINY,
                              "--set", "train.steps=100000", "--out", str(tmp_path / "r")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not (tmp_path / "r" / "metrics.jsonl").exists() or not \
             (tmp_path / "r" / "metrics.jsonl").read_text():
