@@ -70,13 +70,9 @@ class _State:
 
 def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every gather unit in registration (~forward) order; root first."""
-    out = []
-    for name, module in model.named_modules():
-        listed = any(isinstance(m, nn.ModuleList) and name.rpartition(".")[0] == n
-                     for n, m in model.named_modules() if n)
-        if module is model or listed or isinstance(module, MoE):
-            out.append((name, module))
-    return out
+    lists = {n for n, m in model.named_modules() if n and isinstance(m, nn.ModuleList)}
+    return [(name, module) for name, module in model.named_modules()
+            if module is model or name.rpartition(".")[0] in lists or isinstance(module, MoE)]
 
 
 class ParamGatherer:

@@ -83,6 +83,18 @@ class SwapState:
         """Write ``bufs`` (a buffer per state, ``shard`` elements) to ``slot``'s files, now."""
         _wait(self.write(slot, bufs))
 
+    def put(self, slot, values: dict[str, torch.Tensor | float]) -> None:
+        """Write each state's value (a tensor, cast to the file's dtype, or a fill number) to
+        ``slot``'s files now, through aligned buffers freed afterwards."""
+        bufs = self.buffers(slot)
+        for state, value in values.items():
+            if isinstance(value, torch.Tensor):
+                bufs[state].copy_(value)
+            else:
+                bufs[state].fill_(value)
+        self.store(slot, bufs)
+        self.drop(bufs)
+
     def stepping(self, slots: Sequence) -> Iterator[tuple[object, dict[str, torch.Tensor]]]:
         """Yield (slot, its states in host buffers) in order; what the caller changes in the
         buffers is written back. Reads run one group ahead, writes one group behind."""

@@ -158,12 +158,7 @@ class ZeroOptimizer(GradReduction):
             if self.stage == 3:
                 self._init_param_shard(slot, master, dtype)
             if self.optim_swap is not None:
-                bufs = self.optim_swap.buffers(slot)
-                bufs["master"].copy_(master)
-                bufs["exp_avg"].zero_()
-                bufs["exp_avg_sq"].zero_()
-                self.optim_swap.store(slot, bufs)
-                self.optim_swap.drop(bufs)
+                self.optim_swap.put(slot, {"master": master, "exp_avg": 0.0, "exp_avg_sq": 0.0})
                 continue
             slot.master = self._host_or_device(master, self.state_device)
             slot.exp_avg, slot.exp_avg_sq = torch.zeros_like(slot.master), torch.zeros_like(slot.master)
@@ -174,10 +169,7 @@ class ZeroOptimizer(GradReduction):
 
     def _init_param_shard(self, slot: Slot, master: torch.Tensor, dtype: torch.dtype) -> None:
         if self.param_swap is not None:
-            bufs = self.param_swap.buffers(slot)
-            bufs["param"].copy_(master)
-            self.param_swap.store(slot, bufs)
-            self.param_swap.drop(bufs)
+            self.param_swap.put(slot, {"param": master})
         elif dtype != torch.float32 or self.optim_swap is not None \
                 or self.param_device != self.state_device:
             slot.param = self._host_or_device(master.to(dtype), self.param_device)
@@ -261,10 +253,7 @@ class ZeroOptimizer(GradReduction):
         """The updated master into the compute dtype: at stage 3 the param shard (memory or
         swap file), else the grad partition's storage (the all-gather's source)."""
         if self.stage == 3 and self.param_swap is not None:
-            bufs = self.param_swap.buffers(slot)
-            bufs["param"].copy_(master)
-            self.param_swap.store(slot, bufs)
-            self.param_swap.drop(bufs)
+            self.param_swap.put(slot, {"param": master})
             return
         target = slot.param if self.stage == 3 else slot.grad
         if target is not master:
