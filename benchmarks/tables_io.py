@@ -264,7 +264,8 @@ NOTES_OPT = [
     "- Bytes per element of the local partition, the least an AdamW step can move: read the "
     "gradient (c = 4 B fp32, 2 B bf16), read + write the fp32 master (8), exp_avg (8) and "
     "exp_avg_sq (8), write the compute-dtype parameter (c): 24 + 2c = 32 B in fp32 and 28 B in "
-    "bf16 for moezero stages 1–2 (a separate fp32 master); 28 B at stage 0 in fp32 and for "
+    "bf16 for moezero stages 1–2 (the downcast writes the all-gather's source, in fp32 too, "
+    "where the master is the params' own range); 28 B at stage 0 in fp32 and for "
     "FSDP2/DeepSpeed rows (the fp32 parameter is the master, nothing else to write). Bound = "
     "bytes × elements / the measured memory-copy bandwidth (which counts read + write bytes).",
     "- adamw_: the update math alone (`torch_impl.optim.adamw_`, summed over groups); "

@@ -71,14 +71,16 @@ def tiled_section(results: dict) -> list[str]:
                 "/ untiled peak)", "transient saving", "process peak saving (anon / RSS)"],
                targets), "",
         "- engine step peak: `step_peak_engine_bytes` of the step's metrics (the engine's "
-        "`MemoryMeter`: persistent partitions — fp32 master, exp_avg, exp_avg_sq, the grad "
-        "partition — plus the step's temporaries while alive), the largest over steps and ranks. "
+        "`MemoryMeter`: persistent partitions — exp_avg, exp_avg_sq, the grad partition and, "
+        "in bf16, the fp32 master (in fp32 the master is the params' own range, no copy) — plus "
+        "the step's temporaries while alive), the largest over steps and ranks. "
         "The 20% target is judged on this whole peak, persistent state included; the transient "
         "columns leave the persistent bytes out.",
         "- The untiled step holds every group's fp32 gradient (4 B per local element) on top of "
-        "the persistent state (16 B/element in fp32: master, moments, fp32 grad partition; 14 "
-        "in bf16), so even a zero-cost tiled step saves at most ~4/20 = 20% in fp32 and 4/18 = "
-        "22% in bf16: the 'most any tiling could save' column.",
+        "the persistent state (12 B/element in fp32: moments and the grad partition; 14 in "
+        "bf16: master, moments, bf16 grad partition), so even a zero-cost tiled step saves at "
+        "most ~4/16 = 25% in fp32 and 4/18 = 22% in bf16: the 'most any tiling could save' "
+        "column.",
         "- Process peak: peak anonymous memory and peak RSS of the larger rank over the whole "
         "run (model build, backward's full-size gradients, the step). When the peak is set "
         "outside the optimizer step (backward holds every local gradient at once), tiling does "

@@ -518,14 +518,17 @@ def load(engine, path: str | os.PathLike) -> dict:
     return manifest.state.get("client", {})
 
 
-def _read_into(tensor: torch.Tensor, read) -> None:
-    """``read(out=...)`` into a float32 tensor, through a host buffer when not on the CPU."""
-    if tensor.device.type == "cpu":
+def _read_into(tensor: torch.Tensor, read, numel: int | None = None) -> None:
+    """``read(out=...)`` of ``numel`` elements (default: the tensor's) into a float32 tensor,
+    through a host buffer when not on the CPU or when the tensor holds fewer elements (a
+    master that is the params' range: the shard without its padding)."""
+    numel = tensor.numel() if numel is None else numel
+    if tensor.device.type == "cpu" and tensor.numel() == numel:
         read(out=tensor.detach().reshape(-1).numpy())
         return
-    host = np.empty(tensor.numel(), np.float32)
+    host = np.empty(numel, np.float32)
     read(out=host)
-    tensor.detach().copy_(torch.from_numpy(host).view_as(tensor))
+    tensor.detach().reshape(-1).copy_(torch.from_numpy(host[:tensor.numel()]))
 
 
 def _read_state(engine, where: Path, manifest) -> None:
@@ -541,7 +544,8 @@ def _read_state(engine, where: Path, manifest) -> None:
                 if s not in saved:
                     t.detach().zero_()
                     continue
-                _read_into(t, partial(store.read_shard, where, manifest, part, dp_rank, s))
+                _read_into(t, partial(store.read_shard, where, manifest, part, dp_rank, s),
+                           part.shard_numel)
         return
     for fqn, st in engine.state.items():
         for s in STATES:

@@ -11,7 +11,10 @@ the communication buffers and in the partitions. Nothing else holds the params' 
 
 **Partitions.** For every group this rank owns ``Partition.rank_range(dp_rank)`` of the padded
 group (``shard_numel`` elements; padding, at the end of the last shards, stays zero): the fp32
-master, exp_avg and exp_avg_sq, and the reduced gradient in the compute dtype. Stage 1 also
+master, exp_avg and exp_avg_sq, and the reduced gradient in the compute dtype. In fp32 with
+the state in memory beside the params, the master is no copy: it is this rank's range of the
+flat params (real elements only), as at stage 0 and stage 3, so fp32 keeps 12 B of state per
+owned element, not 16. Stage 1 also
 keeps the full local gradients in one flat buffer per kind that ``param.grad`` views (autograd
 accumulates micro-batches into it in place) and takes its partition from the reduction;
 stage 2 keeps only the partition and frees each ``param.grad`` as soon as it has been sent.
@@ -145,16 +148,27 @@ class ZeroOptimizer(GradReduction):
     def _init_state(self) -> None:
         """fp32 master (this rank's shard of the params, zero padding) and zero moments, in
         memory or swap files; at stage 3 also the compute-dtype param shard (in fp32 and on
-        the same device, the master itself)."""
+        the same device, the master itself). At stages 1-2 in fp32 with the state in memory
+        on the params' device, the master is no copy but this rank's range of the flat
+        params, without the padding (``numel`` may be less than ``shard``)."""
         dtype = next(iter(self.params.values())).dtype
+        flat = {slot: kind.params for kind in self.kinds for slot in kind.slots}
+        master_is_param = self.stage < 3 and dtype == torch.float32 \
+            and self.optim_swap is None and self.state_device == self._device
         for slot in self.slots:
-            master = torch.zeros(slot.shard, dtype=torch.float32, device=self._device)
-            lo = slot.dp_rank * slot.shard
+            lo = min(slot.dp_rank * slot.shard, slot.numel)
             hi = min(lo + slot.shard, slot.numel)
-            if lo < hi:
-                self._read_members(slot, lo, hi, master, lambda fqn: self.params[fqn].data)
             slot.grad = torch.zeros(slot.shard, dtype=dtype, device=self._device)
             self.meter.add_persistent(slot.grad)
+            if master_is_param:  # fp32 in memory: this rank's range of the flat params
+                slot.master = flat[slot][slot.offset + lo:slot.offset + hi]
+                slot.exp_avg = torch.zeros(slot.shard, dtype=torch.float32, device=self._device)
+                slot.exp_avg_sq = torch.zeros_like(slot.exp_avg)
+                self.meter.add_persistent(slot.exp_avg, slot.exp_avg_sq)
+                continue
+            master = torch.zeros(slot.shard, dtype=torch.float32, device=self._device)
+            if lo < hi:
+                self._read_members(slot, lo, hi, master, lambda fqn: self.params[fqn].data)
             if self.stage == 3:
                 self._init_param_shard(slot, master, dtype)
             if self.optim_swap is not None:
@@ -229,7 +243,8 @@ class ZeroOptimizer(GradReduction):
             g32 = g32.to(self.state_device)  # offload: the step runs where the state is
             hp = slot.group.hparams
             self.meter.hold(ADAMW_TEMPORARIES * held)
-            adamw_(st["master"], g32, st["exp_avg"], st["exp_avg_sq"], step=step,
+            n = st["master"].numel()  # the shard, or its real elements (master = params)
+            adamw_(st["master"], g32[:n], st["exp_avg"][:n], st["exp_avg_sq"][:n], step=step,
                    lr=lr * hp.get("lr_scale", 1.0), beta1=betas[0], beta2=betas[1], eps=eps,
                    weight_decay=hp.get("weight_decay", 0.0))
             self.meter.drop((ADAMW_TEMPORARIES + 1) * held)
@@ -257,7 +272,7 @@ class ZeroOptimizer(GradReduction):
             return
         target = slot.param if self.stage == 3 else slot.grad
         if target is not master:
-            target.copy_(master)
+            target[:master.numel()].copy_(master)
 
     def param_shard(self, slot: Slot) -> torch.Tensor:
         """Stage 3: ``slot``'s param shard on the compute device (read from its swap file, or

@@ -135,6 +135,8 @@ RESUME_CASES = {  # name -> (config, async save at K)
     "fp32_s0": (ccfg(world=2, stage=0, ep=2), False),
     "bf16_s0": (ccfg(world=2, stage=0, ep=1, dtype="bf16", max_group_size=1000), False),
     "fp16_s1": (ccfg(world=2, stage=1, ep=2, dtype="fp16"), True),
+    # odd groups over 2 ranks: rank 1's fp32 master (the params' range) is shorter than its shard
+    "fp32_s1_padded": (ccfg(world=2, stage=1, ep=1, max_group_size=999), True),
 }
 
 

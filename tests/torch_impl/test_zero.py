@@ -217,3 +217,20 @@ def test_tiled_step_peak_is_below_untiled():
     assert untiled["peak"] - untiled["persistent"] >= 4 * sum(untiled["shards"])
     assert tiled["peak"] - tiled["persistent"] <= 4 * 3 * max(tiled["shards"])
     assert tiled["peak"] < untiled["peak"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp32_master_is_the_params_own_range(stage):
+    """fp32 in memory keeps no master copy: each slot's master is this rank's range of the
+    flat params, so the engine holds 12 B per owned element (grad partition + two moments);
+    bf16 keeps a separate fp32 master (14 B)."""
+    for dtype, per_element in (("fp32", 12), ("bf16", 14)):
+        cfg = Config.model_validate(zcfg(stage=stage, experts=4, cap=CAP, dtype=dtype))
+        topo = build_topology([1], num_experts=4)
+        engine = initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu")
+        flats = {k.params.untyped_storage().data_ptr() for k in engine.zero.kinds}
+        shared = [s.master.untyped_storage().data_ptr() in flats for s in engine.zero.slots]
+        assert all(shared) if dtype == "fp32" else not any(shared), dtype
+        owned = sum(s.shard for s in engine.zero.slots)
+        full_grads = (4 if dtype == "fp32" else 2) * owned if stage == 1 else 0  # W = 1
+        assert engine.zero.meter.persistent == per_element * owned + full_grads, dtype
