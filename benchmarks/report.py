@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from benchmarks import plots, tables_io, tables_memory
-from benchmarks.fmt import mbs, mib, table, verdict
+from benchmarks.fmt import mbs, mib, ok, table, verdict
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
 from benchmarks.stats import by_name, limits, param_count
 
@@ -41,7 +41,7 @@ def _ratio_target(label, moe, peer, peer_name, key, kind) -> dict:
     return row
 
 
-def targets(stats: dict, lim: dict) -> tuple[list[dict], str, str]:
+def targets(stats: dict, lim: dict, large: dict | None = None) -> tuple[list[dict], str, str]:
     """The issue's targets with measured ratio and status; plus the config and a note."""
     name, note = _target_config(stats)
     if name is None:
@@ -54,7 +54,7 @@ def targets(stats: dict, lim: dict) -> tuple[list[dict], str, str]:
         _ratio_target("step throughput ≥ DeepSpeed's", moe, ds, d_name, "tokens_per_s", ">="),
         _memory_target("per-rank peak memory ≤ FSDP2's", moe, fsdp, f_name),
         _memory_target("per-rank peak memory ≤ DeepSpeed's", moe, ds, d_name),
-        _save_target(moe, lim),
+        *_save_targets(moe, large, lim),
         _ratio_target("checkpoint bytes ≤ DCP's", moe, fsdp, f_name, "ckpt_bytes", "<="),
         _ratio_target("checkpoint bytes < DeepSpeed's", moe, ds, d_name, "ckpt_bytes", "<"),
     ]
@@ -71,17 +71,28 @@ def _memory_target(label: str, moe: dict, peer: dict | None, peer_name: str) -> 
     return row
 
 
-def _save_target(moe: dict, lim: dict) -> dict:
-    row = {"target": "checkpoint save ≥ 80% of dd write bandwidth (small checkpoint, first "
-           "save; large one: see below)", "measured": "", "status": ""}
-    if moe.get("save_bw") is None:
-        row["status"] = f"not measured: moezero checkpoint {moe.get('ckpt_note') or 'n/a'}"
-    elif "dd_write" not in lim:
-        row["status"] = f"not measured: dd failed ({lim['dd_error']})"
-    else:
-        frac = moe["save_bw"] / lim["dd_write"]
-        row.update(measured=f"{100 * frac:.0f}% of dd write", status=verdict(frac, 0.8, ">="))
-    return row
+def _save_targets(moe: dict, large: dict | None, lim: dict) -> list[dict]:
+    """Save bandwidth against dd: judged on the large (bandwidth-bound) checkpoint, the mean
+    bandwidth of its two saves; the small one, bound by fixed costs, is shown beside it."""
+    both = [large.get(k) for k in ("save_bw", "second_save_bw")] if ok(large) else []
+    rows = [("checkpoint save ≥ 80% of dd write bandwidth (large checkpoint, "
+             f"{large['ckpt_bytes'] / 1e6:.0f} MB, both saves; section below)" if both else
+             "checkpoint save ≥ 80% of dd write bandwidth (large checkpoint)",
+             sum(both) / len(both) if both and None not in both else None),
+            ("the same on the small checkpoint (main model, first save; fixed-cost bound)",
+             moe.get("save_bw"))]
+    out = []
+    for label, bw in rows:
+        row = {"target": label, "measured": "", "status": ""}
+        if bw is None:
+            row["status"] = f"not measured: moezero checkpoint {moe.get('ckpt_note') or 'n/a'}"
+        elif "dd_write" not in lim:
+            row["status"] = f"not measured: dd failed ({lim['dd_error']})"
+        else:
+            frac = bw / lim["dd_write"]
+            row.update(measured=f"{100 * frac:.0f}% of dd write", status=verdict(frac, 0.8, ">="))
+        out.append(row)
+    return out
 
 
 # ----------------------------------------------------------------------------- text
@@ -166,7 +177,7 @@ def render(results: dict, plot_links: dict[str, str]) -> str:
          *table(["moezero", "peer", "tokens/s", "peak anon", "peak RSS", "checkpoint bytes"],
                  _ratio_rows(stats)), "",
          "Throughput above 1× is better; memory and bytes below 1× are better."],
-        _targets_section(stats, lim),
+        _targets_section(stats, lim, by_name(results, "ckpt").get(MOEZERO_CONFIGS[2][0])),
         tables_memory.tiled_section(results),
         tables_memory.stages_section(results),
         tables_io.ckpt_section(results, lim),
@@ -190,8 +201,8 @@ def _results_section(results: dict, stats: dict, lim: dict) -> list[str]:
     return ["## Results (median over rounds)", "", *table(header, rows), "", *NOTES_RESULTS]
 
 
-def _targets_section(stats: dict, lim: dict) -> list[str]:
-    rows, name, note = targets(stats, lim)
+def _targets_section(stats: dict, lim: dict, large: dict | None) -> list[str]:
+    rows, name, note = targets(stats, lim, large)
     lines = ["## Targets", ""]
     if note:
         lines += [f"Evaluated on **{name or 'nothing'}**: {note}.", ""]

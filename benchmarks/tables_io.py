@@ -108,10 +108,11 @@ def ckpt_section(results: dict, lim: dict) -> list[str]:
         "`iflag=direct` read; buffered dd = `conv=fsync` (through the page cache, flushed).",
         "- moezero writes the 4 KiB-aligned bulk of each range with O_DIRECT (the "
         "`offload.AsyncIO` engine, 16 MiB staging buffers) and the unaligned ends and ranges "
-        "under 512 KiB through the page cache, then fsyncs; DCP writes through the page cache. "
+        "under 512 KiB through the page cache, then flushes once (one `syncfs` per rank); DCP "
+        "writes through the page cache and fsyncs each file. "
         "Both save from 2 ranks at once; the 80% target is judged against the O_DIRECT dd line, "
         "as issue 8 states it.",
-        "- The small checkpoint is dominated by fixed costs (file creation, fsyncs, "
+        "- The small checkpoint is dominated by fixed costs (file creation, the flush, "
         "manifest, commit, the collectives of the protocol), so its bandwidth is far from "
         "dd's; the large one is bandwidth-bound.",
         *_first_vs_second(large, small),

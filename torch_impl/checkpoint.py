@@ -24,8 +24,11 @@ Reference counterpart: ``reference.plan.store`` (the byte mover this module driv
 from __future__ import annotations
 
 import base64
+import ctypes
+import errno
 import json
 import os
+import sys
 import threading
 import time
 import zlib
@@ -404,8 +407,7 @@ def _write(ckpt: Checkpointer, job: _SaveJob) -> Path:
         written = {r.file for r in records}
         if ckpt.rank == 0:  # it wrote every header: commit need not flush the files again
             written.update(f.name for f in job.layout.files)
-        for name in sorted(written):  # one flush per file after all writes
-            store.fsync_file(partial / name)
+        flush_files(partial, sorted(written))
     except Exception as exc:
         error = f"rank {ckpt.rank}: {_one_line(exc)}"
     gathered = ckpt.all_gather({"error": error, "records": [list(r) for r in records],
@@ -421,6 +423,41 @@ def _write(ckpt: Checkpointer, job: _SaveJob) -> Path:
     if outcome:
         raise CheckpointError(f"{what}: {outcome}")
     return final
+
+
+def flush_files(folder: Path, names: list[str]) -> None:
+    """Make ``names`` in ``folder`` durable after all their writes: one ``syncfs`` of the
+    folder's filesystem where Linux has it, else ``fsync`` file by file.
+
+    One syncfs is one journal commit and one device cache flush for every file a rank wrote
+    (a checkpoint has one file per group and state: ~70 for a 16-expert model, where per-file
+    fsyncs took 25-90 ms a save here and syncfs 4-16 ms). It also flushes other processes'
+    dirty pages on that filesystem, which a busy shared disk makes slower, never incorrect.
+    """
+    if names and SYNCFS is not None:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if SYNCFS(fd) == 0:
+                return
+            err = ctypes.get_errno()
+            if err not in (errno.ENOSYS, errno.EOPNOTSUPP):
+                raise OSError(err, f"syncfs: {os.strerror(err)}", os.fspath(folder))
+        finally:
+            os.close(fd)
+    for name in names:
+        store.fsync_file(folder / name)
+
+
+def _syncfs():
+    """libc's ``syncfs(fd)`` (Linux), or None."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+
+
+SYNCFS = _syncfs() if sys.platform.startswith("linux") else None
+"""``flush_files``'s syncfs; None (tests set it) flushes file by file."""
 
 
 def _copy_partition(ckpt_dir: Path, layout: Layout, shard: _Shard) -> list:
@@ -445,7 +482,7 @@ def _finish(job: _SaveJob, partial: Path, headers: list, gathered: list[dict]) -
     store.write_manifest(partial, job.layout, checksums=records, config=job.meta["config"],
                          topology=job.meta["topology"], state=state)
     _test_delay()
-    store.commit(partial, flushed=True)  # every rank fsynced the files it wrote
+    store.commit(partial, flushed=True, layout=job.layout)  # every rank flushed its files
     store.apply_retention(job.root, job.keep_last)
 
 

@@ -472,13 +472,16 @@ def begin_save(root: str | os.PathLike, step: int) -> Path:
     return partial
 
 
-def commit(partial_dir: str | os.PathLike, *, flushed: bool = False) -> Path:
+def commit(partial_dir: str | os.PathLike, *, flushed: bool = False,
+           layout: Layout | None = None) -> Path:
     """Publish a finished save: fsync files and dir, rename, then replace ``latest``.
 
     Refuses (CheckpointError) a directory whose manifest is missing or names a missing or
     truncated file. An existing checkpoint of the same step is replaced. ``flushed``: the
     caller already fsynced every file after its last write (each writer its own ranges, the
     header writer every file; the JSON files are always fsynced), so only the directories are.
+    ``layout``: the layout whose manifest the caller has just written (``write_manifest``
+    checked it), so the manifest is not parsed again; the files are still checked.
 
     Returns:
         The committed ``step_XXXXXXXX`` directory.
@@ -486,7 +489,13 @@ def commit(partial_dir: str | os.PathLike, *, flushed: bool = False) -> Path:
     partial = Path(partial_dir)
     if not partial.name.endswith(PARTIAL):
         raise ValueError(f"{partial}: not a {PARTIAL} directory")
-    read_manifest(partial)
+    if layout is None:
+        read_manifest(partial)
+    elif not (partial / MANIFEST_NAME).is_file():
+        raise CheckpointError(f"{partial}: no {MANIFEST_NAME} (incomplete checkpoint)")
+    else:
+        for f in layout.files:
+            _check_file(partial / f.name, f.size)
     for path in () if flushed else partial.iterdir():
         fsync_file(path)
     fsync_dir(partial)

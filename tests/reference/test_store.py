@@ -377,6 +377,30 @@ def test_commit_refuses_an_incomplete_partial(tmp_path):
     assert find_latest(tmp_path) is None
 
 
+def test_commit_given_the_layout_still_refuses_missing_and_truncated_files(tmp_path):
+    specs = [ParamSpec("w", (8, 6)), ParamSpec("b", (5,))]
+    layout = plan_layout(plan_groups(specs), shapes_of(specs), step=4)
+    for damage in ("manifest", "truncate", None):
+        partial = begin_save(tmp_path, 4)
+        records = write_headers(layout, partial)
+        for part in plan_partitions(plan_groups(specs), world_size=1):
+            shards = {s: np.ones(part.shard_numel, np.float32) for s in STATES}
+            records += write_partition(partial, layout, part, 0, fsync=False, **shards)
+        write_manifest(partial, layout, checksums=records)
+        if damage == "manifest":
+            (partial / MANIFEST_NAME).unlink()
+        elif damage == "truncate":
+            os.truncate(partial / layout.files[0].name, 3)
+        if damage is None:
+            assert commit(partial, layout=layout) == tmp_path / "step_00000004"
+            assert verify(tmp_path / "step_00000004") == []
+            continue
+        with pytest.raises(CheckpointError, match="incomplete" if damage == "manifest" else
+                           layout.files[0].name):
+            commit(partial, layout=layout)
+        assert find_latest(tmp_path) is None
+
+
 def test_find_latest_skips_partial_and_manifestless_dirs(tmp_path):
     small_save(tmp_path, 10)
     newer = small_save(tmp_path, 20)

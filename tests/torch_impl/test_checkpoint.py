@@ -8,6 +8,7 @@ fixtures share the worlds between tests. W = 1 runs in the test process.
 from __future__ import annotations
 
 import ast
+import errno
 import hashlib
 import json
 import re
@@ -357,6 +358,30 @@ def test_range_writer_refuses_a_range_past_the_end(tmp_path):
           pytest.raises(ValueError, match=r"f: range \[90, 110\) is outside the 100-byte file")):
         write(tmp_path / "f", 90, np.zeros(20, np.uint8))
     assert (tmp_path / "f").stat().st_size == 100
+
+
+def test_flush_is_one_syncfs_or_an_fsync_per_file(tmp_path, monkeypatch):
+    """A save flushes with one syncfs per rank where Linux has it, else fsyncs each file it
+    wrote; a syncfs error (not 'unsupported') is raised, naming the folder."""
+    engine, batches = setup(Config.model_validate(ccfg(world=1, stage=2)), torch.device("cpu"))
+    fsynced, syncfs = [], []
+    fsync_file = store.fsync_file
+    monkeypatch.setattr(store, "fsync_file", lambda p: (fsynced.append(Path(p)), fsync_file(p)))
+    if ck.SYNCFS is not None:
+        real = ck.SYNCFS
+        monkeypatch.setattr(ck, "SYNCFS", lambda fd: (syncfs.append(fd), real(fd))[1])
+        step = engine.save_checkpoint(tmp_path / "syncfs")
+        assert len(syncfs) == 1 and not [p for p in fsynced if p.suffix == ".safetensors"]
+        assert store.verify(step) == []
+    monkeypatch.setattr(ck, "SYNCFS", None)
+    step = engine.save_checkpoint(tmp_path / "fsync")
+    data = {p.name for p in step.iterdir() if p.suffix == ".safetensors"}
+    assert data and {p.name for p in fsynced if p.suffix == ".safetensors"} == data
+    monkeypatch.setattr(ck, "SYNCFS", lambda fd: -1)
+    monkeypatch.setattr(ck.ctypes, "get_errno", lambda: errno.EIO)
+    with pytest.raises(CheckpointError, match="syncfs: Input/output error"):
+        engine.save_checkpoint(tmp_path / "eio")
+    assert store.find_latest(tmp_path / "eio") is None
 
 
 def test_direct_save_is_byte_identical_to_buffered(tmp_path, monkeypatch):
