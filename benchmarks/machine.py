@@ -57,7 +57,7 @@ def dd_bandwidth(folder: str | os.PathLike, mib: int) -> dict:
     tmp = tempfile.mkdtemp(prefix="dd-", dir=folder)
     target = os.path.join(tmp, "dd.bin")
     try:
-        write = _dd(["if=/dev/zero", f"of={target}", "bs=8M", f"count={mib // 8}", "oflag=direct"])
+        write = _dd(_dd_write_args(target, mib))
         read = _dd([f"if={target}", "of=/dev/null", "bs=8M", "iflag=direct"])
         buffered = _dd(["if=/dev/zero", f"of={target}.b", "bs=8M", f"count={mib // 8}",
                         "conv=fsync"])
@@ -66,6 +66,25 @@ def dd_bandwidth(folder: str | os.PathLike, mib: int) -> dict:
         return {"error": str(exc)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+DD_BESIDE_MIB = 256
+"""Size of the dd write run right before and right after each timed checkpoint save
+(``worker._dd_beside``)."""
+
+
+def _dd_write_args(target: str, mib: int) -> list[str]:
+    return ["if=/dev/zero", f"of={target}", "bs=8M", f"count={mib // 8}", "oflag=direct"]
+
+
+def dd_write(folder: str | os.PathLike, mib: int) -> float:
+    """Bytes/s of a direct-I/O dd write of ``mib`` MiB to a file in ``folder`` (removed after):
+    the line ``dd_bandwidth`` reports as "dd write", measured again beside a checkpoint save."""
+    target = os.path.join(folder, f".dd-{os.getpid()}.bin")
+    try:
+        return _dd(_dd_write_args(target, mib))
+    finally:
+        Path(target).unlink(missing_ok=True)
 
 
 def _dd(args: list[str]) -> float:

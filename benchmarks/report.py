@@ -74,23 +74,26 @@ def _memory_target(label: str, moe: dict, peer: dict | None, peer_name: str) -> 
 def _save_targets(moe: dict, large: dict | None, lim: dict) -> list[dict]:
     """Save bandwidth against dd: judged on the large (bandwidth-bound) checkpoint, the mean
     bandwidth of its two saves; the small one, bound by fixed costs, is shown beside it."""
-    both = [large.get(k) for k in ("save_bw", "second_save_bw")] if ok(large) else []
+    keys = ("save_s", "second_save_s")
+    both = ok(large) and all(large.get(k) is not None for k in keys)
     rows = [("checkpoint save ≥ 80% of dd write bandwidth (large checkpoint, "
-             f"{large['ckpt_bytes'] / 1e6:.0f} MB, both saves; section below)" if both else
-             "checkpoint save ≥ 80% of dd write bandwidth (large checkpoint)",
-             sum(both) / len(both) if both and None not in both else None),
+             f"{large['ckpt_bytes'] / 1e6:.0f} MB, mean of its two saves; section below)"
+             if both else "checkpoint save ≥ 80% of dd write bandwidth (large checkpoint)",
+             large if both else None, keys),
             ("the same on the small checkpoint (main model, first save; fixed-cost bound)",
-             moe.get("save_bw"))]
+             moe if moe.get("save_bw") is not None else None, keys[:1])]
     out = []
-    for label, bw in rows:
+    for label, s, which in rows:
         row = {"target": label, "measured": "", "status": ""}
-        if bw is None:
+        dds = [tables_io.dd_beside(s, k, lim) for k in which] if s else []
+        if s is None:
             row["status"] = f"not measured: moezero checkpoint {moe.get('ckpt_note') or 'n/a'}"
-        elif "dd_write" not in lim:
-            row["status"] = f"not measured: dd failed ({lim['dd_error']})"
+        elif None in dds:
+            row["status"] = f"not measured: dd failed ({lim.get('dd_error')})"
         else:
-            frac = bw / lim["dd_write"]
-            row.update(measured=f"{100 * frac:.0f}% of dd write", status=verdict(frac, 0.8, ">="))
+            frac = sum(s[k[:-2] + "_bw"] / dd for k, dd in zip(which, dds, strict=True)) / len(which)
+            row.update(measured=f"{100 * frac:.0f}% of dd write",
+                       status=verdict(frac, 0.8, ">="))
         out.append(row)
     return out
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import AnonPeak, Unsupported, anon_rss, peak_rss, tree_bytes
+from benchmarks.machine import DD_BESIDE_MIB, dd_write
 
 
 def build_trainer(spec: dict):
@@ -117,6 +118,19 @@ def plain_copy(files: list[str], folder: str, name: str) -> dict:
             "method": COPY_METHOD}
 
 
+def _dd_beside(folder: str) -> float | None:
+    """Rank 0: a direct-I/O dd write (bytes/s) in the checkpoint's folder, untimed, so each
+    save is compared with the disk's speed of that moment (it drifts on a shared VM); the
+    other ranks wait at the save's first barrier. None on other ranks or if dd fails."""
+    if dist.get_rank() != 0:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    try:
+        return dd_write(folder, DD_BESIDE_MIB)
+    except (OSError, RuntimeError):
+        return None
+
+
 def checkpoint_io(trainer, folder: str) -> dict:
     """Save twice in this process (the first and a second save, each into a fresh folder),
     then drop the second from the page cache and load it (a cold read).
@@ -139,7 +153,10 @@ def checkpoint_io(trainer, folder: str) -> dict:
             name = "second" if key.startswith("second") else "first"
             drop_files(swap)  # each save and each copy reads the swap files from the disk
             if key.endswith("save_s"):
+                dd = _dd_beside(folder)
                 out[key] = _barrier_timed(trainer.save, os.path.join(folder, name))
+                if dd is not None and (after := _dd_beside(folder)) is not None:
+                    out[key[:-2] + "_dd"] = (dd + after) / 2
             else:  # on every rank, even after a failed copy (the copy has barriers)
                 copied, prefix = plain_copy(swap, folder, name), key.removesuffix("copy_s")
                 out.update(copied if "copy_note" in copied

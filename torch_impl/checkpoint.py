@@ -86,13 +86,14 @@ class Checkpointer:
     """Per-engine checkpoint context: the gloo group for checkpoint traffic and the writer
     thread of an async save. Create it on every rank (``new_group`` is collective)."""
 
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, model: torch.nn.Module | None = None):
         self.rank, self.world_size = rank, world_size
         self.group = dist.new_group(backend="gloo") if world_size > 1 else None
         self._thread: threading.Thread | None = None
         self._result: Path | None = None
         self._error: BaseException | None = None
-        self._shapes: dict[str, tuple[int, ...]] | None = None
+        # the global shapes are static: taken now, not inside the first save
+        self._shapes = model_shapes(model) if model is not None else None
 
     def all_gather(self, obj) -> list:
         """Every rank's JSON-able ``obj`` in rank order (JSON bytes over gloo, no pickle)."""
@@ -482,8 +483,8 @@ def _finish(job: _SaveJob, partial: Path, headers: list, gathered: list[dict]) -
     store.write_manifest(partial, job.layout, checksums=records, config=job.meta["config"],
                          topology=job.meta["topology"], state=state)
     _test_delay()
-    store.commit(partial, flushed=True, layout=job.layout)  # every rank flushed its files
-    store.apply_retention(job.root, job.keep_last)
+    final = store.commit(partial, flushed=True, layout=job.layout)  # every rank flushed
+    store.apply_retention(job.root, job.keep_last, committed=final)
 
 
 def _one_line(exc: BaseException) -> str:

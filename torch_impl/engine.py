@@ -85,7 +85,7 @@ class Engine:
         self.step_count = 0  # optimizer steps taken (skipped steps excluded)
         self.global_steps = 0  # optimizer_step calls, skipped ones included (checkpoint names)
         self.micro_steps = 0
-        self.checkpointer = checkpoint.Checkpointer(topology.rank, topology.world_size)
+        self.checkpointer = checkpoint.Checkpointer(topology.rank, topology.world_size, self.model)
 
     def _new_state(self, param: nn.Parameter) -> _ParamState:
         master = param.data if param.dtype == torch.float32 else param.detach().float()

@@ -104,22 +104,25 @@ def write_headers(layout: Layout, ckpt_dir: str | os.PathLike) -> list[RangeReco
     root = Path(ckpt_dir)
     records = []
     for f in layout.files:
-        _create(root / f.name, f.size)
-        crc = write_range(root / f.name, 0, f.header)
+        crc = _create(root / f.name, f.size, f.header)
         records.append(RangeRecord(f.name, 0, f.data_start, crc))
     _write_json(root / INDEX_NAME, index_json(layout))
     return records
 
 
-def _create(path: Path, size: int) -> None:
+def _create(path: Path, size: int, header: bytes = b"") -> int:
+    """Create ``path`` preallocated to ``size`` bytes with ``header`` at offset 0; returns
+    the header's crc32."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         try:
             os.posix_fallocate(fd, 0, size)
         except (AttributeError, OSError):  # not every filesystem can; a sparse file will do
             os.ftruncate(fd, size)
+        _pwrite_all(fd, memoryview(header).cast("B"), 0)
     finally:
         os.close(fd)
+    return zlib.crc32(header)
 
 
 def write_partition(ckpt_dir: str | os.PathLike, layout: Layout, partition: Partition,
@@ -533,9 +536,13 @@ def find_latest(root: str | os.PathLike) -> Path | None:
     return next((p for p in _step_dirs(root) if _is_complete(p)), None)
 
 
-def apply_retention(root: str | os.PathLike, keep_last: int) -> list[Path]:
+def apply_retention(root: str | os.PathLike, keep_last: int, *,
+                    committed: Path | None = None) -> list[Path]:
     """Delete complete checkpoints beyond the newest ``keep_last`` (never ``latest``'s target),
     and ``.partial``/``.stale`` directories older than the newest complete one.
+
+    ``committed``: a step directory the caller has just committed, known complete (its
+    manifest is not read again).
 
     Returns:
         The directories removed.
@@ -543,7 +550,7 @@ def apply_retention(root: str | os.PathLike, keep_last: int) -> list[Path]:
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     root = Path(root)
-    complete = [p for p in _step_dirs(root) if _is_complete(p)]
+    complete = [p for p in _step_dirs(root) if p == committed or _is_complete(p)]
     keep = set(complete[:keep_last]) | {_latest_target(root)}
     doomed = [p for p in complete if p not in keep]
     if complete:

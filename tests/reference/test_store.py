@@ -440,3 +440,14 @@ def test_retention_keeps_the_newest_and_latest(tmp_path):
         "latest", "step_00000001", "step_00000003", "step_00000004", "step_00000009.partial"]
     with pytest.raises(ValueError, match="keep_last"):
         apply_retention(tmp_path, keep_last=0)
+
+
+def test_retention_trusts_the_directory_just_committed(tmp_path, monkeypatch):
+    """``committed`` is not re-read (the saver has just checked it); the others are."""
+    old, new = small_save(tmp_path, 1), small_save(tmp_path, 2)
+    read = []
+    real = store.read_manifest
+    monkeypatch.setattr(store, "read_manifest", lambda d: (read.append(Path(d)), real(d))[1])
+    assert apply_retention(tmp_path, keep_last=1, committed=new) == [old]
+    assert new not in read and old in read
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000002"]
