@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-import torch_impl.checkpoint as ck
+import torch_impl.ckpt_write as cw
 from reference.plan import store
 from tests.torch_impl.compare import RTOL, assert_close_by_fqn, rel_err
 from tests.torch_impl.distributed import run_world
@@ -340,8 +340,8 @@ def test_range_writer_bytes_match_the_buffered_path(tmp_path):
     for name in ("direct", "buffered"):
         store._create(tmp_path / name, size)  # preallocated, as write_headers creates them
     want = [store.write_range(tmp_path / "buffered", a, data[a:b]) for a, b in ranges]
-    with (ck._RangeWriter(stage_bytes=4 * 4096, min_direct=0) as one,
-          ck._RangeWriter(stage_bytes=8192, min_direct=0) as two):
+    with (cw.RangeWriter(stage_bytes=4 * 4096, min_direct=0) as one,
+          cw.RangeWriter(stage_bytes=8192, min_direct=0) as two):
         got = [(one, two)[i % 2](tmp_path / "direct", a, data[a:b])
                for i, (a, b) in enumerate(ranges)]
     assert got == want == [zlib.crc32(data[a:b]) for a, b in ranges]
@@ -354,7 +354,7 @@ def test_range_writer_bytes_match_the_buffered_path(tmp_path):
 
 def test_range_writer_refuses_a_range_past_the_end(tmp_path):
     store._create(tmp_path / "f", 100)
-    with (ck._RangeWriter(min_direct=0) as write,
+    with (cw.RangeWriter(min_direct=0) as write,
           pytest.raises(ValueError, match=r"f: range \[90, 110\) is outside the 100-byte file")):
         write(tmp_path / "f", 90, np.zeros(20, np.uint8))
     assert (tmp_path / "f").stat().st_size == 100
@@ -367,18 +367,18 @@ def test_flush_is_one_syncfs_or_an_fsync_per_file(tmp_path, monkeypatch):
     fsynced, syncfs = [], []
     fsync_file = store.fsync_file
     monkeypatch.setattr(store, "fsync_file", lambda p: (fsynced.append(Path(p)), fsync_file(p)))
-    if ck.SYNCFS is not None:
-        real = ck.SYNCFS
-        monkeypatch.setattr(ck, "SYNCFS", lambda fd: (syncfs.append(fd), real(fd))[1])
+    if cw.SYNCFS is not None:
+        real = cw.SYNCFS
+        monkeypatch.setattr(cw, "SYNCFS", lambda fd: (syncfs.append(fd), real(fd))[1])
         step = engine.save_checkpoint(tmp_path / "syncfs")
         assert len(syncfs) == 1 and not [p for p in fsynced if p.suffix == ".safetensors"]
         assert store.verify(step) == []
-    monkeypatch.setattr(ck, "SYNCFS", None)
+    monkeypatch.setattr(cw, "SYNCFS", None)
     step = engine.save_checkpoint(tmp_path / "fsync")
     data = {p.name for p in step.iterdir() if p.suffix == ".safetensors"}
     assert data and {p.name for p in fsynced if p.suffix == ".safetensors"} == data
-    monkeypatch.setattr(ck, "SYNCFS", lambda fd: -1)
-    monkeypatch.setattr(ck.ctypes, "get_errno", lambda: errno.EIO)
+    monkeypatch.setattr(cw, "SYNCFS", lambda fd: -1)
+    monkeypatch.setattr(cw.ctypes, "get_errno", lambda: errno.EIO)
     with pytest.raises(CheckpointError, match="syncfs: Input/output error"):
         engine.save_checkpoint(tmp_path / "eio")
     assert store.find_latest(tmp_path / "eio") is None
@@ -389,12 +389,12 @@ def test_direct_save_is_byte_identical_to_buffered(tmp_path, monkeypatch):
     ``verify`` clean; ranges at unaligned offsets and shorter than 4096 bytes are among them."""
     engine, batches = setup(Config.model_validate(ccfg(world=1, stage=2)), torch.device("cpu"))
     engine.train_step([torch.from_numpy(batches.next())])
-    stats, close = [], ck._RangeWriter.close
-    monkeypatch.setattr(ck._RangeWriter, "close",
+    stats, close = [], cw.RangeWriter.close
+    monkeypatch.setattr(cw.RangeWriter, "close",
                         lambda self: (close(self), stats.append(self.aio and self.aio.stats)))
-    monkeypatch.setattr(ck, "DIRECT_MIN_BYTES", 0)  # every range, however short, takes it
+    monkeypatch.setattr(cw, "DIRECT_MIN_BYTES", 0)  # every range, however short, takes it
     for direct in (True, False):
-        monkeypatch.setattr(ck, "DIRECT_IO", direct)
+        monkeypatch.setattr(cw, "DIRECT_IO", direct)
         engine.save_checkpoint(tmp_path / str(direct), state={"data": batches.state_dict()})
     dirs = [tmp_path / str(direct) / "step_00000001" for direct in (True, False)]
     names = sorted(p.name for p in dirs[0].iterdir())
