@@ -209,7 +209,9 @@ def nvme_ckpt_section(results: dict, lim: dict) -> list[str]:
         "`offload_param.device=nvme`, swap files under `bench_out/nvme` (the checkpoint "
         "folder's filesystem); stage 2 keeps its state in memory (reference row, no copy). "
         "Times from a barrier before to a barrier after, slower rank; % of dd = (bytes / time) "
-        "/ this run's `oflag=direct` dd write (load: `iflag=direct` dd read).",
+        "/ dd: for a save the dd writes right before and after it (as in the section above), for "
+        "a plain copy this run's `oflag=direct` dd write, for the load its `iflag=direct` dd "
+        "read.",
         "- Before each save and each copy every rank fsyncs its optimizer swap files and drops "
         "them from the page cache (`posix_fadvise(DONTNEED)`, untimed), so both read them "
         "from the disk.",
@@ -217,9 +219,10 @@ def nvme_ckpt_section(results: dict, lim: dict) -> list[str]:
         "safetensors header; the ranks agree (gloo); each rank copies the real elements of "
         "each state of each group from its swap files into the checkpoint files with "
         "`os.copy_file_range` in 8 MiB chunks, reading each chunk back (page cache) for its "
-        "crc32, then fsyncs the files it wrote; the range records and RNG states are gathered; "
-        "rank 0 writes the manifest (temporary file, fsync, rename), fsyncs the files and the "
-        "folder, renames `.partial` to the step folder and updates `latest`. The stage-2 row "
+        "crc32, then flushes them (one `syncfs` of the filesystem); the range records and RNG "
+        "states are gathered; rank 0 writes the manifest (temporary file, fsync, rename), "
+        "fsyncs the folder, renames `.partial` to the step folder and updates `latest`. The "
+        "stage-2 row "
         "writes its in-memory partitions (crc32 of the bytes in memory) instead of copying.",
         "- Plain-copy time: each rank `shutil.copyfile`s its optimizer swap files (master, "
         "exp_avg, exp_avg_sq of every local group: the rank's partitions, padding included, "
