@@ -361,13 +361,21 @@ def test_range_writer_refuses_a_range_past_the_end(tmp_path):
 
 
 def test_flush_is_one_syncfs_or_an_fsync_per_file(tmp_path, monkeypatch):
-    """A save flushes with one syncfs per rank where Linux has it, else fsyncs each file it
-    wrote; a syncfs error (not 'unsupported') is raised, naming the folder."""
+    """A save flushes with one syncfs per rank where Linux has it on a block-device
+    filesystem, else fsyncs each file it wrote; a syncfs error (not 'unsupported') is raised,
+    naming the folder."""
     engine, batches = setup(Config.model_validate(ccfg(world=1, stage=2)), torch.device("cpu"))
     fsynced, syncfs = [], []
     fsync_file = store.fsync_file
     monkeypatch.setattr(store, "fsync_file", lambda p: (fsynced.append(Path(p)), fsync_file(p)))
-    if cw.SYNCFS is not None:
+    with monkeypatch.context() as m:  # NFS, FUSE, overlay, tmpfs: device major 0 -> fsyncs
+        m.setattr(cw.os, "major", lambda dev: 0)
+        step = engine.save_checkpoint(tmp_path / "no-block-device")
+        data = {p.name for p in step.iterdir() if p.suffix == ".safetensors"}
+        assert data and {p.name for p in fsynced if p.suffix == ".safetensors"} == data
+        fsynced.clear()
+    monkeypatch.setattr(cw.os, "major", lambda dev: 8)  # a disk, wherever tmp lives here
+    if cw.SYNCFS is not None:  # Linux
         real = cw.SYNCFS
         monkeypatch.setattr(cw, "SYNCFS", lambda fd: (syncfs.append(fd), real(fd))[1])
         step = engine.save_checkpoint(tmp_path / "syncfs")
