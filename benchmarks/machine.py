@@ -78,13 +78,16 @@ def _dd_write_args(target: str, mib: int) -> list[str]:
 
 
 def dd_write(folder: str | os.PathLike, mib: int) -> float:
-    """Bytes/s of a direct-I/O dd write of ``mib`` MiB to a file in ``folder`` (removed after):
-    the line ``dd_bandwidth`` reports as "dd write", measured again beside a checkpoint save."""
+    """Bytes/s of a direct-I/O dd write of ``mib`` MiB to a file in ``folder``: the line
+    ``dd_bandwidth`` reports as "dd write", measured again beside a checkpoint save. The file
+    is removed and the removal synced before returning, so none of it is left for the next
+    (timed) flush to commit."""
     target = os.path.join(folder, f".dd-{os.getpid()}.bin")
     try:
         return _dd(_dd_write_args(target, mib))
     finally:
         Path(target).unlink(missing_ok=True)
+        os.sync()
 
 
 def _dd(args: list[str]) -> float:

@@ -65,9 +65,9 @@ def _checkpoint_stats(ranks: list[dict]) -> dict:
         if all(key in r["checkpoint"] for r in ranks):
             out[key] = max(r["checkpoint"][key] for r in ranks)
             out[key[:-2] + "_bw"] = ckpt["bytes"] / out[key]
-    for key in ("save_dd", "second_save_dd"):  # rank 0's dd writes beside the save
-        if key in ckpt:
-            out[key] = ckpt[key]
+    for key in ("save", "second_save"):  # vs rank 0's dd writes right before and after it
+        if ckpt.get(key + "_dd") and out.get(key + "_bw"):
+            out[key + "_of_dd"] = out[key + "_bw"] / ckpt[key + "_dd"]
     out["load_note"] = ckpt.get("load_note")
     out.update(_copy_stats(ranks))
     return out

@@ -15,19 +15,26 @@ FSDP2, MOEZERO = "FSDP2 + DCP", "moezero stage 2"
 # ----------------------------------------------------------------------------- C: checkpoints
 
 
-def dd_beside(s: dict, key: str, lim: dict) -> float | None:
-    """The dd write to compare save ``key`` with: the mean of the dd writes right before and
-    right after it (``worker._dd_beside``), else the run's dd write."""
-    return s.get(key[:-2] + "_dd") or lim.get("dd_write")
+def save_vs_dd(s: dict, key: str, lim: dict) -> tuple[float | None, str]:
+    """Save ``key``'s bandwidth as a fraction of a dd write, and which dd: the median over
+    rounds of each save's ratio to the mean of the dd writes right before and right after it
+    (``worker._dd_beside``), else (a dd beside it failed) its bandwidth over the run's dd."""
+    if s.get(key[:-2] + "_of_dd") is not None:
+        return s[key[:-2] + "_of_dd"], "of dd"
+    if s.get(key[:-2] + "_bw") and lim.get("dd_write"):
+        return s[key[:-2] + "_bw"] / lim["dd_write"], "of the run's dd"
+    return None, ""
 
 
-def _io_cell(s: dict, key: str, limit: float | None, buffered: float | None = None) -> str:
+def _io_cell(s: dict, key: str, vs: tuple[float | None, str],
+             buffered: float | None = None) -> str:
     if s.get(key) is None:
         return (s.get("load_note") or "–") if key == "load_s" else "–"
     bw = s[key[:-2] + "_bw"]
-    frac = f" · {100 * bw / limit:.0f}% of dd" if limit else ""
-    frac += f" ({100 * bw / buffered:.0f}% of buffered dd)" if buffered else ""
-    return f"{s[key]:.2f} s · {mbs(bw)}{frac}"
+    frac, what = vs
+    text = f" · {100 * frac:.0f}% {what}" if frac is not None else ""
+    text += f" ({100 * bw / buffered:.0f}% of buffered dd)" if buffered else ""
+    return f"{s[key]:.2f} s · {mbs(bw)}{text}"
 
 
 def _ckpt_rows(stats: dict, label: str, lim: dict) -> list[list]:
@@ -38,11 +45,12 @@ def _ckpt_rows(stats: dict, label: str, lim: dict) -> list[list]:
             rows.append([label, name, why_not(s) if not ok(s) else s.get("ckpt_note")] + ["–"] * 3)
             continue
         rows.append([label, name, f"{s['ckpt_bytes']:,.0f}",
-                     _io_cell(s, "save_s", dd_beside(s, "save_s", lim),
+                     _io_cell(s, "save_s", save_vs_dd(s, "save_s", lim),
                               lim.get("dd_write_buffered")),
-                     _io_cell(s, "second_save_s", dd_beside(s, "second_save_s", lim),
+                     _io_cell(s, "second_save_s", save_vs_dd(s, "second_save_s", lim),
                               lim.get("dd_write_buffered")),
-                     _io_cell(s, "load_s", lim.get("dd_read"))])
+                     _io_cell(s, "load_s", (s["load_bw"] / lim["dd_read"], "of dd")
+                              if s.get("load_bw") and lim.get("dd_read") else (None, ""))])
     return rows
 
 
@@ -51,12 +59,12 @@ def _save_targets(large: dict, small: dict, lim: dict) -> list[list]:
     for label, stats in (("large", large), ("small", small)):
         s = stats.get(MOEZERO)
         for key, which in (("second_save_s", "second save"), ("save_s", "first save")):
-            if not ok(s) or s.get(key) is None or "dd_write" not in lim:
+            frac, what = save_vs_dd(s, key, lim) if ok(s) else (None, "")
+            if frac is None:
                 rows.append([f"save ≥ 80% of dd write ({label}, {which})", "not measured", "–"])
                 continue
-            frac = s[key[:-2] + "_bw"] / dd_beside(s, key, lim)
             rows.append([f"save ≥ 80% of dd write ({label} checkpoint, {which})",
-                         f"{100 * frac:.0f}% of dd write", verdict(frac, SAVE_TARGET, ">=")])
+                         f"{100 * frac:.0f}% {what} write", verdict(frac, SAVE_TARGET, ">=")])
     return rows
 
 
@@ -112,10 +120,12 @@ def ckpt_section(results: dict, lim: dict) -> list[str]:
         "after its files were flushed and dropped from the page cache "
         "(`posix_fadvise(DONTNEED)`): a cold read. small: the main runs' checkpoint "
         "(median over rounds). Times from a barrier before to a barrier after, slower rank; "
-        "bandwidth = bytes on disk / time; % of dd: against the mean of two `oflag=direct` "
-        f"dd writes of {DD_BESIDE_MIB} MiB into the same folder, one right before and one "
-        "right after that save (untimed; the disk's speed drifts by tens of percent between "
-        "minutes on this VM, so a save is compared with the disk of its own moment), loads "
+        "bandwidth = bytes on disk / time; % of dd: the save's bandwidth over the mean of two "
+        f"`oflag=direct` dd writes of {DD_BESIDE_MIB} MiB into the same folder, one right "
+        "before and one right after that save (untimed, the file removed and synced before "
+        "the save starts; the disk's speed drifts by tens of percent between minutes on this "
+        "VM, so a save is compared with the disk of its own moment), median over rounds; "
+        "'of the run's dd' where a dd beside it failed; loads "
         "against this run's `iflag=direct` dd read; buffered dd = this run's `conv=fsync` "
         "write (through the page cache, flushed).",
         "- moezero writes the 4 KiB-aligned bulk of each range with O_DIRECT (the "
@@ -145,6 +155,13 @@ def _rate_cell(seconds: float | None, nbytes: float | None, limit: float | None,
     return f"{seconds:.2f} s · {mbs(nbytes / seconds)}{frac}"
 
 
+def _save_cell(s: dict, key: str, lim: dict) -> str:
+    frac, what = save_vs_dd(s, key, lim)
+    text = _rate_cell(s.get(key), s["ckpt_bytes"], None)
+    return text + (f" · {100 * frac:.0f}% {what} write" if frac is not None and text != "–"
+                   else "")
+
+
 def _nvme_rows(stats: dict, lim: dict) -> list[list]:
     """Per configuration, a row per save: its time, the plain copy after it, the ratio; the
     cold load on the second save's row (the checkpoint it loads)."""
@@ -172,8 +189,7 @@ def _nvme_rows(stats: dict, lim: dict) -> list[list]:
                 load = (_rate_cell(s["load_s"], s["ckpt_bytes"], lim.get("dd_read"), "dd read")
                         if s.get("load_s") is not None else s.get("load_note") or "–")
             rows.append([name, which, f"{s['ckpt_bytes']:,.0f}",
-                         _rate_cell(save_s, s["ckpt_bytes"], dd_beside(s, save, lim)), *cells,
-                         load])
+                         _save_cell(s, save, lim), *cells, load])
     return rows
 
 

@@ -127,7 +127,8 @@ def _dd_beside(folder: str) -> float | None:
     os.makedirs(folder, exist_ok=True)
     try:
         return dd_write(folder, DD_BESIDE_MIB)
-    except (OSError, RuntimeError):
+    except (OSError, RuntimeError) as exc:
+        print(f"dd beside the save in {folder} failed: {exc}", file=sys.stderr, flush=True)
         return None
 
 

@@ -5,7 +5,7 @@ optimizer groups; rank 0 creates the ``step_XXXXXXXX.partial/`` directory and ev
 header; each rank writes its own fp32 partition of every group it holds (master, exp_avg,
 exp_avg_sq, straight from its ZeRO shards, or at stage 0 its DP slice of the replicated
 state) with ``store.write_partition`` (the aligned bulk of each large range with O_DIRECT:
-``ckpt_write.RangeWriter``) and flushes once (``ckpt_write.flush_files``); rank 0 gathers the
+``ckpt_write.RangeWriter``) and flushes once (``ckpt_write.FolderFlush``); rank 0 gathers the
 checksummed ranges, writes the manifest and commits atomically. Loading reads each rank's shard under the *current* plan with
 ``store.read_shard``, whatever world size, ``ep``, stage or group cap saved it, then derives
 the compute-dtype params from the fp32 master. Only JSON and safetensors are ever read.
@@ -140,7 +140,8 @@ def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 @dataclass
 class _Shard:
-    """This rank's fp32 partition of one group (padded ``shard_numel`` elements per state):
+    """This rank's fp32 partition of one group (``shard_numel`` elements per state, padding
+    included; a master that is the params' own range holds only the real elements):
     in memory (``arrays``) or, NVMe-offloaded, in swap files (``files``: state -> path)."""
 
     partition: Partition
@@ -263,32 +264,20 @@ def _write(ckpt: Checkpointer, job: _SaveJob) -> Path:
     """The save protocol of docs/checkpoint.md; every rank agrees on each failure."""
     what = f"checkpoint save of step {job.step} under {job.root}"
     partial, error = Path(job.root) / (store.step_dir_name(job.step) + store.PARTIAL), None
-    headers = []
+    headers, flush = [], None
     if ckpt.rank == 0:
         try:
             partial = store.begin_save(job.root, job.step)
+            flush = ckpt_write.FolderFlush(partial)  # before the first write (error mark)
             headers = store.write_headers(job.layout, partial)
         except Exception as exc:
             error = _one_line(exc)
-    ckpt.agree(error, what)
-    records, error = [], None
     try:
-        with ckpt_write.RangeWriter(ckpt_write.DIRECT_IO, ckpt_write.STAGE_BYTES,
-                                    ckpt_write.DIRECT_MIN_BYTES) as writer:
-            for shard in job.shards:
-                _test_delay()
-                if shard.files is not None:
-                    records += _copy_partition(partial, job.layout, shard)
-                else:
-                    records += store.write_partition(partial, job.layout, shard.partition,
-                                                     shard.dp_rank, **shard.arrays,
-                                                     fsync=False, writer=writer)
-        written = {r.file for r in records}
-        if ckpt.rank == 0:  # it wrote every header: commit need not flush the files again
-            written.update(f.name for f in job.layout.files)
-        ckpt_write.flush_files(partial, sorted(written))
-    except Exception as exc:
-        error = f"rank {ckpt.rank}: {_one_line(exc)}"
+        ckpt.agree(error, what)
+        records, error = _write_partitions(ckpt, job, partial, flush)
+    finally:
+        if flush is not None:
+            flush.close()
     gathered = ckpt.all_gather({"error": error, "records": [list(r) for r in records],
                                 "rng": job.rng})
     error = next((g["error"] for g in gathered if g["error"]), None)
@@ -302,6 +291,31 @@ def _write(ckpt: Checkpointer, job: _SaveJob) -> Path:
     if outcome:
         raise CheckpointError(f"{what}: {outcome}")
     return final
+
+
+def _write_partitions(ckpt: Checkpointer, job: _SaveJob, partial: Path,
+                      flush: ckpt_write.FolderFlush | None) -> tuple[list, str | None]:
+    """This rank's ranges, flushed: (records, None), or what has been written and the error."""
+    records = []
+    try:
+        with flush or ckpt_write.FolderFlush(partial) as flush:
+            with ckpt_write.RangeWriter(ckpt_write.DIRECT_IO, ckpt_write.STAGE_BYTES,
+                                        ckpt_write.DIRECT_MIN_BYTES) as writer:
+                for shard in job.shards:
+                    _test_delay()
+                    if shard.files is not None:
+                        records += _copy_partition(partial, job.layout, shard)
+                    else:
+                        records += store.write_partition(partial, job.layout, shard.partition,
+                                                         shard.dp_rank, **shard.arrays,
+                                                         fsync=False, writer=writer)
+            written = {r.file for r in records}  # every write has finished
+            if ckpt.rank == 0:  # it wrote every header: commit need not flush them again
+                written.update(f.name for f in job.layout.files)
+            flush.flush(sorted(written))
+    except Exception as exc:
+        return records, f"rank {ckpt.rank}: {_one_line(exc)}"
+    return records, None
 
 
 def _copy_partition(ckpt_dir: Path, layout: Layout, shard: _Shard) -> list:
@@ -371,6 +385,10 @@ def load(engine, path: str | os.PathLike) -> dict:
     sets the masters only: the moments start at zero, the counters at 0, RNG and loss scaler
     are left as they are, and the returned state is empty (a fine-tune from step 0).
 
+    The manifest and shapes are checked before anything is read; a read that fails after
+    that (a damaged file) leaves the engine's state partly loaded (in fp32 at stages 0-2 the
+    masters are the params themselves): load again or rebuild the engine.
+
     Returns:
         The caller's state given to ``save`` (e.g. ``{"data": ...}``).
     """
@@ -409,7 +427,7 @@ def _read_into(tensor: torch.Tensor, read, numel: int | None = None) -> None:
         return
     host = np.empty(numel, np.float32)
     read(out=host)
-    tensor.detach().reshape(-1).copy_(torch.from_numpy(host[:tensor.numel()]))
+    tensor.detach().view(-1).copy_(torch.from_numpy(host[:tensor.numel()]))
 
 
 def _read_state(engine, where: Path, manifest) -> None:

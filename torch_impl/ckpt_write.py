@@ -1,6 +1,6 @@
 """How a rank's checkpoint bytes reach the disk: the O_DIRECT range writer that
 ``store.write_partition`` drives (``RangeWriter``) and the flush after a rank's last write
-(``flush_files``). Used by ``torch_impl.checkpoint``; docs/checkpoint.md ("Write path").
+(``FolderFlush``). Used by ``torch_impl.checkpoint``; docs/checkpoint.md ("Write path").
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import sys
 import zlib
 from concurrent.futures import Future
@@ -19,7 +20,7 @@ import torch
 from reference.plan import store
 from torch_impl.offload import ALIGN, AsyncIO, aligned_empty
 
-__all__ = ["DIRECT_IO", "DIRECT_MIN_BYTES", "STAGE_BYTES", "RangeWriter", "flush_files"]
+__all__ = ["DIRECT_IO", "DIRECT_MIN_BYTES", "STAGE_BYTES", "FolderFlush", "RangeWriter"]
 
 DIRECT_IO = True
 """Write the aligned bulk of each range with O_DIRECT where the filesystem allows it (tests
@@ -136,40 +137,79 @@ class RangeWriter:
                 raise
 
 
-def flush_files(folder: Path, names: list[str]) -> None:
-    """Make ``names`` in ``folder`` durable after all their writes: one ``syncfs`` of the
-    folder's filesystem where Linux has it and the filesystem sits on a block device, else
-    ``fsync`` file by file.
+class FolderFlush:
+    """Makes a rank's checkpoint files durable after its last write: one ``syncfs`` of the
+    folder's filesystem where that is known to be enough, else ``fsync`` file by file.
+
+    Create it before the rank's first write into ``folder`` (so the filesystem's writeback
+    error mark is taken before any of them), call ``flush(names)`` after the last one.
 
     One syncfs is one journal commit and one device cache flush for every file a rank wrote
     (a checkpoint has one file per group and state: ~70 for a 16-expert model, where per-file
-    fsyncs took 25-90 ms a save here and syncfs 4-16 ms). It also flushes other processes'
-    dirty pages on that filesystem, which a busy shared disk makes slower, never incorrect.
-    Filesystems without a block device (device major 0: NFS, FUSE mounts such as gcsfuse,
-    overlay, tmpfs, btrfs subvolumes) get per-file fsyncs: FUSE only honours syncfs when the
-    server opts in, while every one of them implements fsync.
+    fsyncs took 25-90 ms a save here and syncfs 4-16 ms). syncfs is used only on Linux >= 5.8
+    (older kernels do not report writeback errors from it) and on the local filesystems of
+    ``SYNCFS_FILESYSTEMS``; NFS, FUSE (incl. fuseblk), overlay, tmpfs and the rest get per-file
+    fsyncs, which every one of them implements. syncfs also flushes other processes' dirty
+    pages on that filesystem: on a disk shared with heavy writers a save waits for them.
     """
-    if names and SYNCFS is not None and os.major(os.stat(folder).st_dev) != 0:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            if SYNCFS(fd) == 0:
+
+    def __init__(self, folder: Path):
+        self.folder, self.fd = Path(folder), None
+        if SYNCFS is not None and _fs_type(self.folder) in SYNCFS_FILESYSTEMS:
+            self.fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
+
+    def flush(self, names: list[str]) -> None:
+        if names and self.fd is not None:
+            if SYNCFS(self.fd) == 0:
                 return
             err = ctypes.get_errno()
             if err not in (errno.ENOSYS, errno.EOPNOTSUPP):
-                raise OSError(err, f"syncfs: {os.strerror(err)}", os.fspath(folder))
-        finally:
-            os.close(fd)
-    for name in names:
-        store.fsync_file(folder / name)
+                raise OSError(err, f"syncfs: {os.strerror(err)}", os.fspath(self.folder))
+        for name in names:
+            store.fsync_file(self.folder / name)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> FolderFlush:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+SYNCFS_FILESYSTEMS = {0xEF53: "ext2/3/4", 0x58465342: "xfs", 0x9123683E: "btrfs",
+                      0xF2F52010: "f2fs"}
+"""``statfs`` magic numbers of the local filesystems whose syncfs flushes every dirty file
+and the device cache (``FolderFlush``)."""
+
+
+def _fs_type(folder: Path) -> int | None:
+    """``statfs(folder).f_type`` (the first field of ``struct statfs`` on Linux), or None."""
+    buf = ctypes.create_string_buffer(512)  # larger than struct statfs on every Linux ABI
+    try:
+        if _LIBC.statfs(os.fsencode(folder), buf) != 0:
+            return None
+    except AttributeError:
+        return None
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
 def _syncfs():
-    """libc's ``syncfs(fd)`` (Linux), or None."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
+    """libc's ``syncfs(fd)`` on Linux >= 5.8 (it reports writeback errors since then), or
+    None."""
+    release = re.match(r"(\d+)\.(\d+)", os.uname().release) if hasattr(os, "uname") else None
+    if not sys.platform.startswith("linux") or not release \
+            or tuple(map(int, release.groups())) < (5, 8):
         return None
+    return getattr(_LIBC, "syncfs", None)
 
 
-SYNCFS = _syncfs() if sys.platform.startswith("linux") else None
-"""``flush_files``'s syncfs; None (tests set it) flushes file by file."""
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+except OSError:
+    _LIBC = None
+SYNCFS = _syncfs()
+"""``FolderFlush``'s syncfs; None (tests set it) flushes file by file."""

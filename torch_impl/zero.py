@@ -383,7 +383,9 @@ class ZeroOptimizer(GradReduction):
             self._gather(lambda slot: slot.grad, [k.params for k in self.kinds])
 
     def layout(self) -> list[dict]:
-        """What is stepped, per local group in plan order: members, shard range, state sizes."""
+        """What is stepped, per local group in plan order: members, shard range, state sizes
+        (of the plan's shard; an fp32 master that is the params' range holds its real
+        elements only)."""
         rows = []
         for kind in self.kinds:
             for slot in kind.slots:

@@ -138,7 +138,7 @@ def write_partition(ckpt_dir: str | os.PathLike, layout: Layout, partition: Part
         partition: The group's partition in the current plan (same members as saved).
         dp_rank: This rank's DP rank in the group.
         master, exp_avg, exp_avg_sq: The rank's fp32 shards (``shard_numel`` elements,
-            padding included; only the real elements are written).
+            padding included, or at least the real elements; only those are written).
         fsync: Flush the written files before returning (do it on the writing host).
         writer: ``writer(path, offset, array) -> crc32`` writes one range into the existing
             file and returns the crc32 of its bytes (default ``write_range``; the torch side

@@ -361,35 +361,42 @@ def test_range_writer_refuses_a_range_past_the_end(tmp_path):
 
 
 def test_flush_is_one_syncfs_or_an_fsync_per_file(tmp_path, monkeypatch):
-    """A save flushes with one syncfs per rank where Linux has it on a block-device
-    filesystem, else fsyncs each file it wrote; a syncfs error (not 'unsupported') is raised,
-    naming the folder."""
+    """A save flushes with one syncfs per rank on Linux >= 5.8 on ext4/xfs/btrfs/f2fs, else
+    fsyncs each file it wrote; a syncfs error (not 'unsupported') is raised, naming the
+    folder, and nothing is committed."""
     engine, batches = setup(Config.model_validate(ccfg(world=1, stage=2)), torch.device("cpu"))
     fsynced, syncfs = [], []
     fsync_file = store.fsync_file
     monkeypatch.setattr(store, "fsync_file", lambda p: (fsynced.append(Path(p)), fsync_file(p)))
-    with monkeypatch.context() as m:  # NFS, FUSE, overlay, tmpfs: device major 0 -> fsyncs
-        m.setattr(cw.os, "major", lambda dev: 0)
-        step = engine.save_checkpoint(tmp_path / "no-block-device")
+
+    def fsynced_all(step):
         data = {p.name for p in step.iterdir() if p.suffix == ".safetensors"}
-        assert data and {p.name for p in fsynced if p.suffix == ".safetensors"} == data
-        fsynced.clear()
-    monkeypatch.setattr(cw.os, "major", lambda dev: 8)  # a disk, wherever tmp lives here
-    if cw.SYNCFS is not None:  # Linux
+        return data and {p.name for p in fsynced if p.suffix == ".safetensors"} == data
+
+    with monkeypatch.context() as m:  # NFS, FUSE, overlay, tmpfs...: per-file fsyncs
+        m.setattr(cw, "_fs_type", lambda folder: 0x6969)  # NFS's magic
+        assert fsynced_all(engine.save_checkpoint(tmp_path / "nfs"))
+    fsynced.clear()
+    monkeypatch.setattr(cw, "_fs_type", lambda folder: 0xEF53)  # ext4, wherever tmp lives
+    if cw.SYNCFS is not None:  # Linux >= 5.8
         real = cw.SYNCFS
         monkeypatch.setattr(cw, "SYNCFS", lambda fd: (syncfs.append(fd), real(fd))[1])
         step = engine.save_checkpoint(tmp_path / "syncfs")
         assert len(syncfs) == 1 and not [p for p in fsynced if p.suffix == ".safetensors"]
         assert store.verify(step) == []
     monkeypatch.setattr(cw, "SYNCFS", None)
-    step = engine.save_checkpoint(tmp_path / "fsync")
-    data = {p.name for p in step.iterdir() if p.suffix == ".safetensors"}
-    assert data and {p.name for p in fsynced if p.suffix == ".safetensors"} == data
+    assert fsynced_all(engine.save_checkpoint(tmp_path / "fsync"))
     monkeypatch.setattr(cw, "SYNCFS", lambda fd: -1)
     monkeypatch.setattr(cw.ctypes, "get_errno", lambda: errno.EIO)
     with pytest.raises(CheckpointError, match="syncfs: Input/output error"):
         engine.save_checkpoint(tmp_path / "eio")
     assert store.find_latest(tmp_path / "eio") is None
+
+
+def test_fs_type_reads_statfs():
+    assert cw._fs_type(Path("/nonexistent/folder")) is None
+    if Path("/proc/self").exists():
+        assert cw._fs_type(Path("/proc")) == 0x9FA0  # PROC_SUPER_MAGIC
 
 
 def test_direct_save_is_byte_identical_to_buffered(tmp_path, monkeypatch):
