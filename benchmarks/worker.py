@@ -144,7 +144,9 @@ def checkpoint_io(trainer, folder: str) -> dict:
     """
     if trainer.save_note is not None:
         return {"note": trainer.save_note}
-    shutil.rmtree(folder, ignore_errors=True)
+    if dist.get_rank() == 0:  # one shared folder: removed once, before any rank uses it
+        shutil.rmtree(folder, ignore_errors=True)
+    dist.barrier()
     swap = trainer.swap_files() if hasattr(trainer, "swap_files") else []
     order = ("save_s", "copy_s", "second_copy_s", "second_save_s") if swap else \
         ("save_s", "second_save_s")
