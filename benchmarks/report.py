@@ -84,9 +84,12 @@ def _save_targets(moe: dict, large: dict | None, lim: dict) -> list[dict]:
     out = []
     for label, s, which, missing in rows:
         row = {"target": label, "measured": "", "status": ""}
-        fracs = [tables_io.save_vs_dd(s, k, lim) for k in which] if s else []
-        if not fracs or any(f is None for f, _ in fracs):
-            row["status"] = f"not measured: {missing if s is None or not fracs else 'no dd'}"
+        saved = s is not None and all(s.get(k) is not None for k in which)
+        fracs = [tables_io.save_vs_dd(s, k, lim) for k in which] if saved else []
+        if not saved:
+            row["status"] = f"not measured: {missing}"
+        elif any(f is None for f, _ in fracs):
+            row["status"] = "not measured: no dd"
         else:
             frac = sum(f for f, _ in fracs) / len(fracs)
             row.update(measured=f"{100 * frac:.0f}% {fracs[0][1]} write",

@@ -155,13 +155,6 @@ def _rate_cell(seconds: float | None, nbytes: float | None, limit: float | None,
     return f"{seconds:.2f} s · {mbs(nbytes / seconds)}{frac}"
 
 
-def _save_cell(s: dict, key: str, lim: dict) -> str:
-    frac, what = save_vs_dd(s, key, lim)
-    text = _rate_cell(s.get(key), s["ckpt_bytes"], None)
-    return text + (f" · {100 * frac:.0f}% {what} write" if frac is not None and text != "–"
-                   else "")
-
-
 def _nvme_rows(stats: dict, lim: dict) -> list[list]:
     """Per configuration, a row per save: its time, the plain copy after it, the ratio; the
     cold load on the second save's row (the checkpoint it loads)."""
@@ -189,7 +182,7 @@ def _nvme_rows(stats: dict, lim: dict) -> list[list]:
                 load = (_rate_cell(s["load_s"], s["ckpt_bytes"], lim.get("dd_read"), "dd read")
                         if s.get("load_s") is not None else s.get("load_note") or "–")
             rows.append([name, which, f"{s['ckpt_bytes']:,.0f}",
-                         _save_cell(s, save, lim), *cells, load])
+                         _io_cell(s, save, save_vs_dd(s, save, lim)), *cells, load])
     return rows
 
 

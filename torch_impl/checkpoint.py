@@ -6,7 +6,8 @@ header; each rank writes its own fp32 partition of every group it holds (master,
 exp_avg_sq, straight from its ZeRO shards, or at stage 0 its DP slice of the replicated
 state) with ``store.write_partition`` (the aligned bulk of each large range with O_DIRECT:
 ``ckpt_write.RangeWriter``) and flushes once (``ckpt_write.FolderFlush``); rank 0 gathers the
-checksummed ranges, writes the manifest and commits atomically. Loading reads each rank's shard under the *current* plan with
+checksummed ranges, writes the manifest and commits atomically. Loading reads each rank's
+shard under the *current* plan with
 ``store.read_shard``, whatever world size, ``ep``, stage or group cap saved it, then derives
 the compute-dtype params from the fp32 master. Only JSON and safetensors are ever read.
 

@@ -361,13 +361,13 @@ class ZeroOptimizer(GradReduction):
     def shards_in_memory(self, *, write_back: bool = False, slots=None):
         """(slot, its fp32 states) one group at a time; swapped states are read into host
         buffers (and written back after the caller's turn with ``write_back``)."""
-        slots = self.slots if slots is None else slots
         if self.optim_swap is None:
+            wanted = None if slots is None else set(slots)
             for slot, st in self._states():
-                if slot in slots:
+                if wanted is None or slot in wanted:
                     yield slot, st
             return
-        for slot in slots:
+        for slot in self.slots if slots is None else slots:
             bufs = self.optim_swap.load(slot)
             yield slot, bufs
             if write_back:
