@@ -59,8 +59,13 @@ def lint(session: nox.Session) -> None:
     session.run("python", "-c", "import importlib.util as u, sys; "
                 "sys.exit('jax is installed: this check needs a venv without it' "
                 "if u.find_spec('jax') else 0)")
-    session.run("python", "-c", "import torch_impl.engine, torch_impl.cli, torch_impl.launcher; "
-                "import sys; assert 'jax' not in sys.modules; print('torch_impl imports without JAX')")
+    # -I: the repository root is not on sys.path, so this sees the installed distribution only
+    session.run("python", "-I", "-c", "import importlib.util as u, sys, moezero; "
+                "bad = [n for n in ('torch_impl', 'reference') if u.find_spec(n)]; "
+                "sys.exit(f'installed top-level modules besides moezero: {bad}' if bad else 0); ")
+    session.run("python", "-I", "-c", "import moezero, moezero.engine, moezero.cli; "
+                "moezero.initialize; moezero.MoE; moezero.load_config; "
+                "import sys; assert 'jax' not in sys.modules; print('moezero imports without JAX')")
 
 
 @nox.session

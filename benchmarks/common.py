@@ -11,10 +11,10 @@ import resource
 import threading
 from pathlib import Path
 
-from torch_impl.data import Batches, make_corpus
-from torch_impl.model.decoder import ModelArgs
+from moezero.data import Batches, make_corpus
+from moezero.model.decoder import ModelArgs
 
-# The synthetic corpus settings of torch_impl.config.DataConfig's defaults.
+# The synthetic corpus settings of moezero.config.DataConfig's defaults.
 CORPUS = {"vocab": 32, "sources": 4, "seed": 1234}
 INIT_STD = 0.02
 

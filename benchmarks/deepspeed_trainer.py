@@ -20,8 +20,8 @@ from deepspeed.moe.layer import MoE
 from torch import nn
 
 from benchmarks.common import INIT_STD, make_batches, model_args
-from torch_impl.model.decoder import Attention, ModelArgs, RMSNorm, init_weights
-from torch_impl.model.moe import SwiGLU
+from moezero.model.decoder import Attention, ModelArgs, RMSNorm, init_weights
+from moezero.model.moe import SwiGLU
 
 AUX_LOSS_COEF = 0.01
 

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from benchmarks.common import INIT_STD, make_batches, model_args
-from torch_impl.model.decoder import Decoder, init_weights
+from moezero.model.decoder import Decoder, init_weights
 
 
 class Fsdp2Trainer:

@@ -3,7 +3,7 @@
 The run spec becomes ``--set`` overrides on the default recipe, so a row in
 ``benchmarks.specs.MOEZERO_CONFIGS`` is exactly what ``moezero train --set ...`` would run.
 A stage the config or engine rejects is 'not supported yet'; so is a stage above 0 while
-``torch_impl.zero`` does not exist, because the stage-0 engine would otherwise run it silently
+``moezero.zero.sharded`` does not exist, because the stage-0 engine would otherwise run it silently
 as plain data parallelism and the row would be a lie.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.common import Unsupported
 
-ADAMW_MODULES = ("torch_impl.zero", "torch_impl.engine")
+ADAMW_MODULES = ("moezero.zero.sharded", "moezero.engine")
 """Modules whose ``adamw_`` (the update math) is timed; a missing one is skipped."""
 
 
@@ -40,15 +40,15 @@ def overrides(spec: dict) -> list[str]:
 
 
 def _load(spec: dict):
-    from torch_impl.config import ConfigError, load_config
+    from moezero.config import ConfigError, load_config
 
     try:
         cfg = load_config(None, overrides(spec))
     except ConfigError as exc:
         raise Unsupported(f"config rejected: {exc}") from None
     stage = cfg.zero_optimization.stage
-    if stage > 0 and importlib.util.find_spec("torch_impl.zero") is None:
-        raise Unsupported(f"zero_optimization.stage={stage}: not built yet (no torch_impl.zero; "
+    if stage > 0 and importlib.util.find_spec("moezero.zero.sharded") is None:
+        raise Unsupported(f"zero_optimization.stage={stage}: not built yet (no moezero.zero.sharded; "
                           "the engine would run it as stage 0)")
     return cfg
 
@@ -57,7 +57,7 @@ class MoezeroTrainer:
     """``engine.train_step`` per step; its gradient reduction and optimizer step timed inside."""
 
     def __init__(self, spec: dict):
-        from torch_impl.train import setup
+        from moezero.train import setup
 
         cfg = _load(spec)
         try:

@@ -158,7 +158,7 @@ def _setup_lines(results: dict) -> list[str]:
             f"{model['vocab_size']}; micro-batch {train['micro_batch_size']} × "
             f"{train['seq_len']} tokens per rank; W = 2 (gloo, one thread per rank); fp32; "
             f"AdamW lr {train['lr']} constant, clipping 1.0; synthetic corpus "
-            f"(torch_impl.data). Each run: fresh `torchrun` processes, {train['warmup']} "
+            f"(moezero.data). Each run: fresh `torchrun` processes, {train['warmup']} "
             f"warm-up + {train['timed']} timed steps; {results.get('repeats', size['repeats'])} "
             "interleaved rounds of the compared configurations (stage 3 / offload rows: "
             f"{size.get('slot_rounds', 'all')} round(s)), then the other series once each "

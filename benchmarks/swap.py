@@ -1,4 +1,4 @@
-"""NVMe swap throughput: ``torch_impl.offload.AsyncIO`` against ``dd`` on the same folder.
+"""NVMe swap throughput: ``moezero.offload.aio.AsyncIO`` against ``dd`` on the same folder.
 
 Dropping the page cache needs root, so neither side may lean on it: writes are fsynced
 (``AsyncIO(fsync=True)``; ``dd oflag=direct conv=fsync``) and reads bypass the cache
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from torch_impl.offload import CHUNK, AsyncIO, aligned_empty
+from moezero.offload.aio import CHUNK, AsyncIO, aligned_empty
 
 _DD_COPIED = re.compile(r"(\d+) bytes .*copied, ([0-9.]+) s")
 DD_BLOCK = 8 << 20

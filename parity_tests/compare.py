@@ -1,7 +1,7 @@
 """Tree / FQN comparison helpers: both sides flattened to ``{fqn: np.ndarray}`` and compared.
 
 torch modules and state dicts flatten by ``named_parameters`` / keys; reference params by
-``reference.weights.to_fqn_dict`` (experts unstacked by global index), so one FQN names the
+``moezero.reference.weights.to_fqn_dict`` (experts unstacked by global index), so one FQN names the
 same tensor on both sides (docs/model.md). Errors are measured in float64:
 ``rel_err`` is norm-wise, ``||a − b|| / ||b||``; ``max_abs`` is ``max |a − b|``; ``max_rel`` is
 ``max |a − b| / max |b|`` (elementwise, on the output's own scale).
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from reference.weights import to_fqn_dict
+from moezero.reference.weights import to_fqn_dict
 
 # The worst error each check has measured in this session, by check name (the ``what`` of the
 # assert helpers up to its first comma): ``{name: (worst, tolerance)}``. conftest prints it

@@ -1,6 +1,6 @@
 """One model config, both sides: the torch decoder and the reference params with equal weights.
 
-Weights move torch → JAX by FQN (``reference.weights.from_fqn_dict``); init is torch's
+Weights move torch → JAX by FQN (``moezero.reference.weights.from_fqn_dict``); init is torch's
 ``init_weights`` (init need not match across sides, docs/model.md). The JAX functions are
 jitted once at import, keyed by their static config, so each config compiles once per session.
 """
@@ -16,15 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from moezero.config import Config
+from moezero.data import Batches, make_corpus
+from moezero.distributed.topology import build_topology
+from moezero.engine import initialize
+from moezero.model.decoder import Decoder, ModelArgs, init_weights
+from moezero.reference.model import ModelConfig, forward, loss_fn, oracle_loss
+from moezero.reference.optim import OptimConfig
+from moezero.reference.weights import from_fqn_dict
 from parity_tests.compare import jax_fqns, to_numpy, torch_fqns
-from reference.model import ModelConfig, forward, loss_fn, oracle_loss
-from reference.optim import OptimConfig
-from reference.weights import from_fqn_dict
-from torch_impl.config import Config
-from torch_impl.data import Batches, make_corpus
-from torch_impl.engine import initialize
-from torch_impl.model.decoder import Decoder, ModelArgs, init_weights
-from torch_impl.parallel import build_topology
 
 SEQ = 16  # tokens per sequence
 BATCH = 2  # sequences per batch (per rank in distributed tests)
@@ -102,7 +102,7 @@ class Run(NamedTuple):
 
 
 def jax_run(params, batch, cfg: ModelConfig, dtype=jnp.float32) -> Run:
-    """``reference.model.loss_fn`` and its grads, and ``forward``'s logits, on one batch."""
+    """``moezero.reference.model.loss_fn`` and its grads, and ``forward``'s logits, on one batch."""
     loss, metrics, grads, logits = jit_loss_grads_logits(
         params, jnp.asarray(batch, jnp.int32), cfg, jnp.dtype(dtype))
     return Run(float(loss), float(metrics["ce"]), to_numpy(logits), jax_fqns(grads))

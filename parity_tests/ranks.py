@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from torch_impl.config import Config
-from torch_impl.engine import initialize
-from torch_impl.parallel import build_topology
-from torch_impl.train import build_model
+from moezero.config import Config
+from moezero.distributed.topology import build_topology
+from moezero.engine import initialize
+from moezero.train import build_model
 
 
 def _numpy(named) -> dict[str, np.ndarray]:
@@ -48,13 +48,13 @@ def each_config(configs: list[dict], global_batch: np.ndarray) -> list[dict]:
 
 def train_and_save(cfg_data: dict, rows: int, steps: int, save_at: int, root: str) -> dict:
     """``steps`` engine train steps of this rank's rows ``[r·rows, (r+1)·rows)`` of the
-    synthetic corpus' global batches (``torch_impl.data.Batches``, the trainer's stream);
+    synthetic corpus' global batches (``moezero.data.Batches``, the trainer's stream);
     after step ``save_at`` it saves a checkpoint under ``root`` (data position as client state)
     and keeps going: the uninterrupted continuation. Returns every step's metrics (the loss
     is the mean of the ranks' losses) and this rank's fp32 state pieces at the save:
     ``(fqn, start, stop, master, exp_avg, exp_avg_sq)`` from ``ZeroOptimizer.state_pieces``.
     """
-    from torch_impl.data import Batches, make_corpus
+    from moezero.data import Batches, make_corpus
 
     cfg = Config.model_validate(cfg_data)
     topo = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)

@@ -4,13 +4,13 @@ torch: ``run_world`` spawns W = 2 gloo ranks (``ranks.train_and_save``); each bu
 model with ``train.build_model``, ``engine.initialize`` with a ``Config`` (ep 2, ZeRO stage 2,
 fp32, a group cap that cuts parameters into fragments and pads groups) and runs STEPS
 ``engine.train_step``s on its rows ``[r·b, (r+1)·b)`` of the synthetic corpus' global batches
-(``torch_impl.data.Batches``). After step SAVE_AT it calls ``engine.save_checkpoint`` (the data
+(``moezero.data.Batches``). After step SAVE_AT it calls ``engine.save_checkpoint`` (the data
 position as client state) and keeps going without stopping: the uninterrupted continuation.
 
-JAX: ``reference.checkpoint.load_train_state`` reads the masters and Adam moments by FQN
+JAX: ``moezero.reference.checkpoint.load_train_state`` reads the masters and Adam moments by FQN
 through the plan's store (``read_param``: fragments joined, any topology) into the optax AdamW
 state with the saved step count, takes the data position from the manifest and continues
-STEPS − SAVE_AT steps of ``reference.optim.train_step`` (world_size 2: each rank's slice routed
+STEPS − SAVE_AT steps of ``moezero.reference.optim.train_step`` (world_size 2: each rank's slice routed
 on its own, the mean of the two rank losses).
 
 Checked: the loaded masters and moments equal torch's state at the save bit for bit (fp32),
@@ -18,7 +18,7 @@ and the step counts agree; every continued step's loss and grad norm are within
 ``FP32.train_loss_rel`` of torch's, and its lr within ``SCHEDULE_REL``. And the checks can fail:
 one corrupted moment on disk breaks the bit-exact check, naming it, and continuing from a state
 that is wrong by one step count or by fresh moments breaks the loss tolerance. The other
-direction too: torch (W = 1, stage 0) loads ``reference.checkpoint.save_train_state``'s
+direction too: torch (W = 1, stage 0) loads ``moezero.reference.checkpoint.save_train_state``'s
 checkpoint of the same state under another plan bit for bit.
 """
 
@@ -32,19 +32,19 @@ import numpy as np
 import optax
 import pytest
 
+from moezero.config import Config
+from moezero.data import Batches, make_corpus
+from moezero.distributed.topology import build_topology
+from moezero.engine import initialize
+from moezero.plan import store
+from moezero.reference.checkpoint import load_train_state, save_train_state
+from moezero.reference.optim import OptimConfig, TrainConfig, train_step
+from moezero.reference.weights import to_fqn_dict
 from parity_tests import ranks
 from parity_tests.compare import assert_rel, rel_err
 from parity_tests.models import SEQ, engine_config, tiny, torch_model
 from parity_tests.tolerances import FP32, SCHEDULE_REL
-from reference.checkpoint import load_train_state, save_train_state
-from reference.optim import OptimConfig, TrainConfig, train_step
-from reference.plan import store
-from reference.weights import to_fqn_dict
 from tests.torch_impl.distributed import run_world
-from torch_impl.config import Config
-from torch_impl.data import Batches, make_corpus
-from torch_impl.engine import initialize
-from torch_impl.parallel import build_topology
 
 WORLD, EP, STAGE = 2, 2, 2
 MODEL = tiny()  # dim 32, 2 layers, 2 heads, ffn 48, 4 experts, top-2, vocab 64

@@ -1,13 +1,13 @@
 """Distributed semantics: a real W = 2 gloo run of the torch engine (ep = 2, fp32, ZeRO
 stage 0) equals the reference's single-process oracle of it.
 
-``reference.model.oracle_loss(params, global_batch, cfg, world_size=2)`` routes each rank's
+``moezero.reference.model.oracle_loss(params, global_batch, cfg, world_size=2)`` routes each rank's
 rows ``[r·b, (r+1)·b)`` on their own (capacity, aux and z per rank) and averages the two
 losses. torch: each rank runs its slice, its experts serving both ranks' tokens through
 ``all_to_all``. Compared: the mean rank loss, the gradient of the global mean loss by FQN
 (raw rank gradients reduced by DESIGN.md §2's rule, sum over the ranks holding a param / W),
 the engine's global grad norm, and the params after one engine step vs
-``reference.optim.train_step`` with ``world_size=2``.
+``moezero.reference.optim.train_step`` with ``world_size=2``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moezero.reference.optim import OptimConfig, TrainConfig, init_train_state, train_step
 from parity_tests import ranks
 from parity_tests.compare import assert_close_by_fqn, assert_rel, errors_by_fqn, jax_fqns
 from parity_tests.models import (
@@ -28,7 +29,6 @@ from parity_tests.models import (
     to_jax,
 )
 from parity_tests.tolerances import FP32
-from reference.optim import OptimConfig, TrainConfig, init_train_state, train_step
 from tests.torch_impl.distributed import run_world
 
 WORLD, EP = 2, 2

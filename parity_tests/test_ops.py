@@ -16,6 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from moezero.model import decoder as torch_decoder
+from moezero.model import moe as torch_moe
+from moezero.reference import model as ref_model
+from moezero.reference import moe as ref_moe
 from parity_tests.compare import (
     assert_close_by_fqn,
     assert_max_rel,
@@ -26,10 +30,6 @@ from parity_tests.compare import (
 )
 from parity_tests.models import TINY, to_jax, torch_model
 from parity_tests.tolerances import TOLERANCES
-from reference import model as ref_model
-from reference import moe as ref_moe
-from torch_impl.model import decoder as torch_decoder
-from torch_impl.model import moe as torch_moe
 
 jit_attention = jax.jit(ref_model.attention, static_argnames="cfg")
 DTYPES = {"fp32": (torch.float32, jnp.float32), "bf16": (torch.bfloat16, jnp.bfloat16)}

@@ -1,7 +1,7 @@
 """N-step training parity: 20 AdamW steps of the unsharded model, torch engine vs reference.
 
 torch: ``initialize`` with ZeRO stage 0, fp32, W = 1 without a process group, ep 1, driven by
-``engine.train_step``. Reference: ``jax.jit(reference.optim.train_step)`` with the matching
+``engine.train_step``. Reference: ``jax.jit(moezero.reference.optim.train_step)`` with the matching
 ``OptimConfig`` (warmup + cosine, AdamW with decoupled, masked weight decay, global-norm
 clipping). Same initial weights (torch → JAX by FQN), same batches. Every step's loss, grad
 norm and lr agree; the params agree by FQN at the end.
@@ -15,6 +15,16 @@ import numpy as np
 import pytest
 import torch
 
+from moezero.distributed.topology import build_topology
+from moezero.engine import initialize
+from moezero.reference.optim import (
+    OptimConfig,
+    TrainConfig,
+    decay_mask,
+    init_train_state,
+    train_step,
+)
+from moezero.zero.groups import config_user_group
 from parity_tests.compare import (
     assert_close_by_fqn,
     assert_rel,
@@ -24,10 +34,6 @@ from parity_tests.compare import (
 )
 from parity_tests.models import corpus_batch, engine_config, tiny, to_jax, torch_model
 from parity_tests.tolerances import FP32, SCHEDULE_REL
-from reference.optim import OptimConfig, TrainConfig, decay_mask, init_train_state, train_step
-from torch_impl.engine import initialize
-from torch_impl.grouping import config_user_group
-from torch_impl.parallel import build_topology
 
 STEPS = 20
 jit_train_step = jax.jit(train_step, static_argnums=0)

@@ -1,6 +1,6 @@
 """Weight exchange both ways through safetensors files keyed by FQN (docs/model.md).
 
-torch ``save_weights`` → ``reference.weights.load_params`` and reference ``save_params`` →
+torch ``save_weights`` → ``moezero.reference.weights.load_params`` and reference ``save_params`` →
 torch ``load_weights`` each give equal logits; torch ``load_weights`` rejects a file that does
 not match with one line naming the FQNs; ep > 1 models are refused (not supported).
 """
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from moezero.model.decoder import Decoder
+from moezero.model.weights import load_weights, save_weights
+from moezero.reference.weights import from_fqn_dict, load_params, param_shapes, save_params
 from parity_tests.compare import assert_max_abs, torch_fqns
 from parity_tests.models import TINY, jax_run, to_jax, tokens, torch_args, torch_model, torch_run
 from parity_tests.tolerances import FP32
-from reference.weights import from_fqn_dict, load_params, param_shapes, save_params
-from torch_impl.model.decoder import Decoder
-from torch_impl.model.weights import load_weights, save_weights
 
 CFG = TINY  # the model tier's "dropless-k2": its compiled reference is reused
 

@@ -4,7 +4,7 @@
 torch: ``run_world`` spawns W gloo ranks; each builds the model with ``train.build_model``,
 ``engine.initialize`` with a ``Config`` (``zero_optimization.stage`` 1 or 2, ``moe.ep_size``,
 ``moe.max_group_size``), reads its rows ``[r·b, (r+1)·b)`` of each global batch through
-``torch_impl.data.Batches`` and runs forward → backward → ``reduce_gradients`` →
+``moezero.data.Batches`` and runs forward → backward → ``reduce_gradients`` →
 ``optimizer_step``. Every step it records its local gradients (a post-accumulate hook
 registered before the engine's, so it runs before stage 2 frees them), its step count and loss
 scaler before the step, and after the step its params and its partitions of the fp32 master,
@@ -40,14 +40,20 @@ import optax
 import pytest
 import torch
 
-from parity_tests.compare import errors_by_fqn, record, rel_err
-from parity_tests.models import SEQ, engine_config, tiny
-from parity_tests.tolerances import SCHEDULE_REL, ZERO
-from reference.optim import OptimConfig, make_optimizer
-from reference.plan import plan_groups, plan_partitions
-from reference.scaling import LossScaleConfig, LossScaleState, init_loss_scale, update_loss_scale
-from reference.weights import from_fqn_dict, param_shapes, to_fqn_dict
-from reference.zero import (
+from moezero.config import Config
+from moezero.data import Batches, make_corpus
+from moezero.distributed.topology import build_topology
+from moezero.engine import initialize
+from moezero.plan import plan_groups, plan_partitions
+from moezero.reference.optim import OptimConfig, make_optimizer
+from moezero.reference.scaling import (
+    LossScaleConfig,
+    LossScaleState,
+    init_loss_scale,
+    update_loss_scale,
+)
+from moezero.reference.weights import from_fqn_dict, param_shapes, to_fqn_dict
+from moezero.reference.zero import (
     adam_moments,
     init_twin_state,
     init_zero_state,
@@ -57,7 +63,7 @@ from reference.zero import (
     zero_apply_grads,
     zero_train_step,
 )
-from reference.zero_layout import (
+from moezero.reference.zero_layout import (
     ZeroConfig,
     make_mesh,
     param_specs,
@@ -66,13 +72,12 @@ from reference.zero_layout import (
     stack_fqns,
     user_groups,
 )
+from moezero.train import build_model
+from moezero.zero.adamw import LossScaler
+from parity_tests.compare import errors_by_fqn, record, rel_err
+from parity_tests.models import SEQ, engine_config, tiny
+from parity_tests.tolerances import SCHEDULE_REL, ZERO
 from tests.torch_impl.distributed import run_world
-from torch_impl.config import Config
-from torch_impl.data import Batches, make_corpus
-from torch_impl.engine import initialize
-from torch_impl.optim import LossScaler
-from torch_impl.parallel import build_topology
-from torch_impl.train import build_model
 
 MODEL = tiny(n_layers=1)  # dim 32, 2 heads, ffn 48, 4 experts, top-2, vocab 64
 ROWS = 2  # rows per rank

@@ -1,5 +1,5 @@
-"""moezero's reference half: the executable specification (JAX on top of ``reference.plan``).
+"""moezero's reference half: the executable specification (JAX on top of ``moezero.plan``).
 
-Importing this package imports nothing else, so ``reference.plan`` (stdlib + numpy) can be
+Importing this package imports nothing else, so ``moezero.plan`` (stdlib + numpy) can be
 used by the torch side without JAX installed.
 """

@@ -3,12 +3,12 @@
 ``load_train_state(ckpt, cfg)`` reads any checkpoint of the layout (saved by the torch engine at
 any world size, ``ep``, ZeRO stage, group cap or offload mode, or by ``save_train_state``): every
 parameter's fp32 master, ``exp_avg`` and ``exp_avg_sq`` by FQN through
-``reference.plan.store.read_param`` (fragments joined), into the params tree and the optax AdamW
-state of ``reference.optim.make_optimizer`` with the saved optimizer step count. Continuing
-with ``reference.optim.train_step`` is then the same run as the one that saved it.
+``moezero.plan.store.read_param`` (fragments joined), into the params tree and the optax AdamW
+state of ``moezero.reference.optim.make_optimizer`` with the saved optimizer step count. Continuing
+with ``moezero.reference.optim.train_step`` is then the same run as the one that saved it.
 
 ``save_train_state(root, cfg, state)`` writes the same layout from one process: the plan's groups
-for the reference model (``reference.zero_layout.param_specs``: the groups torch builds), each
+for the reference model (``moezero.reference.zero_layout.param_specs``: the groups torch builds), each
 group written whole as the one DP rank of a ``dp_size = 1`` partition, then the manifest and an
 atomic commit. The torch engine loads it like its own checkpoints.
 
@@ -32,11 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from reference.optim import TrainConfig, TrainState, lr_at, make_optimizer
-from reference.plan import Manifest, partition_group, plan_groups, plan_layout, store
-from reference.plan.store import CheckpointError, find_checkpoint
-from reference.weights import from_fqn_dict, param_shapes, to_fqn_dict
-from reference.zero_layout import ZeroConfig, param_specs
+from moezero.plan import Manifest, partition_group, plan_groups, plan_layout, store
+from moezero.plan.store import CheckpointError, find_checkpoint
+from moezero.reference.optim import TrainConfig, TrainState, lr_at, make_optimizer
+from moezero.reference.weights import from_fqn_dict, param_shapes, to_fqn_dict
+from moezero.reference.zero_layout import ZeroConfig, param_specs
 
 __all__ = ["CheckpointError", "find_checkpoint", "load_train_state", "read_fqn_state",
            "save_train_state", "step_count"]
@@ -64,7 +64,7 @@ def step_count(manifest: Manifest) -> int:
 
 
 def load_train_state(ckpt_dir: str | os.PathLike, cfg: TrainConfig) -> tuple[TrainState, Manifest]:
-    """Read a checkpoint into a ``TrainState`` for ``reference.optim.train_step``.
+    """Read a checkpoint into a ``TrainState`` for ``moezero.reference.optim.train_step``.
 
     Args:
         ckpt_dir: A step directory, or a root (its newest complete checkpoint).

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from reference.moe import acc_dtype, moe_layer
+from moezero.reference.moe import acc_dtype, moe_layer
 
 
 @dataclasses.dataclass(frozen=True)

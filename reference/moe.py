@@ -3,7 +3,7 @@
 Torch counterpart: ``torch_impl/model/moe.py``. Semantics: ``docs/model.md`` ("MoE layer").
 
 Every function is pure in (params, inputs). Experts are stacked along a leading global expert
-axis (``w1_EFD``); ``reference.weights`` unstacks them into per-expert FQNs. The same dispatch
+axis (``w1_EFD``); ``moezero.reference.weights`` unstacks them into per-expert FQNs. The same dispatch
 path serves both modes: dropless is capacity mode with ``C = T`` (no expert can receive more
 than T assignments, because a token's k choices are distinct experts).
 

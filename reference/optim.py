@@ -5,7 +5,7 @@ Torch counterpart: ``torch_impl/optim.py`` (schedule, clipping, AdamW math) as d
 step in DESIGN.md §2 (fp16 loss scaling and per-group lr scales are not modelled here).
 
 ``train_step(cfg, state, batch) -> (new_state, metrics)`` is pure; jit it with
-``jax.jit(train_step, static_argnums=0)``. The loss is ``reference.model.oracle_loss`` over
+``jax.jit(train_step, static_argnums=0)``. The loss is ``moezero.reference.model.oracle_loss`` over
 ``cfg.world_size`` rank slices, so one call is one optimizer step of a W-rank run.
 """
 
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from reference.model import ModelConfig, oracle_loss
+from moezero.reference.model import ModelConfig, oracle_loss
 
 
 @dataclasses.dataclass(frozen=True)

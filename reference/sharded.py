@@ -2,7 +2,7 @@
 
 Torch counterpart: the expert-parallel path of ``torch_impl/model/moe.py`` (docs/model.md,
 "Expert parallelism"). Its oracle is ``moe_layer_per_slice``, the unsharded twin: the plain
-``reference.moe.moe_layer`` run on each rank's token slice with all experts present.
+``moezero.reference.moe.moe_layer`` run on each rank's token slice with all experts present.
 
 Topology (DESIGN.md §2): W ranks on a mesh ``("edp", "ep")`` of shape (W/ep, ep); rank
 ``r = edp_index·ep + ep_index``, so EP groups are consecutive blocks of ``ep`` ranks, and the
@@ -26,7 +26,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from reference.moe import (
+from moezero.reference.moe import (
     apply_experts,
     assign_slots,
     aux_loss,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from reference.model import ModelConfig, init_params
+from moezero.reference.model import ModelConfig, init_params
 
 EXPERTS = "experts"
 

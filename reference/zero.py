@@ -2,14 +2,14 @@
 
 Torch counterpart: ``torch_impl/zero.py`` (``ZeroOptimizer.reduce_gradients`` + ``step``) as
 driven by ``torch_impl/engine.py``. Loss scaling and the clip coefficient are
-``reference/scaling.py`` (torch: ``torch_impl.optim.LossScaler``, ``clip_coef``); the stacks,
+``reference/scaling.py`` (torch: ``moezero.zero.adamw.LossScaler``, ``clip_coef``); the stacks,
 flat buffers and mesh are ``reference/zero_layout.py``. Semantics: DESIGN.md §2 ("Sharded
 optimizer step", "Gold-standard equivalence").
 
 Mesh ``("edp", "ep")`` of shape (W/ep, ep) (``make_mesh``); rank ``r = edp·ep + ep_index``.
 Each device computes ``loss_fn`` on its rows ``[r·b, (r+1)·b)`` of the global batch with *all*
 experts present (the forward is not expert-parallel here: ``reference/sharded.py`` checks that
-separately). Then, per optimizer group of ``reference.plan`` (members flattened in group order,
+separately). Then, per optimizer group of ``moezero.plan`` (members flattened in group order,
 padded to the group's ``Partition``):
 
 - dense groups: ``psum_scatter`` over all W devices (P((edp, ep)): device r owns DP rank r);
@@ -21,7 +21,7 @@ padded to the group's ``Partition``):
 Sums run in fp32, are divided by W and stored in the compute dtype (as torch does). Then:
 global norm from one ``psum`` of local sums of squares (each element once, padding is zero) and
 of a non-finite count → upcast → unscale → × clip coef → optax AdamW on the fp32 shards (the
-same ``optax.adamw`` as ``reference.optim``, one leaf per stack) → downcast → ``all_gather``
+same ``optax.adamw`` as ``moezero.reference.optim``, one leaf per stack) → downcast → ``all_gather``
 (over ``edp``, then over ``ep`` too: the reference forward needs every expert on every device;
 torch keeps only its own). An overflow (non-finite gradient anywhere) keeps every shard and the
 step count, on every device; the dynamic loss scale follows ``LossScaler`` exactly.
@@ -48,11 +48,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from reference.model import cast_params, loss_fn, split_batch
-from reference.optim import lr_at, make_optimizer
-from reference.scaling import LossScaleState, clip_coef, init_loss_scale, update_loss_scale
-from reference.sharded import EDP, EP, RANKS
-from reference.zero_layout import (
+from moezero.reference.model import cast_params, loss_fn, split_batch
+from moezero.reference.optim import lr_at, make_optimizer
+from moezero.reference.scaling import LossScaleState, clip_coef, init_loss_scale, update_loss_scale
+from moezero.reference.sharded import EDP, EP, RANKS
+from moezero.reference.zero_layout import (
     ALL,
     Stack,
     ZeroConfig,
@@ -83,7 +83,7 @@ class TwinState(NamedTuple):
 
 
 def make_stack_optimizer(cfg: ZeroConfig, stacks) -> optax.GradientTransformation:
-    """``reference.optim.make_optimizer``'s AdamW, decay masked per stack by user group."""
+    """``moezero.reference.optim.make_optimizer``'s AdamW, decay masked per stack by user group."""
     o = cfg.optim
     mask = {s.name: s.decay for s in stacks}
     return optax.adamw(lambda count: lr_at(o, count), b1=o.betas[0], b2=o.betas[1], eps=o.eps,

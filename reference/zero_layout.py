@@ -23,12 +23,12 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from reference.model import ModelConfig, init_params
-from reference.optim import OptimConfig
-from reference.plan import GroupPlan, ParamSpec, Partition, UserGroup, plan_groups, plan_partitions
-from reference.scaling import LossScaleConfig
-from reference.sharded import EDP, EP, RANKS
-from reference.weights import from_fqn_dict, param_shapes
+from moezero.plan import GroupPlan, ParamSpec, Partition, UserGroup, plan_groups, plan_partitions
+from moezero.reference.model import ModelConfig, init_params
+from moezero.reference.optim import OptimConfig
+from moezero.reference.scaling import LossScaleConfig
+from moezero.reference.sharded import EDP, EP, RANKS
+from moezero.reference.weights import from_fqn_dict, param_shapes
 
 ALL = (EDP, EP)  # every device, in rank order
 EXPERT_FQN = re.compile(r"^(?P<layer>.+)\.experts\.(?P<expert>\d+)\.(?P<rest>.+)$")

@@ -20,10 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-from reference.plan.store import CheckpointError, read_manifest
-from torch_impl.config import ConfigError, load_config
-from torch_impl.data import DataError, make_corpus
-from torch_impl.parallel import validate
+from moezero.config import ConfigError, load_config
+from moezero.data import DataError, make_corpus
+from moezero.distributed.topology import validate
+from moezero.plan.store import CheckpointError, read_manifest
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _import_hf(args: argparse.Namespace) -> int:
-    from torch_impl import hf  # torch import deferred, as for train
+    from moezero.checkpoint import hf  # torch import deferred, as for train
 
     try:
         step_dir = hf.import_hf(Path(args.path), Path(args.out))
@@ -77,8 +77,8 @@ def _import_hf(args: argparse.Namespace) -> int:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from torch_impl import checkpoint_tools  # torch import deferred, as for train
-    from torch_impl.checkpoint import find_checkpoint
+    from moezero.checkpoint import tools as checkpoint_tools  # torch import deferred, as for train
+    from moezero.checkpoint.core import find_checkpoint
 
     ckpt = find_checkpoint(args.dir)
     if args.action == "inspect":
@@ -87,7 +87,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
     if args.action == "export":
         try:
             if args.format == "hf-mixtral":
-                from torch_impl.hf import export_hf
+                from moezero.checkpoint.hf import export_hf
 
                 files = export_hf(ckpt, Path(args.out), args.dtype)
             else:
@@ -115,7 +115,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)
     run_dir = Path(args.out or cfg.train.out_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     if cfg.checkpoint.load:
-        from torch_impl.train import adopt_architecture
+        from moezero.train import adopt_architecture
 
         cfg, adopted = adopt_architecture(cfg, run_dir)
         if adopted:
@@ -131,14 +131,13 @@ def _train(args: argparse.Namespace) -> int:
         key, _, problem = str(exc).partition(": ")
         raise ConfigError(key, problem, f"world size {world}") from None
 
-    from torch_impl.engine import check_supported  # torch import deferred: errors above stay fast
-    from torch_impl.launcher import launch
-    from torch_impl.train import model_numel, preflight
+    from moezero.engine import check_supported  # torch import deferred: errors above stay fast
+    from moezero.train import launch_training, model_numel, preflight
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: this node's ranks
     check_supported(cfg, numel=model_numel(cfg), share=local / world)
     preflight(cfg, run_dir)
-    return launch(cfg, run_dir, args.nproc)
+    return launch_training(cfg, run_dir, args.nproc)
 
 
 def main(argv: list[str] | None = None) -> int:

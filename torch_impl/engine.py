@@ -5,7 +5,7 @@ dense gradients are averaged over the W ranks, expert gradients summed over thei
 divided by W, so every rank computes the gradient of the *global* mean loss (DESIGN.md §2).
 The step then runs the plan's optimizer groups one at a time: upcast -> unscale -> clip ->
 AdamW on the fp32 master -> downcast. Stages 1 and 2 shard the optimizer state (and, at 2,
-the gradients) over each group's data-parallel ranks: ``torch_impl.zero``. With
+the gradients) over each group's data-parallel ranks: ``moezero.zero.sharded``. With
 ``zero_optimization.tiled_step: false`` every group is upcast first (same results, bit for
 bit; more memory). Reference counterpart: ``reference/optim.py``.
 """
@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_impl import checkpoint, offload_state
-from torch_impl.config import Config
-from torch_impl.grouping import OptimizerGroups, build_groups
-from torch_impl.model.moe import expert_tag
-from torch_impl.optim import LossScaler, adamw_, clip_coef, lr_at
-from torch_impl.parallel import Topology, build_topology
-from torch_impl.zero import ADAMW_TEMPORARIES, MemoryMeter, ZeroOptimizer, nbytes
+from moezero.checkpoint import core as checkpoint
+from moezero.config import Config
+from moezero.distributed.topology import Topology, build_topology
+from moezero.model.moe import expert_tag
+from moezero.offload import state as offload_state
+from moezero.zero.adamw import LossScaler, adamw_, clip_coef, lr_at
+from moezero.zero.groups import OptimizerGroups, build_groups
+from moezero.zero.sharded import ADAMW_TEMPORARIES, MemoryMeter, ZeroOptimizer, nbytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

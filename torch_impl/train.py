@@ -22,14 +22,15 @@ import torch
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from reference.plan import store
-from torch_impl.checkpoint import CheckpointError, check_shapes, model_shapes, resolve_load
-from torch_impl.config import Config, ConfigError, dump_config
-from torch_impl.data import Batches, make_corpus
-from torch_impl.engine import Engine, initialize
-from torch_impl.grouping import OptimizerGroups
-from torch_impl.model.decoder import Decoder, ModelArgs, init_weights
-from torch_impl.parallel import Topology, build_topology
+from moezero.checkpoint.core import CheckpointError, check_shapes, model_shapes, resolve_load
+from moezero.config import Config, ConfigError, dump_config
+from moezero.data import Batches, make_corpus
+from moezero.distributed.launcher import launch
+from moezero.distributed.topology import Topology, build_topology
+from moezero.engine import Engine, initialize
+from moezero.model.decoder import Decoder, ModelArgs, init_weights
+from moezero.plan import store
+from moezero.zero.groups import OptimizerGroups
 
 ARCH_KEYS = {"model": ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "rope_theta",
                        "norm_eps"),
@@ -297,3 +298,16 @@ def plot_loss(history: list[dict], summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
+
+def launch_training(cfg: Config, run_dir: Path, nproc: int) -> int:
+    """Train with ``nproc`` local ranks (or join the torchrun world); returns an exit code."""
+    backend = cfg.dist.resolve_backend(cuda=torch.cuda.is_available())
+    return launch(_train_rank, (cfg.model_dump(by_alias=True), str(run_dir)), nproc=nproc,
+                  backend=backend, timeout_s=cfg.dist.timeout_s)
+
+
+def _train_rank(cfg_data: dict, run_dir: str) -> None:
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device(f"cuda:{torch.cuda.current_device()}")
+    train(Config.model_validate(cfg_data), Path(run_dir), device)

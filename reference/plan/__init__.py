@@ -2,19 +2,19 @@
 
 ``plan_groups`` decides which parameter elements form each optimizer group;
 ``plan_partitions`` decides how each group's flat buffer is split over ranks;
-``plan_layout`` decides where every byte of a checkpoint lies, and ``reference.plan.store``
+``plan_layout`` decides where every byte of a checkpoint lies, and ``moezero.plan.store``
 (import it explicitly) reads and writes it. See DESIGN.md §2, docs/grouping.md and
 docs/checkpoint.md.
 """
 
-from reference.plan.grouping import (
+from moezero.plan.grouping import (
     GroupPlan,
     expert_ep_rank,
     group_hparams,
     locate_params,
     plan_groups,
 )
-from reference.plan.layout import (
+from moezero.plan.layout import (
     ByteRange,
     FileLayout,
     Layout,
@@ -29,7 +29,7 @@ from reference.plan.layout import (
     rank_ranges,
     shapes_of,
 )
-from reference.plan.partition import (
+from moezero.plan.partition import (
     Partition,
     check_ep_size,
     edp_group_ranks,
@@ -39,7 +39,7 @@ from reference.plan.partition import (
     partition_group,
     plan_partitions,
 )
-from reference.plan.specs import ParamSpec, Slice, UserGroup, natural_key, user_groups_by_name
+from moezero.plan.specs import ParamSpec, Slice, UserGroup, natural_key, user_groups_by_name
 
 __all__ = [
     "ByteRange",

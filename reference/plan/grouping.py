@@ -7,7 +7,7 @@ groups; with ``split_by_expert`` it holds one layer's one expert. Each logical g
 cut into chunks of at most ``max_group_size`` elements, slicing parameters by element range
 where a chunk fills up, so the cap is a hard bound (DESIGN.md §2, docs/grouping.md).
 
-Torch counterpart: ``torch_impl.grouping`` (builds the specs from a module, then builds
+Torch counterpart: ``moezero.zero.groups`` (builds the specs from a module, then builds
 torch param groups from this plan).
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from reference.plan.specs import ParamSpec, Slice, UserGroup, natural_key, user_groups_by_name
+from moezero.plan.specs import ParamSpec, Slice, UserGroup, natural_key, user_groups_by_name
 
 
 @dataclass(frozen=True)

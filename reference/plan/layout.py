@@ -13,8 +13,8 @@ docs/checkpoint.md for reassembly. Headers are built byte-for-byte from the layo
 rank knows every data offset without reading a file.
 
 The manifest's pure half (``Manifest``, ``manifest_to_json``/``manifest_from_json``) lives
-here too; file I/O is in ``reference.plan.store``. Torch counterpart:
-``torch_impl.checkpoint`` (calls ``plan_layout``, ``rank_ranges`` and the store).
+here too; file I/O is in ``moezero.plan.store``. Torch counterpart:
+``moezero.checkpoint.core`` (calls ``plan_layout``, ``rank_ranges`` and the store).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
-from reference.plan.grouping import GroupPlan, locate_params
-from reference.plan.partition import Partition
-from reference.plan.specs import ParamSpec, Slice
+from moezero.plan.grouping import GroupPlan, locate_params
+from moezero.plan.partition import Partition
+from moezero.plan.specs import ParamSpec, Slice
 
 FORMAT_VERSION = 1
 ITEMSIZE = 4  # every tensor is fp32 ("F32")

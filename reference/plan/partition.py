@@ -7,8 +7,8 @@ an expert group over its EDP group (the W / ep ranks ``r`` with ``r % ep == ep_r
 where rank ``r`` is DP rank ``r // ep`` (DESIGN.md §2).
 
 Topology: EP groups are consecutive blocks of ``ep`` ranks; EDP groups are the ranks
-with the same ``rank % ep``. Torch counterpart: ``torch_impl.parallel`` (process groups)
-and ``torch_impl.zero`` (flat buffers built from these partitions).
+with the same ``rank % ep``. Torch counterpart: ``moezero.distributed.topology`` (process groups)
+and ``moezero.zero.sharded`` (flat buffers built from these partitions).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from reference.plan.grouping import GroupPlan
-from reference.plan.specs import Slice
+from moezero.plan.grouping import GroupPlan
+from moezero.plan.specs import Slice
 
 
 def check_ep_size(*, world_size: int, ep_size: int) -> None:

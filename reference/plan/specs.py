@@ -2,7 +2,7 @@
 
 Everything here is pure data (frozen, hashable, printable, comparable) keyed by the
 parameter's fully qualified name (FQN), so both sides can build the same plan from the
-same specs. Torch counterpart: ``torch_impl.grouping`` builds ``ParamSpec``s from an
+same specs. Torch counterpart: ``moezero.zero.groups`` builds ``ParamSpec``s from an
 ``nn.Module`` and consumes the plan; it imports this module rather than copying it.
 """
 

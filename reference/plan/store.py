@@ -1,7 +1,7 @@
 """Checkpoint file I/O on numpy arrays: write ranges, manifest, resharding reads, verify, commit.
 
 Both sides call this with numpy arrays (torch hands ``tensor.numpy()`` views of its fp32
-shards). The byte layout comes from ``reference.plan.layout``; this module only moves
+shards). The byte layout comes from ``moezero.plan.layout``; this module only moves
 bytes. Save, rank by rank (docs/checkpoint.md):
 
 1. rank 0: ``begin_save`` → ``write_headers`` (creates and preallocates every file);
@@ -11,7 +11,7 @@ bytes. Save, rank by rank (docs/checkpoint.md):
 
 Load: ``find_latest`` → ``read_manifest`` → ``read_shard`` per group and state (contiguous
 when the group is unchanged, per-tensor slices otherwise). Torch counterpart:
-``torch_impl.checkpoint``.
+``moezero.checkpoint.core``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reference.plan.layout import (
+from moezero.plan.layout import (
     INDEX_NAME,
     ITEMSIZE,
     MANIFEST_NAME,
@@ -44,7 +44,7 @@ from reference.plan.layout import (
     rank_ranges,
     same_group,
 )
-from reference.plan.partition import Partition
+from moezero.plan.partition import Partition
 
 CHUNK = 8 << 20  # bytes per pwrite/pread call
 PARTIAL, STALE = ".partial", ".stale"

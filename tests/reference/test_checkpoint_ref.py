@@ -1,4 +1,4 @@
-"""``reference.checkpoint``: a TrainState through the checkpoint layout and back (JAX only).
+"""``moezero.reference.checkpoint``: a TrainState through the checkpoint layout and back (JAX only).
 
 Saved under several plans (ep, group cap, split flag), read back bit for bit, and a run that
 stops, saves, loads and continues equals the run that never stopped, bit for bit. The torch
@@ -16,11 +16,11 @@ import numpy as np
 import optax
 import pytest
 
-from reference.checkpoint import CheckpointError, load_train_state, save_train_state
-from reference.model import ModelConfig, init_params
-from reference.optim import OptimConfig, TrainConfig, init_train_state, train_step
-from reference.plan import store
-from reference.weights import to_fqn_dict
+from moezero.plan import store
+from moezero.reference.checkpoint import CheckpointError, load_train_state, save_train_state
+from moezero.reference.model import ModelConfig, init_params
+from moezero.reference.optim import OptimConfig, TrainConfig, init_train_state, train_step
+from moezero.reference.weights import to_fqn_dict
 
 MODEL = ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, ffn_dim=24, num_experts=4,
                     top_k=2)

@@ -1,7 +1,7 @@
-"""Tests of ``reference.plan.layout``: literal layouts, then properties over random models.
+"""Tests of ``moezero.plan.layout``: literal layouts, then properties over random models.
 
 Files are assembled here from the layout alone (header bytes + data), independently of
-``reference.plan.store``, and loaded with the ``safetensors`` library.
+``moezero.plan.store``, and loaded with the ``safetensors`` library.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
-from reference.plan import (
+from moezero.plan import (
     ParamSpec,
     fragment_key,
     index_json,
@@ -28,7 +28,7 @@ from reference.plan import (
     rank_ranges,
     shapes_of,
 )
-from reference.plan.layout import Manifest, check_tiling, manifest_from_json, manifest_to_json
+from moezero.plan.layout import Manifest, check_tiling, manifest_from_json, manifest_to_json
 
 from .test_plan_grouping import caps, example_model, models
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from reference.model import (
+from moezero.reference.model import (
     ModelConfig,
     apply_rope,
     forward,
@@ -22,8 +22,8 @@ from reference.model import (
     oracle_loss,
     rope_tables,
 )
-from reference.moe import assign_slots, capacity, moe_layer
-from reference.optim import (
+from moezero.reference.moe import assign_slots, capacity, moe_layer
+from moezero.reference.optim import (
     OptimConfig,
     TrainConfig,
     clip_by_global_norm,
@@ -33,7 +33,13 @@ from reference.optim import (
     make_optimizer,
     train_step,
 )
-from reference.weights import from_fqn_dict, load_params, param_shapes, save_params, to_fqn_dict
+from moezero.reference.weights import (
+    from_fqn_dict,
+    load_params,
+    param_shapes,
+    save_params,
+    to_fqn_dict,
+)
 
 TINY = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_dim=24, num_experts=4,
                    top_k=2)

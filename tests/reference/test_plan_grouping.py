@@ -1,4 +1,4 @@
-"""Tests of ``reference.plan.grouping``: literal examples, then properties over random models."""
+"""Tests of ``moezero.plan.grouping``: literal examples, then properties over random models."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference.plan import (
+from moezero.plan import (
     ParamSpec,
     Slice,
     UserGroup,

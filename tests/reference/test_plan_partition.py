@@ -1,4 +1,4 @@
-"""Tests of ``reference.plan.partition``: literal layouts, topology, and random-model properties."""
+"""Tests of ``moezero.plan.partition``: literal layouts, topology, and random-model properties."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference.plan import (
+from moezero.plan import (
     ParamSpec,
     Slice,
     edp_group_ranks,

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reference.model import ModelConfig, init_params
-from reference.moe import moe_layer
-from reference.sharded import make_mesh, moe_layer_per_slice, moe_layer_sharded
+from moezero.reference.model import ModelConfig, init_params
+from moezero.reference.moe import moe_layer
+from moezero.reference.sharded import make_mesh, moe_layer_per_slice, moe_layer_sharded
 
 CFG = ModelConfig(dim=8, n_heads=2, ffn_dim=8, num_experts=8, top_k=2, n_layers=1)
 NUM_TOKENS = 32  # all ranks together; 8 per rank at W=4

@@ -1,4 +1,4 @@
-"""Tests of ``reference.plan.store``: save from simulated ranks, reshard on read, verify, commit.
+"""Tests of ``moezero.plan.store``: save from simulated ranks, reshard on read, verify, commit.
 
 A "rank" here is a loop iteration: each DP rank of each group writes its own shard with
 ``write_partition``, exactly as the torch writer does from its process.
@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
-from reference.plan import ParamSpec, plan_groups, plan_layout, plan_partitions, shapes_of, store
-from reference.plan.layout import INDEX_NAME, MANIFEST_NAME, STATES
-from reference.plan.store import (
+from moezero.plan import ParamSpec, plan_groups, plan_layout, plan_partitions, shapes_of, store
+from moezero.plan.layout import INDEX_NAME, MANIFEST_NAME, STATES
+from moezero.plan.store import (
     CheckpointError,
     apply_retention,
     begin_save,

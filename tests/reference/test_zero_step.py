@@ -30,19 +30,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reference.model import ModelConfig, init_params
-from reference.optim import OptimConfig, TrainConfig, init_train_state, train_step
-from reference.plan import Partition
-from reference.scaling import LossScaleConfig, init_loss_scale, update_loss_scale
-from reference.weights import param_shapes, to_fqn_dict
-from reference.zero import (
+from moezero.plan import Partition
+from moezero.reference.model import ModelConfig, init_params
+from moezero.reference.optim import OptimConfig, TrainConfig, init_train_state, train_step
+from moezero.reference.scaling import LossScaleConfig, init_loss_scale, update_loss_scale
+from moezero.reference.weights import param_shapes, to_fqn_dict
+from moezero.reference.zero import (
     adam_moments,
     init_twin_state,
     init_zero_state,
     twin_train_step,
     zero_train_step,
 )
-from reference.zero_layout import (
+from moezero.reference.zero_layout import (
     ZeroConfig,
     fqn_views,
     group_buffer,
@@ -198,7 +198,7 @@ def test_sharded_step_equals_unsharded_twin_every_step(world, ep, cap):
 
 
 def test_twin_equals_reference_optim_train_step():
-    """The twin is ``reference.optim.train_step`` (oracle_loss + optax) when nothing scales."""
+    """The twin is ``moezero.reference.optim.train_step`` (oracle_loss + optax) when nothing scales."""
     cfg = zcfg(2, 1)
     tcfg = TrainConfig(model=MODEL, optim=OPTIM, world_size=2)
     params = init_params(MODEL, jax.random.key(0))
@@ -217,7 +217,7 @@ def test_twin_equals_reference_optim_train_step():
 
 
 class TorchLossScaler:
-    """``torch_impl.optim.LossScaler.update`` transcribed (this suite never imports torch)."""
+    """``moezero.zero.adamw.LossScaler.update`` transcribed (this suite never imports torch)."""
 
     def __init__(self, cfg: LossScaleConfig):
         self.cfg, self.scale = cfg, 2.0 ** cfg.initial_scale_power

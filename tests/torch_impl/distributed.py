@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from torch_impl.launcher import spawn
+from moezero.distributed.launcher import spawn
 
 TIMEOUT_S = 60.0
 

@@ -22,11 +22,11 @@ import torch
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
 
-from reference.plan import store
+from moezero.checkpoint.core import TEST_DELAY_ENV
+from moezero.cli import main
+from moezero.plan import store
 from tests.torch_impl.test_checkpoint import ccfg, train_run
 from tests.torch_impl.test_cli import TINY, _children, moezero
-from torch_impl.checkpoint import TEST_DELAY_ENV
-from torch_impl.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +224,7 @@ def crash_chain(tmp_path: Path, points: int, seed: int) -> None:
         load = ["--set", "checkpoint.load=latest"] if previous is not None else []
         mode = ["--set", f"checkpoint.async={'true' if point % 2 else 'false'}"]
         since = time.time() - 0.01
-        proc = subprocess.Popen([sys.executable, "-m", "torch_impl.cli", "train", *CRASH_TINY,
+        proc = subprocess.Popen([sys.executable, "-m", "moezero.cli", "train", *CRASH_TINY,
                                  *load, *mode, "--out", str(out)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from torch_impl.launcher import spawn
-from torch_impl.train import METRIC_KEYS
+from moezero.distributed.launcher import spawn
+from moezero.train import METRIC_KEYS
 
 TINY = ["--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
         "--set", "model.ffn_dim=32", "--set", "moe.num_experts=4", "--set", "train.seq_len=16",
@@ -22,7 +22,7 @@ TINY = ["--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_
 
 
 def moezero(*args, timeout=180, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch_impl.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "moezero.cli", *args], capture_output=True,
                           text=True, timeout=timeout, **kw)
 
 
@@ -94,7 +94,7 @@ def _children(pid: int) -> set[int]:
 def test_ctrl_c_stops_every_rank(tmp_path):
     # A child inherits an ignored SIGINT (and Python then keeps ignoring it); an earlier test's
     # library may leave SIGINT ignored in this process, so give the child a terminal's default.
-    proc = subprocess.Popen([sys.executable, "-m", "torch_impl.cli", "train", *TINY,
+    proc = subprocess.Popen([sys.executable, "-m", "moezero.cli", "train", *TINY,
                              "--set", "train.steps=100000", "--out", str(tmp_path / "r")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True,
@@ -126,7 +126,7 @@ def test_joins_a_torchrun_world(tmp_path):
     out = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                           "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0",
-                          "-m", "torch_impl.cli", "train", *TINY, "--set", "train.steps=2",
+                          "-m", "moezero.cli", "train", *TINY, "--set", "train.steps=2",
                           "--out", str(out)], capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "W=2" in res.stdout

@@ -1,4 +1,4 @@
-"""Tests of torch_impl.config: defaults, files, --set overrides, round trips, one-line errors."""
+"""Tests of moezero.config: defaults, files, --set overrides, round trips, one-line errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from torch_impl.config import (
+from moezero.config import (
     DEFAULT_RECIPE,
     Config,
     ConfigError,

@@ -1,11 +1,11 @@
-"""Tests for torch_impl.data: corpora, entropy targets, deterministic sharded batches."""
+"""Tests for moezero.data: corpora, entropy targets, deterministic sharded batches."""
 
 import json
 
 import numpy as np
 import pytest
 
-from torch_impl.data import (
+from moezero.data import (
     Batches,
     DataError,
     MarkovMixture,

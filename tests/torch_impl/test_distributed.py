@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moezero.config import Config
+from moezero.data import Batches, make_corpus
+from moezero.distributed.topology import build_topology
+from moezero.engine import initialize
+from moezero.train import build_model
 from tests.torch_impl.compare import RTOL, assert_close_by_fqn, rel_err
 from tests.torch_impl.distributed import run_world
-from torch_impl.config import Config
-from torch_impl.data import Batches, make_corpus
-from torch_impl.engine import initialize
-from torch_impl.parallel import build_topology
-from torch_impl.train import build_model
 
 MICRO = 2  # sequences per rank
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from reference.plan import UserGroup
-from torch_impl.config import Config
-from torch_impl.grouping import build_groups, config_user_group, param_specs
-from torch_impl.model.moe import MoE, SwiGLU
-from torch_impl.parallel import Topology
+from moezero.config import Config
+from moezero.distributed.topology import Topology
+from moezero.model.moe import MoE, SwiGLU
+from moezero.plan import UserGroup
+from moezero.zero.groups import build_groups, config_user_group, param_specs
 
 
 class TwoMoE(nn.Module):

@@ -1,7 +1,7 @@
 """The optimizer groups the engine really steps equal the plan (issue 4).
 
-The plan is recomputed here, independently of ``torch_impl.grouping``, from the model's
-parameters (``reference.plan.plan_groups`` / ``plan_partitions``); the engine's layout (group
+The plan is recomputed here, independently of ``moezero.zero.groups``, from the model's
+parameters (``moezero.plan.plan_groups`` / ``plan_partitions``); the engine's layout (group
 names, member slices, this rank's partition range, the sizes of its master and moment
 tensors, the flat buffers the params view) must match it at W = 1, 2, 4, and
 ``param_groups.json`` written by ``train()`` must agree with the engine that run built.
@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-import torch_impl.train as train_module
-from reference.plan import ParamSpec, plan_groups, plan_partitions
+import moezero.train as train_module
+from moezero.config import Config
+from moezero.distributed.topology import build_topology
+from moezero.engine import initialize
+from moezero.plan import ParamSpec, plan_groups, plan_partitions
+from moezero.train import build_model
 from tests.torch_impl.distributed import run_world
 from tests.torch_impl.test_distributed import small_config
-from torch_impl.config import Config
-from torch_impl.engine import initialize
-from torch_impl.parallel import build_topology
-from torch_impl.train import build_model
 
 _EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.(.+)$")
 

@@ -13,15 +13,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from reference.plan import plan_groups, plan_layout, store
-from reference.plan.specs import ParamSpec
+from moezero.checkpoint.hf import export_hf, import_hf
+from moezero.cli import main
+from moezero.config import load_config
+from moezero.model.decoder import Decoder, ModelArgs
+from moezero.plan import plan_groups, plan_layout, store
+from moezero.plan.specs import ParamSpec
+from moezero.train import setup
 from tests.torch_impl.compare import RTOL
 from tests.torch_impl.test_cli import moezero
-from torch_impl.cli import main
-from torch_impl.config import load_config
-from torch_impl.hf import export_hf, import_hf
-from torch_impl.model.decoder import Decoder, ModelArgs
-from torch_impl.train import setup
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from torch_impl.model.moe import MoE, SwiGLU, aux_losses, expert_tag, keep_mask, route
+from moezero.model.moe import MoE, SwiGLU, aux_losses, expert_tag, keep_mask, route
 
 
 def make_moe(**kw) -> MoE:

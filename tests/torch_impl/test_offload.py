@@ -18,10 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference.plan import store
-from torch_impl import offload
-from torch_impl.config import ConfigError
-from torch_impl.offload import (
+from moezero.config import ConfigError
+from moezero.offload import aio as offload
+from moezero.offload.aio import (
     ALIGN,
     OPTIMIZER_KEY,
     PARAM_KEY,
@@ -31,6 +30,7 @@ from torch_impl.offload import (
     aligned_empty,
     swap_name,
 )
+from moezero.plan import store
 
 SHM = Path("/dev/shm")
 DIRECT_FLAG = getattr(os, "O_DIRECT", 0)

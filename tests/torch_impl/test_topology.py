@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
+from moezero.distributed.topology import build_topology, validate
 from tests.torch_impl.distributed import run_world
-from torch_impl.parallel import build_topology, validate
 
 
 def groups_of_rank(ep_sizes: list[int]) -> dict:

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moezero.config import Config
+from moezero.data import Batches, make_corpus
+from moezero.distributed.topology import build_topology
+from moezero.engine import initialize
+from moezero.train import build_model
 from tests.torch_impl.compare import RTOL, assert_close_by_fqn, rel_err
 from tests.torch_impl.distributed import run_world
 from tests.torch_impl.test_distributed import MICRO, merged, small_config
-from torch_impl.config import Config
-from torch_impl.data import Batches, make_corpus
-from torch_impl.engine import initialize
-from torch_impl.parallel import build_topology
-from torch_impl.train import build_model
 
 STEPS = 3
 CAP = 1000  # < one expert weight (48 x 32 = 1536 elements): weights are sliced across groups

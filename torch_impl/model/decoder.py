@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_impl.model.moe import MoE, SwiGLU
+from moezero.model.moe import MoE, SwiGLU
 
 
 @dataclass(frozen=True)

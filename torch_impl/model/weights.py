@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from torch_impl.model.moe import MoE
+from moezero.model.moe import MoE
 
 
 def _check_all_experts_local(model: nn.Module) -> None:

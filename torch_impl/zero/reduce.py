@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from torch_impl.shards import Kind, Slot
+from moezero.zero.shards import Kind, Slot
 
 # torch 2.13 renamed the tensor forms; older versions only have the *_tensor names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

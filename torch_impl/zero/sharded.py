@@ -19,7 +19,7 @@ keeps the full local gradients in one flat buffer per kind that ``param.grad`` v
 accumulates micro-batches into it in place) and takes its partition from the reduction;
 stage 2 keeps only the partition and frees each ``param.grad`` as soon as it has been sent.
 
-**Reduction** (``torch_impl.reduce``): bucketed fp32 reduce-scatters into the grad
+**Reduction** (``moezero.zero.reduce``): bucketed fp32 reduce-scatters into the grad
 partitions, launched from gradient hooks during the last micro-batch's backward.
 
 **Step** (``step``): the global grad norm is one all-reduce of local sums of squares over the
@@ -33,7 +33,7 @@ straight into the flat buffers (a padded group goes through one temporary of its
 
 **Stage 3** keeps no flat buffer: each param keeps its own storage, freed between uses, and
 each group's shard of the params (``Slot.param``, the master itself in fp32) is gathered by
-``torch_impl.gather.ParamGatherer`` around each module; the step ends with the downcast into
+``moezero.zero.gather.ParamGatherer`` around each module; the step ends with the downcast into
 the shard, no all-gather. **Offload** (docs/offload.md): the fp32 state lives on
 ``state_device`` (the host for ``cpu``) or, for ``nvme``, in swap files handed in by the
 engine (``swap_factory``: ``offload_state.SwapState`` objects, so this layer never imports
@@ -53,12 +53,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_impl.gather import ParamGatherer
-from torch_impl.grouping import LocalGroup, OptimizerGroups
-from torch_impl.optim import adamw_, clip_coef
-from torch_impl.parallel import Topology
-from torch_impl.reduce import GradReduction
-from torch_impl.shards import Kind, MemoryMeter, Slot, nbytes
+from moezero.distributed.topology import Topology
+from moezero.zero.adamw import adamw_, clip_coef
+from moezero.zero.gather import ParamGatherer
+from moezero.zero.groups import LocalGroup, OptimizerGroups
+from moezero.zero.reduce import GradReduction
+from moezero.zero.shards import Kind, MemoryMeter, Slot, nbytes
 
 # torch 2.13 renamed the tensor forms; older versions only have the *_tensor names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

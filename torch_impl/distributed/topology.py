@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-import reference.plan.partition as plan
+import moezero.plan.partition as plan
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """How a rank's checkpoint bytes reach the disk: the O_DIRECT range writer that
 ``store.write_partition`` drives (``RangeWriter``) and the flush after a rank's last write
-(``FolderFlush``). Used by ``torch_impl.checkpoint``; docs/checkpoint.md ("Write path").
+(``FolderFlush``). Used by ``moezero.checkpoint.core``; docs/checkpoint.md ("Write path").
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from reference.plan import store
-from torch_impl.offload import ALIGN, AsyncIO, aligned_empty
+from moezero.offload.aio import ALIGN, AsyncIO, aligned_empty
+from moezero.plan import store
 
 __all__ = ["DIRECT_IO", "DIRECT_MIN_BYTES", "STAGE_BYTES", "FolderFlush", "RangeWriter"]
 

@@ -2,7 +2,7 @@
 
 ``import_hf(src, out)`` reads a local Mixtral directory (``config.json``, safetensors shards,
 optionally ``model.safetensors.index.json``) and writes a *weights-only* moezero checkpoint:
-the plan's layout (``reference.plan.layout.plan_layout(..., weights_only=True)``) with fp32
+the plan's layout (``moezero.plan.layout.plan_layout(..., weights_only=True)``) with fp32
 masters keyed by moezero FQNs with global expert ids, no optimizer files, step 0, committed
 atomically under ``out/step_00000000/`` with ``out/latest``, and ``out/config.yaml`` (the
 default recipe with the imported architecture and ``checkpoint.load: out``). One tensor is in
@@ -24,13 +24,13 @@ import torch
 from pydantic import ValidationError
 from safetensors import safe_open
 
-from reference.plan import plan_groups, plan_layout, store
-from reference.plan.layout import INDEX_NAME, RangeRecord
-from reference.plan.store import CheckpointError
-from torch_impl.checkpoint_tools import write_weights
-from torch_impl.config import Config, dump_config
-from torch_impl.grouping import config_user_group, param_specs
-from torch_impl.model.decoder import Decoder, ModelArgs
+from moezero.checkpoint.tools import write_weights
+from moezero.config import Config, dump_config
+from moezero.model.decoder import Decoder, ModelArgs
+from moezero.plan import plan_groups, plan_layout, store
+from moezero.plan.layout import INDEX_NAME, RangeRecord
+from moezero.plan.store import CheckpointError
+from moezero.zero.groups import config_user_group, param_specs
 
 __all__ = ["Arch", "arch_from_hf", "export_hf", "hf_config", "hf_name", "import_hf"]
 

@@ -1,6 +1,6 @@
 """Checkpoints of a training engine: the plan's layout, written rank by rank (docs/checkpoint.md).
 
-Every rank computes the layout (``reference.plan.layout.plan_layout``) from the engine's
+Every rank computes the layout (``moezero.plan.layout.plan_layout``) from the engine's
 optimizer groups; rank 0 creates the ``step_XXXXXXXX.partial/`` directory and every file's
 header; each rank writes its own fp32 partition of every group it holds (master, exp_avg,
 exp_avg_sq, straight from its ZeRO shards, or at stage 0 its DP slice of the replicated
@@ -19,7 +19,7 @@ boundary and the whole protocol (files, collectives on that group, commit) runs 
 background thread per rank, while training continues on the world's other groups; at most
 one save is in flight (the next save, a load or ``wait`` joins it first).
 
-Reference counterpart: ``reference.plan.store`` (the byte mover this module drives).
+Reference counterpart: ``moezero.plan.store`` (the byte mover this module drives).
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from reference.plan import plan_layout, store
-from reference.plan.layout import STATES, Layout, RangeRecord, rank_ranges
-from reference.plan.partition import Partition
-from reference.plan.specs import UserGroup
-from reference.plan.store import CheckpointError, check_shapes, find_checkpoint
-from torch_impl import ckpt_write
-from torch_impl.grouping import param_specs
+from moezero.checkpoint import writer as ckpt_write
+from moezero.plan import plan_layout, store
+from moezero.plan.layout import STATES, Layout, RangeRecord, rank_ranges
+from moezero.plan.partition import Partition
+from moezero.plan.specs import UserGroup
+from moezero.plan.store import CheckpointError, check_shapes, find_checkpoint
+from moezero.zero.groups import param_specs
 
 __all__ = ["Checkpointer", "CheckpointError", "check_shapes", "find_checkpoint", "load",
            "resolve_load", "save"]
@@ -233,7 +233,7 @@ def save(engine, root: str | os.PathLike, *, step: int, state: dict | None = Non
     """Save the engine's fp32 state at ``step`` under ``root`` (collective: every rank calls it).
 
     Args:
-        engine: The training engine (``torch_impl.engine.Engine``).
+        engine: The training engine (``moezero.engine.Engine``).
         root: The checkpoint root; the save goes to ``root/step_XXXXXXXX/`` and ``latest``.
         step: The step the directory is named by.
         state: The caller's JSON state (e.g. ``{"data": batches.state_dict()}``), returned by

@@ -19,9 +19,7 @@ from pathlib import Path
 
 import torch
 
-from reference.plan import store
-from reference.plan.layout import rank_ranges, same_group
-from torch_impl.offload import (
+from moezero.offload.aio import (
     CHUNK,
     OPTIMIZER_KEY,
     PARAM_KEY,
@@ -30,6 +28,8 @@ from torch_impl.offload import (
     aligned_empty,
     aligned_size,
 )
+from moezero.plan import store
+from moezero.plan.layout import rank_ranges, same_group
 
 OPTIM_STATES = ("master", "exp_avg", "exp_avg_sq")
 

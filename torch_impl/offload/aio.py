@@ -10,7 +10,7 @@ so both are small and guarded. ``SwapDir`` names one rank's swap files from the 
 name and state (stable across runs, never ``id()``), checks free space before training and
 removes its files at exit (DESIGN.md §1.4, §3). Reference counterpart: none (the reference
 keeps every state in memory); a swap file holds a contiguous partition range like the
-checkpoint layout, so save/load are ``reference.plan.store.copy_range`` file-to-file copies.
+checkpoint layout, so save/load are ``moezero.plan.store.copy_range`` file-to-file copies.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from torch_impl.config import ConfigError
+from moezero.config import ConfigError
 
 __all__ = ["ALIGN", "CHUNK", "OPTIMIZER_KEY", "PARAM_KEY", "AsyncIO", "OffloadIOError",
            "SwapDir", "aligned_empty", "aligned_size", "swap_name"]

@@ -1,8 +1,8 @@
 """The pieces a ZeRO optimizer is made of: one local group's shard (``Slot``), the groups that
 share one data-parallel group (``Kind``) and the engine's memory accounting (``MemoryMeter``).
 
-Used by ``torch_impl.reduce`` (gradient reduction), ``torch_impl.gather`` (stage 3) and
-``torch_impl.zero`` (the step). Reference counterpart: ``reference/plan/partition.py``.
+Used by ``moezero.zero.reduce`` (gradient reduction), ``moezero.zero.gather`` (stage 3) and
+``moezero.zero.sharded`` (the step). Reference counterpart: ``reference/plan/partition.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torch_impl.grouping import LocalGroup
+from moezero.zero.groups import LocalGroup
 
 
 def nbytes(t: torch.Tensor) -> int:

@@ -24,9 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torch_impl.config import Config
-from torch_impl.train import train
-
 _PR_SET_PDEATHSIG = 1
 
 
@@ -41,28 +38,19 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
-def launch(cfg: Config, run_dir: Path, nproc: int) -> int:
-    """Run training with ``nproc`` ranks (or the torchrun world); returns a process exit code."""
+def launch(fn: Callable, args: tuple, *, nproc: int, backend: str, timeout_s: float) -> int:
+    """Run ``fn(*args)`` on ``nproc`` local ranks, or on this rank of the torchrun world.
+
+    Returns a process exit code (0 when every rank returned).
+    """
     if under_torchrun():
-        world = int(os.environ["WORLD_SIZE"])
-        _in_process_group(_train_rank, int(os.environ["RANK"]), world, "env://",
-                          cfg.dist.resolve_backend(cuda=torch.cuda.is_available()),
-                          cfg.dist.timeout_s, (cfg.model_dump(by_alias=True), str(run_dir)),
-                          local_rank=int(os.environ["LOCAL_RANK"]))
+        _in_process_group(fn, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://",
+                          backend, timeout_s, args, local_rank=int(os.environ["LOCAL_RANK"]))
         return 0
     if nproc > cpu_count() and not torch.cuda.is_available():
         warnings.warn(f"--nproc {nproc} is more than the {cpu_count()} CPU cores here: "
                       "ranks will compete for cores and run slowly", stacklevel=2)
-    backend = cfg.dist.resolve_backend(cuda=torch.cuda.is_available())
-    return spawn(_train_rank, nproc, (cfg.model_dump(by_alias=True), str(run_dir)),
-                 backend=backend, timeout_s=cfg.dist.timeout_s)
-
-
-def _train_rank(cfg_data: dict, run_dir: str) -> None:
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device(f"cuda:{torch.cuda.current_device()}")
-    train(Config.model_validate(cfg_data), Path(run_dir), device)
+    return spawn(fn, nproc, args, backend=backend, timeout_s=timeout_s)
 
 
 def spawn(fn: Callable, nproc: int, args: tuple = (), *, backend: str = "gloo",

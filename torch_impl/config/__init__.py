@@ -31,7 +31,7 @@ __all__ = [
     "ZeroConfig", "DEFAULT_RECIPE", "dump_config", "load_config", "parse_override", "to_yaml",
 ]
 
-DEFAULT_RECIPE = Path(__file__).parent / "recipes" / "default.yaml"
+DEFAULT_RECIPE = Path(__file__).parent.parent / "recipes" / "default.yaml"
 """The shipped recipe; equal to ``Config()``."""
 
 

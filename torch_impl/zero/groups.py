@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from reference.plan.grouping import GroupPlan, plan_groups
-from reference.plan.partition import Partition, plan_partitions
-from reference.plan.specs import ParamSpec, UserGroup
-from torch_impl.config import Config
-from torch_impl.model.moe import MoE, expert_tag
-from torch_impl.parallel import Topology
+from moezero.config import Config
+from moezero.distributed.topology import Topology
+from moezero.model.moe import MoE, expert_tag
+from moezero.plan.grouping import GroupPlan, plan_groups
+from moezero.plan.partition import Partition, plan_partitions
+from moezero.plan.specs import ParamSpec, UserGroup
 
 _EXPERT = re.compile(r"^(?P<layer>.+)\.experts\.(?P<expert>\d+)\.(?P<rest>.+)$")
 

@@ -1,11 +1,11 @@
 """Checkpoint tools behind ``moezero checkpoint inspect|verify|export`` (docs/checkpoint.md).
 
-They read a committed checkpoint with ``reference.plan.store`` (JSON and safetensors only) and
+They read a committed checkpoint with ``moezero.plan.store`` (JSON and safetensors only) and
 need no process group. ``export`` writes consolidated model weights as Hugging Face
 safetensors files plus ``model.safetensors.index.json``, cast to bf16 or fp32, fragments
 joined into whole tensors keyed by FQN (global expert ids), no optimizer state;
 ``moezero checkpoint export --format hf-mixtral`` writes Hugging Face Mixtral names and a
-``config.json`` instead (``torch_impl.hf``, docs/hf.md).
+``config.json`` instead (``moezero.checkpoint.hf``, docs/hf.md).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from reference.plan import store
-from reference.plan.layout import FORMAT_VERSION
+from moezero.plan import store
+from moezero.plan.layout import FORMAT_VERSION
 
 __all__ = ["describe", "export", "verify", "write_weights"]
 
@@ -61,7 +61,7 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
     Fragments are reassembled into whole tensors keyed by FQN (global expert ids), cast to
     ``dtype``; files ``model.safetensors`` (or ``model-0000i-of-0000N`` above 4 GiB) and
     ``model.safetensors.index.json`` in ``out``. One tensor is in memory at a time.
-    (``torch_impl.hf.export_hf`` writes the same under Hugging Face Mixtral names.)
+    (``moezero.checkpoint.hf.export_hf`` writes the same under Hugging Face Mixtral names.)
     """
     m = store.read_manifest(ckpt)
     items = [(fqn, fqn, shape) for fqn, shape in m.layout.shapes]

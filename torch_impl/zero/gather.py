@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_impl.model.moe import MoE, expert_tag
-from torch_impl.parallel import Topology, gather_groups
+from moezero.distributed.topology import Topology, gather_groups
+from moezero.model.moe import MoE, expert_tag
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -1,0 +1,1 @@
+"""moezero.checkpoint."""
