@@ -1,4 +1,4 @@
-"""Developer sessions: ``nox -s tests parity lint`` is the whole suite (what CI runs).
+"""Developer sessions: ``nox`` runs the whole suite (tests, slow, parity, lint; what CI runs).
 
 torch: on a machine without an NVIDIA GPU the sessions install the CPU build
 ``torch==2.13.0`` (``MOEZERO_TORCH`` overrides the requirement, e.g. ``torch`` on a GPU box);
@@ -13,7 +13,7 @@ import shutil
 
 import nox
 
-nox.options.sessions = ["tests", "parity", "lint"]
+nox.options.sessions = ["tests", "slow", "parity", "lint"]
 nox.options.reuse_existing_virtualenvs = True
 
 
