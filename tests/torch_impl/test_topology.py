@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from moezero.distributed.topology import build_topology, validate
-from tests.torch_impl.distributed import run_world
+from tests.support.world import run_world
 
 
 def groups_of_rank(ep_sizes: list[int]) -> dict:
