@@ -1,19 +1,15 @@
-"""Shared setup of the parity suite: JAX flags before JAX is imported, reusable fixtures.
-
-XLA_FLAGS and JAX_DISABLE_MOST_OPTIMIZATIONS must be set before JAX is first imported, so this
-runs at conftest import time (as ``tests/reference/conftest.py`` does).
+"""Shared setup of the parity suite: JAX's environment before JAX is imported (at conftest
+import time, as ``tests/reference/conftest.py`` does), both sides in true fp32, and the
+PARITY_REPORT summary.
 """
 
 from __future__ import annotations
 
 import os
 
-_FLAG = "--xla_force_host_platform_device_count"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}=4".strip()
-# Tiny programs: XLA's CPU compile time dominates, and this cuts it 3-5x. Numerics stay IEEE
-# (no fast-math); set JAX_DISABLE_MOST_OPTIMIZATIONS=0 to override.
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+from tests.support.jax_env import configure_jax
+
+configure_jax()
 
 import jax  # noqa: E402
 import torch  # noqa: E402
@@ -27,7 +23,7 @@ def pytest_terminal_summary(terminalreporter):
     """With PARITY_REPORT=1: the worst error each check measured, beside its tolerance."""
     if os.environ.get("PARITY_REPORT") != "1":
         return
-    from parity_tests.compare import MEASURED
+    from tests.support.compare import MEASURED
 
     terminalreporter.section("parity: worst measured error per check")
     for name, (worst, tol) in sorted(MEASURED.items()):

@@ -24,7 +24,7 @@ from moezero.model.decoder import Decoder, ModelArgs, init_weights
 from moezero.reference.model import ModelConfig, forward, loss_fn, oracle_loss
 from moezero.reference.optim import OptimConfig
 from moezero.reference.weights import from_fqn_dict
-from parity_tests.compare import jax_fqns, to_numpy, torch_fqns
+from tests.support.compare import jax_fqns, to_numpy, torch_fqns
 
 SEQ = 16  # tokens per sequence
 BATCH = 2  # sequences per batch (per rank in distributed tests)

@@ -41,10 +41,10 @@ from moezero.reference.checkpoint import load_train_state, save_train_state
 from moezero.reference.optim import OptimConfig, TrainConfig, train_step
 from moezero.reference.weights import to_fqn_dict
 from parity_tests import ranks
-from parity_tests.compare import assert_rel, rel_err
 from parity_tests.models import SEQ, engine_config, tiny, torch_model
 from parity_tests.tolerances import FP32, SCHEDULE_REL
-from tests.torch_impl.distributed import run_world
+from tests.support.compare import assert_rel, rel_err
+from tests.support.world import run_world
 
 WORLD, EP, STAGE = 2, 2, 2
 MODEL = tiny()  # dim 32, 2 layers, 2 heads, ffn 48, 4 experts, top-2, vocab 64

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-from parity_tests.compare import errors_by_fqn, max_abs, torch_fqns
 from parity_tests.models import TINY, jax_run, to_jax, tokens, torch_model, torch_run
 from parity_tests.tolerances import TOLERANCES
+from tests.support.compare import errors_by_fqn, max_abs, torch_fqns
 
 FQN = "layers.1.moe.experts.2.w1.weight"
 

@@ -19,7 +19,6 @@ import pytest
 
 from moezero.reference.optim import OptimConfig, TrainConfig, init_train_state, train_step
 from parity_tests import ranks
-from parity_tests.compare import assert_close_by_fqn, assert_rel, errors_by_fqn, jax_fqns
 from parity_tests.models import (
     BATCH,
     corpus_batch,
@@ -29,7 +28,8 @@ from parity_tests.models import (
     to_jax,
 )
 from parity_tests.tolerances import FP32
-from tests.torch_impl.distributed import run_world
+from tests.support.compare import assert_close_by_fqn, assert_rel, errors_by_fqn, jax_fqns
+from tests.support.world import run_world
 
 WORLD, EP = 2, 2
 CONFIGS = {"dropless-k2": tiny(top_k=2), "capacity-k1": tiny(top_k=1, capacity_factor=1.0)}

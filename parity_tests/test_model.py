@@ -10,7 +10,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from parity_tests.compare import assert_close_by_fqn, assert_max_abs, assert_rel
 from parity_tests.models import (
     engine_run,
     jax_run,
@@ -21,6 +20,7 @@ from parity_tests.models import (
     torch_run,
 )
 from parity_tests.tolerances import BF16, FP32
+from tests.support.compare import assert_close_by_fqn, assert_max_abs, assert_rel
 
 CONFIGS = {
     "dropless-k1": tiny(top_k=1),

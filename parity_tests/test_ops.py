@@ -20,7 +20,9 @@ from moezero.model import decoder as torch_decoder
 from moezero.model import moe as torch_moe
 from moezero.reference import model as ref_model
 from moezero.reference import moe as ref_moe
-from parity_tests.compare import (
+from parity_tests.models import TINY, to_jax, torch_model
+from parity_tests.tolerances import TOLERANCES
+from tests.support.compare import (
     assert_close_by_fqn,
     assert_max_rel,
     assert_rel,
@@ -28,8 +30,6 @@ from parity_tests.compare import (
     jax_fqns,
     torch_fqns,
 )
-from parity_tests.models import TINY, to_jax, torch_model
-from parity_tests.tolerances import TOLERANCES
 
 jit_attention = jax.jit(ref_model.attention, static_argnames="cfg")
 DTYPES = {"fp32": (torch.float32, jnp.float32), "bf16": (torch.bfloat16, jnp.bfloat16)}

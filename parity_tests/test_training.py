@@ -25,15 +25,15 @@ from moezero.reference.optim import (
     train_step,
 )
 from moezero.zero.groups import config_user_group
-from parity_tests.compare import (
+from parity_tests.models import corpus_batch, engine_config, tiny, to_jax, torch_model
+from parity_tests.tolerances import FP32, SCHEDULE_REL
+from tests.support.compare import (
     assert_close_by_fqn,
     assert_rel,
     jax_fqns,
     rel_err,
     torch_fqns,
 )
-from parity_tests.models import corpus_batch, engine_config, tiny, to_jax, torch_model
-from parity_tests.tolerances import FP32, SCHEDULE_REL
 
 STEPS = 20
 jit_train_step = jax.jit(train_step, static_argnums=0)

@@ -74,10 +74,10 @@ from moezero.reference.zero_layout import (
 )
 from moezero.train import build_model
 from moezero.zero.adamw import LossScaler
-from parity_tests.compare import errors_by_fqn, record, rel_err
 from parity_tests.models import SEQ, engine_config, tiny
 from parity_tests.tolerances import SCHEDULE_REL, ZERO
-from tests.torch_impl.distributed import run_world
+from tests.support.compare import errors_by_fqn, record, rel_err
+from tests.support.world import run_world
 
 MODEL = tiny(n_layers=1)  # dim 32, 2 heads, ffn 48, 4 experts, top-2, vocab 64
 ROWS = 2  # rows per rank

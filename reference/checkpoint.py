@@ -18,7 +18,7 @@ MaskedState(EmptyState()), ScaleByScheduleState(count))``: ``mu``/``nu`` are tor
 ``state.engine.step_count``; Adam's bias correction and the lr schedule both read it).
 Not modelled here: the fp16 loss scaler and RNG states (returned in the manifest as saved).
 
-Torch counterpart: ``torch_impl/checkpoint.py``.
+Torch counterpart: ``moezero.checkpoint``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from moezero.plan import Manifest, partition_group, plan_groups, plan_layout, store
+from moezero.plan import (
+    MASTER,
+    STATES,
+    Layout,
+    Manifest,
+    RangeRecord,
+    partition_group,
+    plan_groups,
+    plan_layout,
+    store,
+)
 from moezero.plan.store import CheckpointError, find_checkpoint
 from moezero.reference.optim import TrainConfig, TrainState, lr_at, make_optimizer
 from moezero.reference.weights import from_fqn_dict, param_shapes, to_fqn_dict
@@ -43,12 +53,12 @@ __all__ = ["CheckpointError", "find_checkpoint", "load_train_state", "read_fqn_s
 
 
 def read_fqn_state(ckpt_dir: str | os.PathLike, manifest: Manifest,
-                   state: str = "master") -> dict[str, np.ndarray]:
+                   state: str = MASTER) -> dict[str, np.ndarray]:
     """``{fqn: fp32 array of its full shape}`` of one state (``master``, ``exp_avg``,
     ``exp_avg_sq``), each parameter gathered by ``store.read_param`` from whatever files and
     fragments hold it. The moments of a weights-only checkpoint (``moezero import-hf``) are
     zeros: a fresh optimizer."""
-    if state != "master" and manifest.layout.weights_only:
+    if state != MASTER and manifest.layout.weights_only:
         return {fqn: np.zeros(shape, np.float32) for fqn, shape in manifest.layout.shapes}
     return {fqn: store.read_param(ckpt_dir, manifest, fqn, state=state).reshape(shape)
             for fqn, shape in manifest.layout.shapes}
@@ -83,7 +93,7 @@ def load_train_state(ckpt_dir: str | os.PathLike, cfg: TrainConfig) -> tuple[Tra
     manifest = store.read_manifest(where)
     store.check_shapes(manifest, param_shapes(cfg.model), where)
     params, mu, nu = (from_fqn_dict(read_fqn_state(where, manifest, s), cfg.model)
-                      for s in ("master", "exp_avg", "exp_avg_sq"))
+                      for s in STATES)
     steps = step_count(manifest)
     count = jnp.asarray(steps, jnp.int32)
     opt_state = make_optimizer(cfg.optim).init(params)
@@ -119,19 +129,8 @@ def save_train_state(root: str | os.PathLike, cfg: TrainConfig, state: TrainStat
     specs = param_specs(zcfg)
     groups = plan_groups(specs, max_group_size=max_group_size, split_by_expert=split_by_expert)
     layout = plan_layout(groups, {s.fqn: s.shape for s in specs}, step=step)
-    flat = {"master": to_fqn_dict(state.params),
-            "exp_avg": to_fqn_dict(optax.tree.get(state.opt_state, "mu")),
-            "exp_avg_sq": to_fqn_dict(optax.tree.get(state.opt_state, "nu"))}
     partial = store.begin_save(root, step)
-    records = store.write_headers(layout, partial)
-    for group in groups:  # each group whole: the only DP rank of a dp_size = 1 partition
-        part = partition_group(group, world_size=group.ep_size)
-        shards = {s: np.concatenate([_flat32(values[m.fqn])[m.start:m.stop]
-                                     for m in group.members])
-                  for s, values in flat.items()}
-        records += store.write_partition(partial, layout, part, 0, **shards, fsync=False)
-    for f in layout.files:
-        store.fsync_file(partial / f.name)
+    records = store.write_headers(layout, partial) + _write_groups(partial, layout, state)
     engine = {"step_count": steps, "global_steps": step, "lr_step": steps,
               "lr": float(lr_at(cfg.optim, steps))}
     store.write_manifest(
@@ -145,6 +144,24 @@ def save_train_state(root: str | os.PathLike, cfg: TrainConfig, state: TrainStat
     if keep_last is not None:
         store.apply_retention(root, keep_last)
     return final
+
+
+def _write_groups(partial: Path, layout: Layout, state: TrainState) -> list[RangeRecord]:
+    """Write every group whole, as the only DP rank of a ``dp_size = 1`` partition, then
+    flush the files; returns the ranges' checksum records."""
+    flat = dict(zip(STATES, (to_fqn_dict(state.params),
+                             to_fqn_dict(optax.tree.get(state.opt_state, "mu")),
+                             to_fqn_dict(optax.tree.get(state.opt_state, "nu"))), strict=True))
+    records = []
+    for group in layout.groups:
+        part = partition_group(group, world_size=group.ep_size)
+        shards = {s: np.concatenate([_flat32(values[m.fqn])[m.start:m.stop]
+                                     for m in group.members])
+                  for s, values in flat.items()}
+        records += store.write_partition(partial, layout, part, 0, **shards, fsync=False)
+    for f in layout.files:
+        store.fsync_file(partial / f.name)
+    return records
 
 
 def _flat32(value) -> np.ndarray:

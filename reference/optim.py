@@ -1,7 +1,7 @@
 """AdamW train step (optax): warmup + cosine schedule, global-norm clipping, masked decay.
 
-Torch counterpart: ``torch_impl/optim.py`` (schedule, clipping, AdamW math) as driven by
-``torch_impl/zero.py`` and ``torch_impl/engine.py``: this is the unsharded meaning of the ZeRO
+Torch counterpart: ``moezero.zero.adamw`` (schedule, clipping, AdamW math) as driven by
+``moezero.zero.sharded`` and ``moezero.engine``: this is the unsharded meaning of the ZeRO
 step in DESIGN.md §2 (fp16 loss scaling and per-group lr scales are not modelled here).
 
 ``train_step(cfg, state, batch) -> (new_state, metrics)`` is pure; jit it with
@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from moezero.plan.rules import weight_decay_applies
 from moezero.reference.model import ModelConfig, oracle_loss
+from moezero.reference.weights import fqn_of, stacked_fqns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +31,7 @@ class OptimConfig:
     lr: float = 3e-3  # peak learning rate
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    weight_decay: float = 0.1  # decoupled (AdamW); never applied to norm gains
+    weight_decay: float = 0.1  # decoupled (AdamW); where ``decay_mask`` says (not norm gains)
     gradient_clipping: float | None = 1.0  # max global grad norm; None or 0 disables
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1  # the cosine ends at lr·min_lr_ratio
@@ -67,10 +69,14 @@ def lr_at(cfg: OptimConfig, step) -> jax.Array:
 
 
 def decay_mask(params: dict) -> dict:
-    """True where weight decay applies: every param except RMSNorm gains (``*norm.weight``)."""
-    def decays(path, _):
-        return not ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) \
-            .endswith("norm.weight")
+    """True where weight decay applies, by the plan's ``weight_decay_applies`` (the rule the
+    torch side's user groups follow): matrices, not norm gains or vectors. A stack of experts
+    is asked with one expert's FQN and shape (every expert of a stack has the same)."""
+    def decays(path, leaf):
+        names = stacked_fqns(path, leaf)
+        if names is None:
+            return weight_decay_applies(fqn_of(path), leaf.shape)
+        return weight_decay_applies(names[0], leaf.shape[1:])
     return jax.tree_util.tree_map_with_path(decays, params)
 
 

@@ -1,6 +1,6 @@
 """fp16 dynamic loss scaling and the clip coefficient of the ZeRO step (``reference/zero.py``).
 
-Torch counterpart: ``torch_impl/optim.py`` (``LossScaler``, ``clip_coef``). Semantics:
+Torch counterpart: ``moezero.zero.adamw`` (``LossScaler``, ``clip_coef``). Semantics:
 DESIGN.md §2 ("Sharded optimizer step": an overflow skips the step on every rank).
 """
 

@@ -26,6 +26,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from moezero.plan.rules import check_ep_size
 from moezero.reference.moe import (
     apply_experts,
     assign_slots,
@@ -51,8 +52,7 @@ class ShardedMoEOut(NamedTuple):
 
 def make_mesh(world_size: int, ep: int) -> Mesh:
     """A (W/ep, ep) mesh over the first W devices, axes ``("edp", "ep")``."""
-    if world_size % ep:
-        raise ValueError(f"ep={ep} must divide world_size={world_size}")
+    check_ep_size(ep_size=ep, world_size=world_size)
     return jax.make_mesh((world_size // ep, ep), (EDP, EP),
                          axis_types=(AxisType.Explicit, AxisType.Explicit),
                          devices=jax.devices()[:world_size])
@@ -88,9 +88,9 @@ def moe_layer_sharded(params: dict, x_TD: jax.Array, *, mesh: Mesh, top_k: int,
     """The MoE layer over ``mesh``: x_TD holds all ranks' tokens (rank r: the r-th block)."""
     ep = mesh.shape[EP]
     num_experts = params["router"]["weight"].shape[0]
-    if num_experts % ep or x_TD.shape[0] % mesh.size:
-        raise ValueError(f"E={num_experts} must split over ep={ep} and T={x_TD.shape[0]} "
-                         f"over W={mesh.size}")
+    check_ep_size(ep_size=ep, num_experts=num_experts)
+    if x_TD.shape[0] % mesh.size:
+        raise ValueError(f"T={x_TD.shape[0]} tokens must split over W={mesh.size}")
     expert_specs = jax.tree.map(lambda _: P(EP), params["experts"])
     fn = jax.shard_map(
         lambda router, experts, x: _local_moe(router, experts, x, ep=ep, top_k=top_k,

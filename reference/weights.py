@@ -17,32 +17,41 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from moezero.plan.rules import EXPERTS, expert_fqn
 from moezero.reference.model import ModelConfig, init_params
 
-EXPERTS = "experts"
 
-
-def _path_keys(path) -> list[str]:
+def path_keys(path) -> list[str]:
     """A pytree key path as FQN segments: dict keys and list indices."""
     return [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
 
 
-def _expert_fqn(keys: list[str], expert: int) -> str:
-    i = keys.index(EXPERTS) + 1
-    return ".".join([*keys[:i], str(expert), *keys[i:]])
+def fqn_of(path) -> str:
+    """The FQN of a leaf that is one parameter (``layers.0.attn.wq.weight``)."""
+    return ".".join(path_keys(path))
+
+
+def stacked_fqns(path, leaf) -> tuple[str, ...] | None:
+    """The FQNs of the experts stacked on ``leaf``'s leading axis, by global index (the plan's
+    ``expert_fqn``), or ``None`` for a leaf that is one parameter (``fqn_of``)."""
+    keys = path_keys(path)
+    if EXPERTS not in keys:
+        return None
+    i = keys.index(EXPERTS)
+    layer, rest = ".".join(keys[:i]), ".".join(keys[i + 1:])
+    return tuple(expert_fqn(layer, e, rest) for e in range(leaf.shape[0]))
 
 
 def to_fqn_dict(params: dict) -> dict[str, np.ndarray]:
     """Flatten params to ``{fqn: np.ndarray}`` (experts unstacked by global index), in order."""
     out: dict[str, np.ndarray] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = _path_keys(path)
         arr = np.asarray(leaf)
-        if EXPERTS in keys:
-            for e in range(arr.shape[0]):
-                out[_expert_fqn(keys, e)] = np.ascontiguousarray(arr[e])
+        names = stacked_fqns(path, arr)
+        if names is None:
+            out[fqn_of(path)] = arr
         else:
-            out[".".join(keys)] = arr
+            out.update({n: np.ascontiguousarray(a) for n, a in zip(names, arr, strict=True)})
     return out
 
 
@@ -51,11 +60,11 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     abstract = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
     shapes: dict[str, tuple[int, ...]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
-        keys = _path_keys(path)
-        if EXPERTS in keys:
-            shapes.update({_expert_fqn(keys, e): leaf.shape[1:] for e in range(leaf.shape[0])})
+        names = stacked_fqns(path, leaf)
+        if names is None:
+            shapes[fqn_of(path)] = leaf.shape
         else:
-            shapes[".".join(keys)] = leaf.shape
+            shapes.update({n: leaf.shape[1:] for n in names})
     return shapes
 
 
@@ -78,11 +87,11 @@ def from_fqn_dict(flat: dict[str, np.ndarray], cfg: ModelConfig, dtype=jnp.float
     abstract = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
 
     def build(path, leaf):
-        keys = _path_keys(path)
-        if EXPERTS in keys:
-            arr = np.stack([np.asarray(flat[_expert_fqn(keys, e)]) for e in range(leaf.shape[0])])
+        names = stacked_fqns(path, leaf)
+        if names is None:
+            arr = np.asarray(flat[fqn_of(path)])
         else:
-            arr = np.asarray(flat[".".join(keys)])
+            arr = np.stack([np.asarray(flat[n]) for n in names])
         return jnp.asarray(arr, dtype=dtype)
 
     return jax.tree_util.tree_map_with_path(build, abstract)

@@ -1,8 +1,8 @@
 """The layout of the ZeRO reference's sharded state: the plan's groups as *stacks*, flat
 buffers by FQN, and the mesh.
 
-Torch counterpart: ``torch_impl/grouping.py`` (``OptimizerGroups``: the same plan) and the flat
-buffers and partitions of ``torch_impl/zero.py`` (``ZeroOptimizer.state_pieces``). The step
+Torch counterpart: ``moezero.zero.groups`` (``OptimizerGroups``: the same plan) and the flat
+buffers and partitions of ``moezero.zero.sharded`` (``ZeroOptimizer.state_pieces``). The step
 that uses this layout is ``reference/zero.py``; the plan itself is ``reference/plan/``.
 
 Mesh ``("edp", "ep")`` of shape (W/ep, ep) (``make_mesh``); rank ``r = edp·ep + ep_index``. A
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +23,25 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from moezero.plan import GroupPlan, ParamSpec, Partition, UserGroup, plan_groups, plan_partitions
+from moezero.plan.rules import (
+    check_ep_size,
+    expert_group_name,
+    parse_expert_fqn,
+    weight_decay_applies,
+)
 from moezero.reference.model import ModelConfig, init_params
 from moezero.reference.optim import OptimConfig
 from moezero.reference.scaling import LossScaleConfig
 from moezero.reference.sharded import EDP, EP, RANKS
-from moezero.reference.weights import from_fqn_dict, param_shapes
+from moezero.reference.weights import (
+    fqn_of,
+    from_fqn_dict,
+    param_shapes,
+    path_keys,
+    stacked_fqns,
+)
 
 ALL = (EDP, EP)  # every device, in rank order
-EXPERT_FQN = re.compile(r"^(?P<layer>.+)\.experts\.(?P<expert>\d+)\.(?P<rest>.+)$")
 
 
 # ---------------------------------------------------------------------------- the stacks
@@ -82,15 +92,15 @@ def param_specs(cfg: ZeroConfig) -> list[ParamSpec]:
     """The plan's specs of the model, with the user groups torch builds (decay / no_decay)."""
     specs = []
     for fqn, shape in param_shapes(cfg.model).items():
-        user = "no_decay" if fqn.endswith("norm.weight") else "decay"  # = optim.decay_mask
-        match = EXPERT_FQN.match(fqn)
-        if match is None:
+        user = "decay" if weight_decay_applies(fqn, shape) else "no_decay"  # = optim.decay_mask
+        parts = parse_expert_fqn(fqn)
+        if parts is None:
             specs.append(ParamSpec(fqn, tuple(shape), user_group=user))
             continue
         specs.append(ParamSpec(fqn, tuple(shape), user_group=user,
-                               moe_group=cfg.expert_group_name or f"ep_size_{cfg.ep_size}",
-                               ep_size=cfg.ep_size, layer=match["layer"],
-                               expert=int(match["expert"])))
+                               moe_group=expert_group_name(cfg.expert_group_name,
+                                                           ep_size=cfg.ep_size),
+                               ep_size=cfg.ep_size, layer=parts.layer, expert=parts.expert))
     return specs
 
 
@@ -126,8 +136,7 @@ def plan_stacks(cfg: ZeroConfig) -> tuple[Stack, ...]:
 
 def make_mesh(world_size: int, ep_size: int) -> Mesh:
     """A (W/ep, ep) mesh ``("edp", "ep")`` over the first W devices (Auto axes)."""
-    if world_size % ep_size:
-        raise ValueError(f"ep_size {ep_size} does not divide world_size {world_size}")
+    check_ep_size(ep_size=ep_size, world_size=world_size)
     return jax.make_mesh((world_size // ep_size, ep_size), ALL,
                          axis_types=(AxisType.Auto, AxisType.Auto),
                          devices=jax.devices()[:world_size])
@@ -136,21 +145,15 @@ def make_mesh(world_size: int, ep_size: int) -> Mesh:
 # --------------------------------------------------------------------- flat buffers by FQN
 
 
-def _keys(path) -> list[str]:
-    return [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
-
-
 def fqn_views(tree) -> dict[str, jax.Array]:
     """Every param (or grad) flattened to 1-D by FQN, experts unstacked by global index."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        keys = _keys(path)
-        if "experts" in keys:
-            i = keys.index("experts") + 1
-            for e in range(leaf.shape[0]):
-                out[".".join([*keys[:i], str(e), *keys[i:]])] = leaf[e].reshape(-1)
+        names = stacked_fqns(path, leaf)
+        if names is None:
+            out[fqn_of(path)] = leaf.reshape(-1)
         else:
-            out[".".join(keys)] = leaf.reshape(-1)
+            out.update({n: leaf[e].reshape(-1) for e, n in enumerate(names)})
     return out
 
 
@@ -160,12 +163,9 @@ def from_fqn_views(flat: dict[str, jax.Array], cfg: ModelConfig) -> dict:
     abstract = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
 
     def build(path, leaf):
-        keys = _keys(path)
-        if "experts" not in keys:
-            name = ".".join(keys)
-            return flat[name].reshape(shapes[name])
-        i = keys.index("experts") + 1
-        names = [".".join([*keys[:i], str(e), *keys[i:]]) for e in range(leaf.shape[0])]
+        names = stacked_fqns(path, leaf)
+        if names is None:
+            return flat[fqn_of(path)].reshape(shapes[fqn_of(path)])
         return jnp.stack([flat[n].reshape(shapes[n]) for n in names])
 
     return jax.tree_util.tree_map_with_path(build, abstract)
@@ -223,4 +223,4 @@ def opt_specs(opt_state, stacks):
     like their stack, counts replicated)."""
     spec = {s.name: s.spec for s in stacks}
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: spec[_keys(path)[-1]] if jnp.ndim(leaf) else P(), opt_state)
+        lambda path, leaf: spec[path_keys(path)[-1]] if jnp.ndim(leaf) else P(), opt_state)

@@ -3,7 +3,9 @@
 ``plan_groups`` decides which parameter elements form each optimizer group;
 ``plan_partitions`` decides how each group's flat buffer is split over ranks;
 ``plan_layout`` decides where every byte of a checkpoint lies, and ``moezero.plan.store``
-(import it explicitly) reads and writes it. See DESIGN.md §2, docs/grouping.md and
+(import it explicitly) reads and writes it. ``moezero.plan.rules`` holds the conventions both
+sides follow (expert FQNs, the expert group's default name, the optimizer state names, the
+``ep`` divisibility check, the weight-decay rule). See DESIGN.md §2, docs/grouping.md and
 docs/checkpoint.md.
 """
 
@@ -18,7 +20,6 @@ from moezero.plan.layout import (
     ByteRange,
     FileLayout,
     Layout,
-    Manifest,
     RangeRecord,
     RankRanges,
     TensorEntry,
@@ -29,9 +30,9 @@ from moezero.plan.layout import (
     rank_ranges,
     shapes_of,
 )
+from moezero.plan.manifest import Manifest
 from moezero.plan.partition import (
     Partition,
-    check_ep_size,
     edp_group_ranks,
     edp_rank,
     ep_group_ranks,
@@ -39,9 +40,32 @@ from moezero.plan.partition import (
     partition_group,
     plan_partitions,
 )
+from moezero.plan.rules import (
+    EXPERTS,
+    MASTER,
+    MOMENTS,
+    STATES,
+    ExpertName,
+    check_ep_size,
+    ep_size_problem,
+    expert_fqn,
+    expert_group_name,
+    parse_expert_fqn,
+    weight_decay_applies,
+)
 from moezero.plan.specs import ParamSpec, Slice, UserGroup, natural_key, user_groups_by_name
 
 __all__ = [
+    "EXPERTS",
+    "MASTER",
+    "MOMENTS",
+    "STATES",
+    "ExpertName",
+    "ep_size_problem",
+    "expert_fqn",
+    "expert_group_name",
+    "parse_expert_fqn",
+    "weight_decay_applies",
     "ByteRange",
     "FileLayout",
     "Layout",

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from moezero.plan.rules import check_ep_size, ep_size_problem
 from moezero.plan.specs import ParamSpec, Slice, UserGroup, natural_key, user_groups_by_name
 
 
@@ -88,8 +89,7 @@ class _Key(NamedTuple):
 
 def expert_ep_rank(expert: int, *, num_experts: int, ep_size: int) -> int:
     """EP rank holding global expert ``expert``: ``expert // (num_experts / ep_size)``."""
-    if ep_size < 1 or num_experts % ep_size:
-        raise ValueError(f"ep_size {ep_size} does not divide the expert count {num_experts}")
+    check_ep_size(ep_size=ep_size, num_experts=num_experts)
     if not 0 <= expert < num_experts:
         raise ValueError(f"expert {expert} is out of range for {num_experts} experts")
     return expert // (num_experts // ep_size)
@@ -194,7 +194,7 @@ def _validate_experts(specs: Sequence[ParamSpec]) -> dict[str, int]:
         experts[spec.layer].add(spec.expert)
     for layer, found in experts.items():
         ep = ep_of_group[group_of_layer[layer][0]][0]
-        if found != set(range(len(found))) or len(found) % ep:
+        if found != set(range(len(found))) or ep_size_problem(ep, num_experts=len(found)):
             raise ValueError(f"layer {layer!r}: experts must be 0..E-1 with E divisible by "
                              f"ep_size {ep}, got {sorted(found)}")
     return {layer: len(found) for layer, found in experts.items()}

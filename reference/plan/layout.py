@@ -12,8 +12,8 @@ Keys: a member that is a whole parameter is stored under its name (``fqn``,
 docs/checkpoint.md for reassembly. Headers are built byte-for-byte from the layout, so any
 rank knows every data offset without reading a file.
 
-The manifest's pure half (``Manifest``, ``manifest_to_json``/``manifest_from_json``) lives
-here too; file I/O is in ``moezero.plan.store``. Torch counterpart:
+The manifest's pure half (``Manifest``, ``manifest_to_json``/``manifest_from_json``) is
+``moezero.plan.manifest``; file I/O is in ``moezero.plan.store``. Torch counterpart:
 ``moezero.checkpoint.core`` (calls ``plan_layout``, ``rank_ranges`` and the store).
 """
 
@@ -29,12 +29,12 @@ from typing import Any, NamedTuple
 
 from moezero.plan.grouping import GroupPlan, locate_params
 from moezero.plan.partition import Partition
+from moezero.plan.rules import MASTER, MOMENTS, STATES
 from moezero.plan.specs import ParamSpec, Slice
 
 FORMAT_VERSION = 1
 ITEMSIZE = 4  # every tensor is fp32 ("F32")
 HEADER_ALIGN = 8
-STATES = ("master", "exp_avg", "exp_avg_sq")
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_NAME = "manifest.json"
 
@@ -161,10 +161,10 @@ class Layout:
         """The full shape of parameter ``fqn``; KeyError if it is not in the checkpoint."""
         return self._shapes[fqn]
 
-    def pieces(self, fqn: str, state: str = "master") -> tuple[tuple[FileLayout, TensorEntry], ...]:
+    def pieces(self, fqn: str, state: str = MASTER) -> tuple[tuple[FileLayout, TensorEntry], ...]:
         """The (file, tensor) pieces holding ``fqn``'s ``state``, in element order."""
         _check_state(state)
-        if state != "master" and self.weights_only:
+        if state != MASTER and self.weights_only:
             raise KeyError(f"a weights-only checkpoint has no {state} of {fqn!r}")
         if (fqn, state) not in self._pieces:
             raise KeyError(f"parameter {fqn!r} is not in the checkpoint")
@@ -247,7 +247,7 @@ def file_name(kind: str, index: int, num_groups: int) -> str:
 
 
 def _file(kind: str, group: GroupPlan, num_groups: int, shapes: dict, step: int) -> FileLayout:
-    states = ("master",) if kind == "model" else ("exp_avg", "exp_avg_sq")
+    states = (MASTER,) if kind == "model" else MOMENTS
     tensors, cursor = [], 0
     for state in states:
         for member in group.members:
@@ -260,7 +260,7 @@ def _file(kind: str, group: GroupPlan, num_groups: int, shapes: dict, step: int)
 
 
 def _entry(member: Slice, state: str, shape: tuple[int, ...], begin: int) -> TensorEntry:
-    name = member.fqn if state == "master" else f"{member.fqn}.{state}"
+    name = member.fqn if state == MASTER else f"{member.fqn}.{state}"
     if member.numel == math.prod(shape):
         return TensorEntry(name, member.fqn, state, 0, member.stop, shape, begin)
     return TensorEntry(fragment_key(name, member.start, member.stop), member.fqn, state,
@@ -323,103 +323,6 @@ def index_json(layout: Layout) -> dict:
     total = sum(f.data_size for f in layout.model_files)
     return {"metadata": {"total_size": total, "format": "moezero", "step": layout.step},
             "weight_map": weight_map}
-
-
-def group_to_json(group: GroupPlan) -> dict:
-    """A group as a JSON object (members as ``[fqn, start, stop]``)."""
-    return {"name": group.name, "index": group.index, "user_group": group.user_group,
-            "moe_group": group.moe_group, "ep_size": group.ep_size, "ep_rank": group.ep_rank,
-            "layer": group.layer, "expert": group.expert,
-            "members": [[m.fqn, m.start, m.stop] for m in group.members]}
-
-
-def group_from_json(obj: Mapping) -> GroupPlan:
-    """Inverse of ``group_to_json``."""
-    members = tuple(Slice(fqn, start, stop) for fqn, start, stop in obj["members"])
-    return GroupPlan(obj["name"], obj["index"], obj["user_group"], obj["moe_group"],
-                     obj["ep_size"], obj["ep_rank"], obj["layer"], obj["expert"], members)
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What ``manifest.json`` holds, with the layout recomputed from its groups and shapes.
-
-    ``config``, ``topology`` and ``state`` are opaque JSON objects owned by the caller
-    (resolved config; world size, ep sizes, stage at save; RNG, data position, loss
-    scaler, lr step).
-    """
-
-    layout: Layout
-    checksums: tuple[RangeRecord, ...]
-    config: dict = field(default_factory=dict)
-    topology: dict = field(default_factory=dict)
-    state: dict = field(default_factory=dict)
-
-    @property
-    def step(self) -> int:
-        """The optimizer step saved."""
-        return self.layout.step
-
-
-def manifest_to_json(manifest: Manifest) -> dict:
-    """The manifest as a JSON object (the layout as groups, shapes and file sizes)."""
-    layout = manifest.layout
-    obj = {"format": "moezero-checkpoint", "format_version": FORMAT_VERSION,
-           "step": layout.step, "dtype": "F32", "config": manifest.config,
-           "topology": manifest.topology,
-           "groups": [group_to_json(g) for g in layout.groups],
-           "shapes": {fqn: list(shape) for fqn, shape in layout.shapes},
-           "files": [{"name": f.name, "kind": f.kind, "group": f.group, "size": f.size}
-                     for f in layout.files],
-           "checksums": [list(r) for r in manifest.checksums], "state": manifest.state}
-    if layout.weights_only:  # only then: older manifests stay byte-identical
-        obj["weights_only"] = True
-    return obj
-
-
-def manifest_from_json(obj: Any) -> Manifest:
-    """Parse and cross-check a manifest object; ValueError (one line) on any mismatch."""
-    if not isinstance(obj, dict) or obj.get("format") != "moezero-checkpoint":
-        raise ValueError("not a moezero checkpoint manifest")
-    if obj.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"unsupported format_version {obj.get('format_version')!r} "
-                         f"(this reader knows {FORMAT_VERSION})")
-    try:
-        layout = plan_layout([group_from_json(g) for g in obj["groups"]], obj["shapes"],
-                             step=int(obj["step"]), weights_only=obj.get("weights_only") is True)
-        files = [(f["name"], f["kind"], f["group"], f["size"]) for f in obj["files"]]
-        checksums = tuple(RangeRecord(str(f), int(o), int(n), int(c))
-                          for f, o, n, c in obj["checksums"])
-        extra = {k: obj.get(k, {}) for k in ("config", "topology", "state")}
-    except (AttributeError, KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"malformed manifest: {type(err).__name__}: {err}") from None
-    if files != [(f.name, f.kind, f.group, f.size) for f in layout.files]:
-        raise ValueError("manifest files do not match the layout of its groups and shapes")
-    check_tiling(layout, checksums)
-    return Manifest(layout, checksums, **extra)
-
-
-def check_tiling(layout: Layout, records: Iterable[RangeRecord]) -> None:
-    """Raise ValueError unless ``records`` cover every byte of every file exactly once."""
-    by_file: dict[str, list[tuple[int, int]]] = {f.name: [] for f in layout.files}
-    for file, offset, length, _ in records:
-        if file not in by_file:
-            raise ValueError(f"checksum names unknown file {file!r}")
-        if offset < 0 or length < 0:
-            raise ValueError(f"{file}: negative checksum range ({offset}, {length})")
-        if length:
-            by_file[file].append((offset, offset + length))
-    for f in layout.files:
-        cursor = 0
-        for begin, end in sorted(by_file[f.name]):
-            if begin != cursor:
-                raise ValueError(f"{f.name}: bytes [{min(begin, cursor)}, {max(begin, cursor)}) "
-                                 f"are {'not covered' if begin > cursor else 'covered twice'}")
-            cursor = end
-        if cursor < f.size:
-            raise ValueError(f"{f.name}: bytes [{cursor}, {f.size}) are not covered")
-        if cursor > f.size:
-            raise ValueError(f"{f.name}: checksummed ranges run to byte {cursor}, past its end")
 
 
 def _check_state(state: str) -> None:

@@ -17,15 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from moezero.plan.grouping import GroupPlan
+from moezero.plan.rules import check_ep_size
 from moezero.plan.specs import Slice
-
-
-def check_ep_size(*, world_size: int, ep_size: int) -> None:
-    """Raise ValueError (one line) unless ``ep_size`` divides ``world_size``."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if ep_size < 1 or world_size % ep_size:
-        raise ValueError(f"ep_size {ep_size} does not divide world_size {world_size}")
 
 
 def ep_rank(rank: int, *, ep_size: int) -> int:
@@ -56,8 +49,7 @@ def edp_group_ranks(rank: int, *, world_size: int, ep_size: int) -> tuple[int, .
 
 
 def _check_rank(rank: int, ep_size: int, world_size: int | None = None) -> None:
-    if ep_size < 1:
-        raise ValueError(f"ep_size must be >= 1, got {ep_size}")
+    check_ep_size(ep_size=ep_size)
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
     if world_size is not None and rank >= world_size:

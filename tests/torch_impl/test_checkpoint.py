@@ -26,9 +26,10 @@ from moezero.config import Config
 from moezero.distributed.topology import build_topology
 from moezero.plan import store
 from moezero.train import build_model, setup
-from tests.torch_impl.compare import RTOL, assert_close_by_fqn, rel_err
-from tests.torch_impl.distributed import run_world
+from tests.support.compare import assert_close_by_fqn, rel_err
+from tests.support.world import run_world
 from tests.torch_impl.test_distributed import merged, small_config
+from tests.torch_impl.tolerances import RTOL
 
 KIB = 1024
 

@@ -11,8 +11,9 @@ from moezero.data import Batches, make_corpus
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
 from moezero.train import build_model
-from tests.torch_impl.compare import RTOL, assert_close_by_fqn, rel_err
-from tests.torch_impl.distributed import run_world
+from tests.support.compare import assert_close_by_fqn, rel_err
+from tests.support.world import run_world
+from tests.torch_impl.tolerances import RTOL
 
 MICRO = 2  # sequences per rank
 

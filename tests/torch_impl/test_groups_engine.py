@@ -22,7 +22,7 @@ from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
 from moezero.plan import ParamSpec, plan_groups, plan_partitions
 from moezero.train import build_model
-from tests.torch_impl.distributed import run_world
+from tests.support.world import run_world
 from tests.torch_impl.test_distributed import small_config
 
 _EXPERT = re.compile(r"^(.+)\.experts\.(\d+)\.(.+)$")

@@ -20,8 +20,8 @@ from moezero.model.decoder import Decoder, ModelArgs
 from moezero.plan import plan_groups, plan_layout, store
 from moezero.plan.specs import ParamSpec
 from moezero.train import setup
-from tests.torch_impl.compare import RTOL
 from tests.torch_impl.test_cli import moezero
+from tests.torch_impl.tolerances import RTOL
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moezero.model.moe import MoE
-from tests.torch_impl.distributed import run_world
+from tests.support.world import run_world
 from tests.torch_impl.test_cli import TINY, moezero
 from tests.torch_impl.test_distributed import MICRO
 from tests.torch_impl.test_zero import CAP, engine_and_batches, zcfg

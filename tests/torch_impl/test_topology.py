@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from moezero.distributed.topology import build_topology, validate
-from tests.torch_impl.distributed import run_world
+from tests.support.world import run_world
 
 
 def groups_of_rank(ep_sizes: list[int]) -> dict:
@@ -40,8 +40,9 @@ def test_groups(tmp_path, world):
             assert res[ep]["edp_rank"] == edp_ranks.index(res["rank"])
 
 
-@pytest.mark.parametrize("world,ep,experts,key", [(4, 3, 6, "world size"), (4, 4, 6, "num_experts"),
-                                                  (2, 0, 8, "world size")])
+@pytest.mark.parametrize("world,ep,experts,key", [(4, 3, 6, "does not divide world_size 4"),
+                                                  (4, 4, 6, "does not divide num_experts 6"),
+                                                  (2, 0, 8, "must be >= 1, got 0")])
 def test_invalid_ep_is_a_one_line_error(world, ep, experts, key):
     with pytest.raises(ValueError, match=key) as info:
         validate(world, ep, experts)

@@ -16,9 +16,10 @@ from moezero.data import Batches, make_corpus
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
 from moezero.train import build_model
-from tests.torch_impl.compare import RTOL, assert_close_by_fqn, rel_err
-from tests.torch_impl.distributed import run_world
+from tests.support.compare import assert_close_by_fqn, rel_err
+from tests.support.world import run_world
 from tests.torch_impl.test_distributed import MICRO, merged, small_config
+from tests.torch_impl.tolerances import RTOL
 
 STEPS = 3
 CAP = 1000  # < one expert weight (48 x 32 = 1536 elements): weights are sliced across groups

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 import moezero.plan.partition as plan
+from moezero.plan import rules
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,11 @@ class Topology:
 
 
 def validate(world_size: int, ep: int, num_experts: int) -> None:
-    """Raise ValueError (one line) unless ``ep`` divides both W and the expert count."""
-    if ep < 1 or world_size % ep:
-        raise ValueError(f"moe.ep_size: {ep} does not divide the world size {world_size}")
-    if num_experts % ep:
-        raise ValueError(f"moe.ep_size: {ep} does not divide moe.num_experts={num_experts}")
+    """Raise ValueError (one line, ``moe.ep_size: …``) unless ``ep`` divides both W and the
+    expert count (the plan's ``ep_size_problem``)."""
+    problem = rules.ep_size_problem(ep, world_size=world_size, num_experts=num_experts)
+    if problem is not None:
+        raise ValueError(f"moe.ep_size: {problem}")
 
 
 def build_topology(ep_sizes: tuple[int, ...] | list[int], *, num_experts: int) -> Topology:

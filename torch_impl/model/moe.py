@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moezero.plan import rules
+
 
 @dataclass(frozen=True)
 class ExpertTag:
@@ -115,14 +117,15 @@ class MoE(nn.Module):
                  expert_group_name: str | None = None,
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.001):
         super().__init__()
-        if num_experts % ep_size:
-            raise ValueError(f"moe.ep_size: {ep_size} does not divide num_experts={num_experts}")
+        problem = rules.ep_size_problem(ep_size, num_experts=num_experts)
+        if problem is not None:
+            raise ValueError(f"moe.ep_size: {problem}")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"moe.top_k: {top_k} must be in [1, num_experts={num_experts}]")
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.ep_size, self.ep_rank, self.ep_group = ep_size, ep_rank, ep_group
         self.num_local = num_experts // ep_size
-        self.group_name = expert_group_name or f"ep_size_{ep_size}"
+        self.group_name = rules.expert_group_name(expert_group_name, ep_size=ep_size)
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): _make_expert(expert, e) for e in self.local_experts})

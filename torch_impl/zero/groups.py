@@ -3,13 +3,13 @@
 Turns any ``nn.Module`` containing moezero ``MoE`` layers into ``ParamSpec``s (every expert by
 global index, also those held by other EP ranks), asks the plan for the groups, and keeps the
 ones whose parameters live on this rank. User hyperparameter groups come from the config
-(no weight decay on norm gains and biases, optional expert and router learning rates) or from
+(no weight decay where the plan's ``weight_decay_applies`` says so: norm gains, biases;
+optional expert and router learning rates) or from
 a caller's function. Reference counterpart: ``reference/plan/grouping.py``.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,9 +20,8 @@ from moezero.distributed.topology import Topology
 from moezero.model.moe import MoE, expert_tag
 from moezero.plan.grouping import GroupPlan, plan_groups
 from moezero.plan.partition import Partition, plan_partitions
+from moezero.plan.rules import expert_fqn, parse_expert_fqn, weight_decay_applies
 from moezero.plan.specs import ParamSpec, UserGroup
-
-_EXPERT = re.compile(r"^(?P<layer>.+)\.experts\.(?P<expert>\d+)\.(?P<rest>.+)$")
 
 UserGroupFn = Callable[[str, nn.Parameter], UserGroup]
 
@@ -62,7 +61,7 @@ def config_user_group(cfg: Config) -> UserGroupFn:
     opt = cfg.optimizer
 
     def user_group(fqn: str, param: nn.Parameter) -> UserGroup:
-        no_decay = opt.no_decay_on_norms and param.ndim < 2
+        no_decay = opt.no_decay_on_norms and not weight_decay_applies(fqn, param.shape)
         kind, lr = "", opt.lr
         if expert_tag(param) is not None and opt.expert_lr is not None:
             kind, lr = "expert_", opt.expert_lr
@@ -86,17 +85,16 @@ def param_specs(model: nn.Module, user_group: UserGroupFn) -> tuple[list[ParamSp
         if tag is None:
             specs[fqn] = ParamSpec(fqn, tuple(param.shape), _dtype(param), ug.name)
             continue
-        match = _EXPERT.match(fqn)
-        if match is None:
+        parts = parse_expert_fqn(fqn)
+        if parts is None:
             raise ValueError(f"{fqn}: expert parameter outside an 'experts.<index>' module")
-        layer = match["layer"]
-        moe = model.get_submodule(layer)
+        moe = model.get_submodule(parts.layer)
         if not isinstance(moe, MoE):
-            raise ValueError(f"{fqn}: expert parameter whose layer {layer!r} is not a MoE")
+            raise ValueError(f"{fqn}: expert parameter whose layer {parts.layer!r} is not a MoE")
         for e in range(moe.num_experts):  # every expert, wherever it lives
-            name = f"{layer}.experts.{e}.{match['rest']}"
+            name = expert_fqn(parts.layer, e, parts.rest)
             specs[name] = ParamSpec(name, tuple(param.shape), _dtype(param), ug.name,
-                                    tag.group_name, tag.ep_size, layer, e)
+                                    tag.group_name, tag.ep_size, parts.layer, e)
     return list(specs.values()), list(groups.values())
 
 

@@ -5,19 +5,19 @@ torch modules and state dicts flatten by ``named_parameters`` / keys; reference 
 same tensor on both sides (docs/model.md). Errors are measured in float64:
 ``rel_err`` is norm-wise, ``||a − b|| / ||b||``; ``max_abs`` is ``max |a − b|``; ``max_rel`` is
 ``max |a − b| / max |b|`` (elementwise, on the output's own scale).
+
+Shared by every suite, so it imports neither torch nor JAX: a torch tensor is recognised only
+when torch is already loaded (an object cannot be one otherwise), JAX arrays convert through
+``np.asarray``, and ``jax_fqns`` imports the reference when called (torch-only suites never
+call it).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import torch
-from torch import nn
-
-from moezero.reference.weights import to_fqn_dict
 
 # The worst error each check has measured in this session, by check name (the ``what`` of the
 # assert helpers up to its first comma): ``{name: (worst, tolerance)}``. conftest prints it
@@ -32,20 +32,29 @@ def record(what: str, err: float, tol: float) -> None:
     MEASURED[name] = (max(worst, err), tol)
 
 
+def _torch():
+    """The torch module if it is loaded (then a tensor may be one of its tensors), else None."""
+    return sys.modules.get("torch")
+
+
 def to_numpy(x) -> np.ndarray:
-    """A torch tensor, JAX array or array-like as a float64 (or integer/bool) numpy array."""
-    if isinstance(x, torch.Tensor):
+    """A torch tensor, JAX array or array-like as a float64 (or integer/bool) numpy array.
+
+    Floating arrays of any width (bf16 from ml_dtypes included) become float64.
+    """
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
         x = x.detach().cpu()
         x = x.double() if x.is_floating_point() else x
         return x.numpy()
-    arr = np.asarray(jax.device_get(x))
-    return arr.astype(np.float64) if jnp.issubdtype(arr.dtype, jnp.floating) else arr
+    arr = np.asarray(x)
+    return arr if arr.dtype.kind in "biu" else arr.astype(np.float64)
 
 
-def torch_fqns(tree: nn.Module | Mapping[str, torch.Tensor], *, grads: bool = False
-               ) -> dict[str, np.ndarray]:
+def torch_fqns(tree, *, grads: bool = False) -> dict[str, np.ndarray]:
     """``{fqn: array}`` of a module's parameters (or their ``.grad``), or of a tensor dict."""
-    if isinstance(tree, nn.Module):
+    torch = _torch()
+    if torch is not None and isinstance(tree, torch.nn.Module):
         named = dict(tree.named_parameters())
         if grads:  # a parameter that took no part (an expert with no tokens) has zero grad
             named = {k: torch.zeros_like(p) if p.grad is None else p.grad
@@ -56,6 +65,8 @@ def torch_fqns(tree: nn.Module | Mapping[str, torch.Tensor], *, grads: bool = Fa
 
 def jax_fqns(params: dict) -> dict[str, np.ndarray]:
     """``{fqn: array}`` of a reference params tree (or a grads tree of the same structure)."""
+    from moezero.reference.weights import to_fqn_dict  # JAX suites only
+
     return {k: to_numpy(v) for k, v in to_fqn_dict(params).items()}
 
 

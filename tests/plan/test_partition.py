@@ -19,7 +19,7 @@ from moezero.plan import (
     plan_partitions,
 )
 
-from .test_plan_grouping import caps, example_model, models
+from .models import caps, example_model, models
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

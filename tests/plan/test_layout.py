@@ -28,9 +28,9 @@ from moezero.plan import (
     rank_ranges,
     shapes_of,
 )
-from moezero.plan.layout import Manifest, check_tiling, manifest_from_json, manifest_to_json
+from moezero.plan.manifest import Manifest, check_tiling, manifest_from_json, manifest_to_json
 
-from .test_plan_grouping import caps, example_model, models
+from .models import caps, example_model, models
 
 SETTINGS = settings(max_examples=40, deadline=None)
 

@@ -1,4 +1,5 @@
-"""Tests of ``moezero.plan.store``: save from simulated ranks, reshard on read, verify, commit.
+"""Tests of the checkpoint store (``moezero.plan.store``, ``.reading``, ``.stepdirs``): save from
+simulated ranks, reshard on read, verify, commit.
 
 A "rank" here is a loop iteration: each DP rank of each group writes its own shard with
 ``write_partition``, exactly as the torch writer does from its process.
@@ -18,8 +19,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
-from moezero.plan import ParamSpec, plan_groups, plan_layout, plan_partitions, shapes_of, store
-from moezero.plan.layout import INDEX_NAME, MANIFEST_NAME, STATES
+from moezero.plan import (
+    STATES,
+    ParamSpec,
+    plan_groups,
+    plan_layout,
+    plan_partitions,
+    shapes_of,
+    stepdirs,
+    store,
+)
+from moezero.plan.layout import INDEX_NAME, MANIFEST_NAME
 from moezero.plan.store import (
     CheckpointError,
     apply_retention,
@@ -38,7 +48,7 @@ from moezero.plan.store import (
     write_range,
 )
 
-from .test_plan_grouping import caps, models
+from .models import caps, models
 
 SPLIT, CAP = True, None
 
@@ -446,8 +456,8 @@ def test_retention_trusts_the_directory_just_committed(tmp_path, monkeypatch):
     """``committed`` is not re-read (the saver has just checked it); the others are."""
     old, new = small_save(tmp_path, 1), small_save(tmp_path, 2)
     read = []
-    real = store.read_manifest
-    monkeypatch.setattr(store, "read_manifest", lambda d: (read.append(Path(d)), real(d))[1])
+    real = stepdirs.read_manifest
+    monkeypatch.setattr(stepdirs, "read_manifest", lambda d: (read.append(Path(d)), real(d))[1])
     assert apply_retention(tmp_path, keep_last=1, committed=new) == [old]
     assert new not in read and old in read
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000002"]

@@ -1,0 +1,203 @@
+"""Reading a checkpoint: the manifest (checked), resharding reads by FQN or by partition,
+checksum verification, and the model-shape check.
+
+``read_shard`` gives a rank its shard of a group under the current plan whatever plan saved
+it: one contiguous read (``read_range``) when the group is unchanged, else per-member slices
+(``read_param``). Names in a manifest never escape its directory. Torch counterpart:
+``moezero.checkpoint.core`` (loads through these); writing is ``moezero.plan.store``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from moezero.plan.files import CHUNK, CheckpointError, check_file, pread_into
+from moezero.plan.layout import (
+    INDEX_NAME,
+    ITEMSIZE,
+    MANIFEST_NAME,
+    index_json,
+    rank_ranges,
+    same_group,
+)
+from moezero.plan.manifest import Manifest, manifest_from_json
+from moezero.plan.partition import Partition
+from moezero.plan.rules import MASTER
+
+
+def read_manifest(ckpt_dir: str | os.PathLike) -> Manifest:
+    """Read and check a checkpoint's manifest; every file must exist with its size.
+
+    Raises:
+        CheckpointError: (one line) no/unreadable manifest, a file named outside the
+            directory (absolute, ``..``, symlink escaping), a manifest inconsistent with
+            its layout, or a missing/truncated file (named).
+    """
+    root = Path(ckpt_dir)
+    path = root / MANIFEST_NAME
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{root}: no {MANIFEST_NAME} (incomplete checkpoint)") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: unreadable: {err}") from None
+    base = os.path.realpath(root)
+    for name in _named_files(obj):
+        _resolve(root, name, base)
+    try:
+        manifest = manifest_from_json(obj)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    for f in manifest.layout.files:
+        check_file(root / f.name, f.size)
+    return manifest
+
+
+def _named_files(obj: object) -> list:
+    """Every distinct file name a manifest mentions (best effort on malformed input)."""
+    if not isinstance(obj, dict):
+        return []
+    names = [f.get("name") for f in obj.get("files") or () if isinstance(f, dict)]
+    names += [r[0] for r in obj.get("checksums") or () if isinstance(r, list) and r]
+    odd = [n for n in names if not isinstance(n, str)]  # rejected by _resolve
+    return odd[:1] + list(dict.fromkeys(n for n in names if isinstance(n, str)))
+
+
+def _resolve(root: Path, name: object, base: str) -> Path:
+    """``root / name``, refusing names that leave ``root`` (absolute, ``..``, symlinks).
+
+    ``base`` is ``os.path.realpath(root)``, computed once by the caller.
+    """
+    bad = (not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name)
+           or ".." in Path(name).parts)
+    if not bad and (os.sep in name or os.path.islink(os.path.join(base, name))):
+        # a plain entry of ``base`` (the usual case) is inside; else resolve the links
+        bad = os.path.commonpath([base, os.path.realpath(os.path.join(base, name))]) != base
+    if bad:
+        raise CheckpointError(f"{root}: manifest names a file outside the checkpoint "
+                              f"directory: {name!r}")
+    return root / name
+
+
+def read_param(ckpt_dir: str | os.PathLike, manifest: Manifest, fqn: str, start: int = 0,
+               stop: int | None = None, state: str = MASTER, *,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """Elements ``[start, stop)`` of flattened parameter ``fqn``'s ``state``, from any plan.
+
+    Gathers from every file and fragment that holds part of the range (one ``pread`` per
+    piece). ``stop=None`` means the end. Returns a 1-D float32 array (``out`` if given).
+    """
+    pieces = manifest.layout.pieces(fqn, state)
+    numel = math.prod(manifest.layout.shape(fqn))
+    stop = numel if stop is None else stop
+    if not 0 <= start <= stop <= numel:
+        raise ValueError(f"param {fqn!r}: range [{start}, {stop}) is outside [0, {numel})")
+    out = _output(out, stop - start)
+    for f, t in pieces:
+        lo, hi = max(start, t.start), min(stop, t.stop)
+        if lo < hi:
+            offset = f.data_start + t.begin + (lo - t.start) * ITEMSIZE
+            pread_into(Path(ckpt_dir) / f.name, out[lo - start:hi - start], offset)
+    return out
+
+
+def read_range(ckpt_dir: str | os.PathLike, manifest: Manifest, partition: Partition,
+               dp_rank: int, state: str = MASTER, *,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """Fast path: one contiguous read of a rank's shard of a group saved with the same members.
+
+    Works for any world size or alignment as long as the group is unchanged (ValueError
+    otherwise). Returns ``shard_numel`` float32 elements, padding zeroed.
+    """
+    ranges = rank_ranges(manifest.layout, partition, dp_rank)
+    where = getattr(ranges, state)
+    if where is None:
+        raise CheckpointError(f"{ckpt_dir}: a weights-only checkpoint has no {state}")
+    out = _output(out, partition.shard_numel)
+    pread_into(Path(ckpt_dir) / where.file, out[:ranges.numel], where.offset)
+    out[ranges.numel:] = 0
+    return out
+
+
+def read_shard(ckpt_dir: str | os.PathLike, manifest: Manifest, partition: Partition,
+               dp_rank: int, state: str = MASTER, *,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """A rank's shard of a group under the current plan, whatever plan saved it.
+
+    Uses ``read_range`` when the group was saved with the same members, else gathers each
+    member slice with ``read_param``. Padding is zeroed.
+    """
+    if same_group(manifest.layout, partition):
+        return read_range(ckpt_dir, manifest, partition, dp_rank, state, out=out)
+    out = _output(out, partition.shard_numel)
+    out[:] = 0
+    for piece, offset in partition.rank_slices(dp_rank):
+        read_param(ckpt_dir, manifest, piece.fqn, piece.start, piece.stop, state,
+                   out=out[offset:offset + piece.numel])
+    return out
+
+
+def read_tensors(ckpt_dir: str | os.PathLike, manifest: Manifest,
+                 state: str = MASTER) -> dict[str, np.ndarray]:
+    """Every parameter's ``state`` reassembled to its full shape, fragments joined (export)."""
+    return {fqn: read_param(ckpt_dir, manifest, fqn, state=state).reshape(shape)
+            for fqn, shape in manifest.layout.shapes}
+
+
+def _output(out: np.ndarray | None, numel: int) -> np.ndarray:
+    if out is None:
+        return np.empty(numel, np.float32)
+    if out.dtype != np.float32 or out.shape != (numel,) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a contiguous float32 array of shape ({numel},), got "
+                         f"{out.dtype} {out.shape}")
+    return out
+
+
+def verify(ckpt_dir: str | os.PathLike) -> list[str]:
+    """Recompute every range checksum; one line per problem, in file order (empty if sound)."""
+    root = Path(ckpt_dir)
+    try:
+        manifest = read_manifest(root)
+    except CheckpointError as err:
+        return [str(err)]
+    problems = []
+    for r in manifest.checksums:
+        crc = _crc_range(root / r.file, r.offset, r.length)
+        if crc != r.crc32:
+            problems.append(f"{root}: {r.file} bytes [{r.offset}, {r.offset + r.length}): "
+                            f"crc32 {crc:08x}, manifest says {r.crc32:08x}")
+    try:
+        if json.loads((root / INDEX_NAME).read_text()) != index_json(manifest.layout):
+            problems.append(f"{root}: {INDEX_NAME} does not match the manifest")
+    except (OSError, ValueError) as err:
+        problems.append(f"{root}: {INDEX_NAME} is unreadable: {err}")
+    return problems
+
+
+def _crc_range(path: Path, offset: int, length: int) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        for pos in range(offset, offset + length, CHUNK):
+            crc = zlib.crc32(os.pread(f.fileno(), min(CHUNK, offset + length - pos), pos), crc)
+    return crc
+
+
+def check_shapes(manifest, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
+    """CheckpointError (one line) unless the checkpoint holds exactly the model's params."""
+    saved = dict(manifest.layout.shapes)
+    for fqn, shape in shapes.items():
+        if fqn not in saved:
+            raise CheckpointError(f"{where}: parameter {fqn} is not in the checkpoint")
+        if tuple(saved[fqn]) != tuple(shape):
+            raise CheckpointError(f"{where}: parameter {fqn} has shape {tuple(saved[fqn])} in "
+                                  f"the checkpoint, {tuple(shape)} in the model")
+    extra = sorted(set(saved) - set(shapes))
+    if extra:
+        raise CheckpointError(f"{where}: the checkpoint has parameter {extra[0]} that the "
+                              "model does not")

@@ -1,0 +1,257 @@
+"""The config's schema: one pydantic model per section, validated on load and on assignment.
+
+Sections mirror DeepSpeed's names where the concept is the same (``zero_optimization.stage``,
+``offload_optimizer.device``, ``nvme_path``, ``gradient_clipping``, the fp16 loss-scale knobs).
+Each field has a default and a description; unknown keys are refused. ``Config()`` is the
+embedded default recipe. Cross-field rules raise
+``FieldError`` naming the field; the rules shared with the reference (the ``ep`` check, the
+expert group's default name) are the plan's (``moezero.plan.rules``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from moezero.config.errors import FieldError
+from moezero.plan import rules
+
+
+class _Section(BaseModel):
+    """Base of every section: unknown keys rejected, assignments validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # pydantic keeps a value that failed an after-validator on assignment; undo it.
+        old = self.__dict__.get(name, _MISSING)
+        try:
+            super().__setattr__(name, value)
+        except ValidationError:
+            if old is not _MISSING:
+                self.__dict__[name] = old
+            raise
+
+
+_MISSING = object()
+
+
+class TrainConfig(_Section):
+    """The training loop."""
+
+    steps: int = Field(300, ge=1, description="Optimizer steps to run (total, including resumed ones).")
+    seed: int = Field(0, ge=0, description="Seed for parameter init, routing noise and data order.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per rank per micro-batch.")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches averaged per optimizer step.")
+    seq_len: int = Field(128, ge=1, description="Tokens per sequence.")
+    log_every: int = Field(10, ge=1, description="Print progress every this many steps.")
+    out_dir: str | None = Field(None, description="Run directory; None lets the CLI pick one (--out sets it).")
+
+
+class ModelConfig(_Section):
+    """Mixtral-style decoder: RMSNorm, RoPE attention, SwiGLU experts."""
+
+    vocab_size: int = Field(256, ge=2, description="Token vocabulary (256 = bytes).")
+    dim: int = Field(128, ge=1, description="Residual stream width.")
+    n_layers: int = Field(4, ge=1, description="Decoder blocks, each with one MoE layer.")
+    n_heads: int = Field(4, ge=1, description="Attention heads; must divide dim with an even head dim.")
+    ffn_dim: int = Field(256, ge=1, description="Hidden width of each SwiGLU expert.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelConfig:
+        if self.dim % self.n_heads:
+            raise FieldError("dim", f"must be divisible by model.n_heads ({self.n_heads}), got {self.dim}")
+        if (self.dim // self.n_heads) % 2:
+            raise FieldError("dim", f"head dim dim/n_heads = {self.dim // self.n_heads} must be even (RoPE)")
+        return self
+
+
+class MoEConfig(_Section):
+    """Mixture-of-Experts layers: routing, expert parallelism and optimizer grouping."""
+
+    num_experts: int = Field(8, ge=1, description="Experts per MoE layer (E).")
+    top_k: int = Field(2, ge=1, description="Experts each token is routed to.")
+    ep_size: int = Field(2, ge=1, description="Expert-parallel size: ranks one layer's experts are spread over.")
+    capacity_factor: float | None = Field(
+        None, gt=0, description="Expert capacity = factor * tokens * top_k / E; None = dropless.")
+    expert_group_name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Name of the expert parameter group (used in optimizer-group names); "
+                    "None = 'ep_size_{ep_size}'. See `group_name`.")
+    max_group_size: int | None = Field(
+        None, gt=0, description="Hard cap on elements per optimizer group (tiled step); None = no cap.")
+    split_groups_by_expert: bool = Field(True, description="One optimizer group per (layer, expert).")
+    aux_loss_coef: float = Field(0.01, ge=0, description="Weight of the load-balancing aux loss.")
+    z_loss_coef: float = Field(0.001, ge=0, description="Weight of the router z-loss.")
+
+    @property
+    def group_name(self) -> str:
+        """The resolved expert group name: ``expert_group_name`` or ``ep_size_{ep_size}``."""
+        return rules.expert_group_name(self.expert_group_name, ep_size=self.ep_size)
+
+    @model_validator(mode="after")
+    def _routing(self) -> MoEConfig:
+        if self.top_k > self.num_experts:
+            raise FieldError("top_k", f"must be <= moe.num_experts ({self.num_experts}), got {self.top_k}")
+        problem = rules.ep_size_problem(self.ep_size, num_experts=self.num_experts)
+        if problem is not None:
+            raise FieldError("ep_size", problem)
+        return self
+
+
+class PrecisionConfig(_Section):
+    """Compute dtype and fp16 dynamic loss scaling (DeepSpeed's ``fp16`` block)."""
+
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Compute dtype; auto = bf16 on GPUs that support it, else fp32.")
+    initial_scale_power: int = Field(16, ge=0, le=64, description="fp16: initial loss scale is 2**this.")
+    loss_scale_window: int = Field(1000, ge=1, description="fp16: overflow-free steps before doubling.")
+    hysteresis: int = Field(2, ge=1, description="fp16: overflows tolerated before halving the scale.")
+    min_loss_scale: float = Field(1.0, gt=0, description="fp16: the scale never drops below this.")
+
+    def resolve(self, *, cuda: bool, bf16_supported: bool) -> Literal["fp32", "bf16", "fp16"]:
+        """The concrete dtype for a device (``auto`` never reaches the engine)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bf16" if cuda and bf16_supported else "fp32"
+
+    @model_validator(mode="after")
+    def _scale(self) -> PrecisionConfig:
+        if self.min_loss_scale > 2.0**self.initial_scale_power:
+            raise FieldError("min_loss_scale", f"must be <= 2**initial_scale_power, got {self.min_loss_scale}")
+        return self
+
+
+class OptimizerConfig(_Section):
+    """AdamW with linear warmup then cosine decay."""
+
+    type: Literal["adamw"] = Field("adamw", description="Optimizer; only AdamW for now.")
+    lr: float = Field(3e-3, ge=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam (beta1, beta2), each in [0, 1).")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay.")
+    no_decay_on_norms: bool = Field(True, description="No weight decay on norm gains and biases.")
+    expert_lr: float | None = Field(None, ge=0, description="Peak lr of expert params; None = lr.")
+    router_lr: float | None = Field(None, ge=0, description="Peak lr of router params; None = lr.")
+    gradient_clipping: float | None = Field(
+        1.0, ge=0, description="Clip the global grad norm to this; 0 or None disables.")
+    warmup_steps: int = Field(30, ge=0, description="Linear warmup steps from 0 to lr.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay ends at lr * this.")
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """``gradient_clipping`` with 0 normalised to None (no clipping)."""
+        return self.gradient_clipping or None
+
+    @model_validator(mode="after")
+    def _betas(self) -> OptimizerConfig:
+        for i, beta in enumerate(self.betas):
+            if not 0.0 <= beta < 1.0:
+                raise FieldError(f"betas.{i}", f"must be in [0, 1), got {beta}")
+        return self
+
+
+class OffloadConfig(_Section):
+    """Where a ZeRO state lives (DeepSpeed's ``offload_optimizer`` / ``offload_param``)."""
+
+    device: Literal["none", "cpu", "nvme"] = Field("none", description="none = accelerator memory.")
+    nvme_path: str | None = Field(None, description="Folder for swap files; required for nvme.")
+
+    @model_validator(mode="after")
+    def _nvme(self) -> OffloadConfig:
+        if self.device == "nvme" and not self.nvme_path:
+            raise FieldError("nvme_path", "required when device is 'nvme'")
+        return self
+
+
+class ZeroConfig(_Section):
+    """ZeRO sharding (DeepSpeed's ``zero_optimization`` block)."""
+
+    stage: int = Field(2, ge=0, le=3, description="0 = plain DP, 1 = shard optimizer state, "
+                                                  "2 = + gradients, 3 = + parameters.")
+    tiled_step: bool = Field(True, description="Step one optimizer group at a time (bounded fp32 peak).")
+    reduce_bucket_size: int = Field(int(5e7), ge=1, description="Elements per gradient-reduction bucket.")
+    overlap_comm: bool = Field(True, description="Overlap gradient reduction with backward.")
+    offload_optimizer: OffloadConfig = Field(
+        default_factory=OffloadConfig, description="Optimizer state offload (stage >= 1).")
+    offload_param: OffloadConfig = Field(
+        default_factory=OffloadConfig, description="Parameter offload (stage 3 only).")
+
+    @model_validator(mode="after")
+    def _offload(self) -> ZeroConfig:
+        if self.offload_optimizer.device != "none" and self.stage < 1:
+            raise FieldError("offload_optimizer.device",
+                              f"offloading the optimizer needs zero_optimization.stage >= 1, got {self.stage}")
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise FieldError("offload_param.device",
+                              f"offloading params needs zero_optimization.stage 3, got {self.stage}")
+        return self
+
+
+class CheckpointConfig(_Section):
+    """Saving and resuming."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    every: int = Field(0, ge=0, description="Save every this many steps; 0 = only at the end.")
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep; older ones are deleted.")
+    load: str | None = Field(None, min_length=1, description="Resume from a step directory, or 'latest'.")
+    async_save: bool = Field(False, alias="async", description="Write in the background (key: async).")
+    dir: str | None = Field(None, description="Checkpoint root; None = <run dir>/checkpoints.")
+
+    def resolve_dir(self, run_dir: str | os.PathLike) -> Path:
+        """The checkpoint root for a run directory."""
+        return Path(self.dir) if self.dir else Path(run_dir) / "checkpoints"
+
+
+class DataConfig(_Section):
+    """Training data: a byte-level text file or the built-in synthetic corpus."""
+
+    path: str | None = Field(None, description="Text file (byte-level); None = synthetic corpus.")
+    synthetic_vocab: int = Field(32, ge=2, description="Synthetic corpus: token alphabet size.")
+    synthetic_sources: int = Field(4, ge=1, description="Synthetic corpus: seeded Markov sources mixed.")
+    synthetic_seed: int = Field(1234, ge=0, description="Synthetic corpus: seed of the sources.")
+
+
+class DistConfig(_Section):
+    """torch.distributed."""
+
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on CUDA, else gloo.")
+    timeout_s: float = Field(300.0, gt=0, description="Collective timeout in seconds.")
+
+    def resolve_backend(self, *, cuda: bool) -> Literal["gloo", "nccl"]:
+        """The concrete backend for a device."""
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if cuda else "gloo"
+
+
+class Config(_Section):
+    """A whole run. ``Config()`` is the embedded default recipe."""
+
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Decoder architecture.")
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="MoE layers.")
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="Mixed precision.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer + schedule.")
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO sharding/offload.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
+    dist: DistConfig = Field(default_factory=DistConfig, description="torch.distributed.")
+
+    @model_validator(mode="after")
+    def _across_sections(self) -> Config:
+        if self.data.path is None and self.data.synthetic_vocab > self.model.vocab_size:
+            raise FieldError("data.synthetic_vocab",
+                              f"must be <= model.vocab_size ({self.model.vocab_size}), "
+                              f"got {self.data.synthetic_vocab}")
+        if self.data.path is not None and self.model.vocab_size < 256:
+            raise FieldError("model.vocab_size",
+                              f"byte-level data.path needs >= 256, got {self.model.vocab_size}")
+        return self
