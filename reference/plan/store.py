@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moezero.plan.bytes_io import CHUNK, byte_view
 from moezero.plan.layout import (
     INDEX_NAME,
     ITEMSIZE,
@@ -46,7 +47,6 @@ from moezero.plan.layout import (
 )
 from moezero.plan.partition import Partition
 
-CHUNK = 8 << 20  # bytes per pwrite/pread call
 PARTIAL, STALE = ".partial", ".stale"
 _STEP_DIR = re.compile(r"step_(\d{8,})(\.partial|\.stale)?")
 
@@ -66,7 +66,7 @@ def write_range(path: str | os.PathLike, offset: int, array: np.ndarray | bytes)
     Returns:
         The zlib crc32 of the bytes written, computed while writing.
     """
-    data = _byte_view(array)
+    data = byte_view(array)
     fd = os.open(path, os.O_WRONLY)
     try:
         size = os.fstat(fd).st_size
@@ -81,12 +81,6 @@ def write_range(path: str | os.PathLike, offset: int, array: np.ndarray | bytes)
     finally:
         os.close(fd)
     return crc
-
-
-def _byte_view(array: np.ndarray | bytes) -> memoryview:
-    if isinstance(array, np.ndarray):
-        array = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return memoryview(array).cast("B")
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

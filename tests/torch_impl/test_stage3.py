@@ -49,8 +49,8 @@ def train(cfg_data: dict, steps: int = STEPS, world_of_batch: int = 2, first: in
     if save:
         engine.save_checkpoint(save)
     params = {k: p.detach().float().clone().numpy() for k, p in engine.full_parameters().items()}
-    swaps = [s.folder for s in (engine.zero.optim_swap, engine.zero.param_swap) if s] \
-        if engine.zero else []
+    opt = engine.optimizer
+    swaps = [s.folder for s in (opt.optim_swap, getattr(opt, "param_swap", None)) if s]
     listing = sorted({entry for folder in swaps for entry in folder.listing()})
     engine.close()
     left = sorted({entry for folder in swaps for entry in folder.listing()})
