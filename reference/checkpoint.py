@@ -125,15 +125,7 @@ def save_train_state(root: str | os.PathLike, cfg: TrainConfig, state: TrainStat
             "exp_avg": to_fqn_dict(optax.tree.get(state.opt_state, "mu")),
             "exp_avg_sq": to_fqn_dict(optax.tree.get(state.opt_state, "nu"))}
     partial = store.begin_save(root, step)
-    records = store.write_headers(layout, partial)
-    for group in groups:  # each group whole: the only DP rank of a dp_size = 1 partition
-        part = partition_group(group, world_size=group.ep_size)
-        shards = {s: np.concatenate([_flat32(values[m.fqn])[m.start:m.stop]
-                                     for m in group.members])
-                  for s, values in flat.items()}
-        records += store.write_partition(partial, layout, part, 0, **shards, fsync=False)
-    for f in layout.files:
-        store.fsync_file(partial / f.name)
+    records = store.write_headers(layout, partial) + _write_groups(partial, layout, groups, flat)
     engine = EngineRecord(steps, step, float(lr_at(cfg.optim, steps)))
     topology = TopologyRecord(cfg.world_size, (ep_size,), None, cfg.dtype, max_group_size,
                               split_by_expert, writer="reference")
@@ -145,6 +137,21 @@ def save_train_state(root: str | os.PathLike, cfg: TrainConfig, state: TrainStat
     if keep_last is not None:
         store.apply_retention(root, keep_last)
     return final
+
+
+def _write_groups(partial: Path, layout, groups, flat: dict) -> list:
+    """Each group whole (the only DP rank of a dp_size = 1 partition), every file fsynced;
+    the range records."""
+    records = []
+    for group in groups:
+        part = partition_group(group, world_size=group.ep_size)
+        shards = {s: np.concatenate([_flat32(values[m.fqn])[m.start:m.stop]
+                                     for m in group.members])
+                  for s, values in flat.items()}
+        records += store.write_partition(partial, layout, part, 0, **shards, fsync=False)
+    for f in layout.files:
+        store.fsync_file(partial / f.name)
+    return records
 
 
 def _flat32(value) -> np.ndarray:

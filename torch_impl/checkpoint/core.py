@@ -111,7 +111,7 @@ class Checkpointer:
 
         Returns this rank's saved state (``load.read_checkpoint``; {} when weights only).
         A read that fails after the checks (a damaged file) leaves the targets partly
-        filled: load again or rebuild the engine.
+        filled: load again or start afresh.
 
         Raises:
             CheckpointError: (one line, on every rank) when any rank failed.

@@ -1,7 +1,7 @@
 """Loading a checkpoint into state: the optimizer's load targets and this rank's small state.
 
 The loader receives what to fill (``zero.shards.StateShard`` targets: views of the live fp32
-state, or the NVMe swap files) and returns this rank's JSON state; it never sees the engine.
+state, or the NVMe swap files) and returns this rank's JSON state; it never sees the trainer.
 Each target is read under the *current* plan with ``store.read_shard``, whatever world size,
 ``ep``, stage or group cap saved it; a swap-file target whose group the checkpoint holds
 unchanged is filled file to file (``store.copy_range``), any other through a host buffer. The
