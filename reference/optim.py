@@ -1,7 +1,7 @@
 """AdamW train step (optax): warmup + cosine schedule, global-norm clipping, masked decay.
 
-Torch counterpart: ``torch_impl/optim.py`` (schedule, clipping, AdamW math) as driven by
-``torch_impl/zero.py`` and ``torch_impl/engine.py``: this is the unsharded meaning of the ZeRO
+Torch counterpart: ``torch_impl/zero/adamw.py`` (schedule, clipping, AdamW math) as driven by
+``torch_impl/zero/optimizer.py`` and ``torch_impl/engine.py``: this is the unsharded meaning of the ZeRO
 step in DESIGN.md §2 (fp16 loss scaling and per-group lr scales are not modelled here).
 
 ``train_step(cfg, state, batch) -> (new_state, metrics)`` is pure; jit it with

@@ -1,7 +1,7 @@
 """The ZeRO-1/2 sharded optimizer step as a ``jax.shard_map``, and its unsharded twin.
 
-Torch counterpart: ``torch_impl/zero.py`` (``ZeroOptimizer.reduce_gradients`` + ``step``) as
-driven by ``torch_impl/engine.py``. Loss scaling and the clip coefficient are
+Torch counterpart: ``torch_impl/zero/`` (``Optimizer.reduce_gradients`` + ``step`` of
+``sharded.ShardedOptimizer``) as driven by ``torch_impl/engine.py``. Loss scaling and the clip coefficient are
 ``reference/scaling.py`` (torch: ``moezero.zero.adamw.LossScaler``, ``clip_coef``); the stacks,
 flat buffers and mesh are ``reference/zero_layout.py``. Semantics: DESIGN.md §2 ("Sharded
 optimizer step", "Gold-standard equivalence").

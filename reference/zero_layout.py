@@ -1,8 +1,8 @@
 """The layout of the ZeRO reference's sharded state: the plan's groups as *stacks*, flat
 buffers by FQN, and the mesh.
 
-Torch counterpart: ``torch_impl/grouping.py`` (``OptimizerGroups``: the same plan) and the flat
-buffers and partitions of ``torch_impl/zero.py`` (``ZeroOptimizer.state_pieces``). The step
+Torch counterpart: ``torch_impl/zero/groups.py`` (``OptimizerGroups``: the same plan) and the
+flat buffers and partitions of ``torch_impl/zero/`` (``Optimizer.state_pieces``). The step
 that uses this layout is ``reference/zero.py``; the plan itself is ``reference/plan/``.
 
 Mesh ``("edp", "ep")`` of shape (W/ep, ep) (``make_mesh``); rank ``r = edp·ep + ep_index``. A

@@ -1,4 +1,4 @@
-"""ZeRO-3 (torch_impl/gather.py) and offload (torch_impl/offload.py): the same parameters,
+"""ZeRO-3 (torch_impl/zero/gather.py) and offload (torch_impl/offload/): the same parameters,
 bit for bit, as stage 2 without offload, for every applicable (param, optimizer) offload
 pair; params at rest are shards only; experts that get no token do not hang.
 """
