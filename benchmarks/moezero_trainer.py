@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.common import Unsupported
 
-ADAMW_MODULES = ("moezero.zero.sharded", "moezero.engine")
+ADAMW_MODULES = ("moezero.zero.optimizer",)
 """Modules whose ``adamw_`` (the update math) is timed; a missing one is skipped."""
 
 
@@ -93,11 +93,8 @@ class MoezeroTrainer:
 
     def _elements(self) -> int | None:
         """Adam moment elements this rank holds (= elements its optimizer steps)."""
-        zero = getattr(self.engine, "zero", None)
-        try:
-            if zero is not None:  # slot.shard: also when the state is in swap files
-                return sum(slot.shard for slot in zero.slots)
-            return sum(st.exp_avg.numel() for st in self.engine.state.values())
+        try:  # the layout's sizes: also when the state is in swap files
+            return sum(row["exp_avg"] for row in self.engine.optimizer.layout())
         except (AttributeError, TypeError):
             return None
 
@@ -120,11 +117,11 @@ class MoezeroTrainer:
     def swap_files(self) -> list[str]:
         """This rank's optimizer swap files (master, exp_avg, exp_avg_sq of every local group),
         the bytes a save of NVMe-resident state copies; empty when the state is in memory."""
-        zero = getattr(self.engine, "zero", None)
-        swap = getattr(zero, "optim_swap", None)
-        if swap is None:
+        opt = self.engine.optimizer
+        if opt.optim_swap is None:
             return []
-        return [str(swap.path(slot, state)) for slot in zero.slots for state in swap.states]
+        return [str(opt.optim_swap.path(slot, state)) for slot in opt.slots
+                for state in opt.optim_swap.states]
 
     def close(self) -> None:
         """A clean exit: finish saves, remove NVMe swap files."""

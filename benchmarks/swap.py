@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from moezero.offload.aio import CHUNK, AsyncIO, aligned_empty
+from moezero.offload.aio import AsyncIO, aligned_empty
+from moezero.plan.bytes_io import CHUNK
 
 _DD_COPIED = re.compile(r"(\d+) bytes .*copied, ([0-9.]+) s")
 DD_BLOCK = 8 << 20

@@ -52,7 +52,7 @@ def train_and_save(cfg_data: dict, rows: int, steps: int, save_at: int, root: st
     after step ``save_at`` it saves a checkpoint under ``root`` (data position as client state)
     and keeps going: the uninterrupted continuation. Returns every step's metrics (the loss
     is the mean of the ranks' losses) and this rank's fp32 state pieces at the save:
-    ``(fqn, start, stop, master, exp_avg, exp_avg_sq)`` from ``ZeroOptimizer.state_pieces``.
+    ``(fqn, start, stop, master, exp_avg, exp_avg_sq)`` from ``Optimizer.state_pieces``.
     """
     from moezero.data import Batches, make_corpus
 
@@ -69,6 +69,6 @@ def train_and_save(cfg_data: dict, rows: int, steps: int, save_at: int, root: st
             saved = str(engine.save_checkpoint(root, state={"data": data.state_dict()}))
             pieces = [(piece.fqn, piece.start, piece.stop,
                        *(views[k].clone().numpy() for k in ("master", "exp_avg", "exp_avg_sq")))
-                      for piece, views in engine.zero.state_pieces()]
+                      for piece, views in engine.optimizer.state_pieces()]
     return {"rank": topo.rank, "metrics": metrics, "pieces": pieces, "saved": saved,
             "step_count": engine.step_count}

@@ -216,6 +216,11 @@ def test_torch_loads_what_the_reference_saves(resumed, tmp_path):
                         topology=build_topology([1], num_experts=MODEL.num_experts), device="cpu")
     assert engine.load_checkpoint(path) == {"data": {"step": SAVE_AT, "seed": 0}}
     assert engine.step_count == SAVE_AT
-    theirs = {s: {fqn: getattr(st, s).numpy() for fqn, st in engine.state.items()}
-              for s in STATES}
+    flat = {s: {fqn: np.zeros(p.numel(), np.float32) for fqn, p in engine.params.items()}
+            for s in STATES}
+    for piece, views in engine.optimizer.state_pieces():  # W = 1: it owns every element
+        for s in STATES:
+            flat[s][piece.fqn][piece.start:piece.stop] = views[s].numpy()
+    theirs = {s: {fqn: a.reshape(engine.params[fqn].shape) for fqn, a in arrays.items()}
+              for s, arrays in flat.items()}
     assert unequal(loaded_state(state), theirs) == []

@@ -8,7 +8,7 @@ torch: ``run_world`` spawns W gloo ranks; each builds the model with ``train.bui
 ``optimizer_step``. Every step it records its local gradients (a post-accumulate hook
 registered before the engine's, so it runs before stage 2 frees them), its step count and loss
 scaler before the step, and after the step its params and its partitions of the fp32 master,
-exp_avg and exp_avg_sq (``ZeroOptimizer.state_pieces``). The parent merges the ranks (every
+exp_avg and exp_avg_sq (``Optimizer.state_pieces``). The parent merges the ranks (every
 element owned exactly once; replicas bit-equal).
 
 Two comparisons, both by FQN after every step:
@@ -182,7 +182,7 @@ def _params(engine) -> dict:
 
 def _pieces(engine) -> list:
     return [(piece.fqn, piece.start, piece.stop, *(views[k].clone().numpy() for k in STATES))
-            for piece, views in engine.zero.state_pieces()]
+            for piece, views in engine.optimizer.state_pieces()]
 
 
 def torch_cases(names: tuple[str, ...]) -> dict:

@@ -18,7 +18,8 @@ MaskedState(EmptyState()), ScaleByScheduleState(count))``: ``mu``/``nu`` are tor
 ``state.engine.step_count``; Adam's bias correction and the lr schedule both read it).
 Not modelled here: the fp16 loss scaler and RNG states (returned in the manifest as saved).
 
-Torch counterpart: ``moezero.checkpoint``.
+Torch counterpart: ``moezero.checkpoint`` (``save``, ``load``); both sides write the
+manifest's ``topology`` and ``state.engine`` from ``moezero.plan.records``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from moezero.plan import (
     plan_layout,
     store,
 )
+from moezero.plan.records import EngineRecord, TopologyRecord
 from moezero.plan.store import CheckpointError, find_checkpoint
 from moezero.reference.optim import TrainConfig, TrainState, lr_at, make_optimizer
 from moezero.reference.weights import from_fqn_dict, param_shapes, to_fqn_dict
@@ -131,15 +133,13 @@ def save_train_state(root: str | os.PathLike, cfg: TrainConfig, state: TrainStat
     layout = plan_layout(groups, {s.fqn: s.shape for s in specs}, step=step)
     partial = store.begin_save(root, step)
     records = store.write_headers(layout, partial) + _write_groups(partial, layout, state)
-    engine = {"step_count": steps, "global_steps": step, "lr_step": steps,
-              "lr": float(lr_at(cfg.optim, steps))}
+    engine = EngineRecord(steps, step, float(lr_at(cfg.optim, steps)))
+    topology = TopologyRecord(cfg.world_size, (ep_size,), None, cfg.dtype, max_group_size,
+                              split_by_expert, writer="reference")
     store.write_manifest(
         partial, layout, checksums=records,
-        config={"reference": _jsonable(dataclasses.asdict(cfg))},
-        topology={"world_size": cfg.world_size, "ep_sizes": [ep_size], "zero_stage": None,
-                  "dtype": cfg.dtype, "max_group_size": max_group_size,
-                  "split_groups_by_expert": split_by_expert, "writer": "reference"},
-        state={"engine": engine, "client": client or {}})
+        config={"reference": _jsonable(dataclasses.asdict(cfg))}, topology=topology.to_json(),
+        state={"engine": engine.to_json(), "client": client or {}})
     final = store.commit(partial)
     if keep_last is not None:
         store.apply_retention(root, keep_last)

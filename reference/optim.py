@@ -1,7 +1,7 @@
 """AdamW train step (optax): warmup + cosine schedule, global-norm clipping, masked decay.
 
 Torch counterpart: ``moezero.zero.adamw`` (schedule, clipping, AdamW math) as driven by
-``moezero.zero.sharded`` and ``moezero.engine``: this is the unsharded meaning of the ZeRO
+``moezero.zero.optimizer`` and ``moezero.engine``: this is the unsharded meaning of the ZeRO
 step in DESIGN.md §2 (fp16 loss scaling and per-group lr scales are not modelled here).
 
 ``train_step(cfg, state, batch) -> (new_state, metrics)`` is pure; jit it with

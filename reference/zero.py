@@ -1,7 +1,7 @@
 """The ZeRO-1/2 sharded optimizer step as a ``jax.shard_map``, and its unsharded twin.
 
-Torch counterpart: ``moezero.zero.sharded`` (``ZeroOptimizer.reduce_gradients`` + ``step``) as
-driven by ``moezero.engine``. Loss scaling and the clip coefficient are
+Torch counterpart: ``moezero.zero`` (``Optimizer.reduce_gradients`` + ``step`` of
+``sharded.ShardedOptimizer``) as driven by ``moezero.engine``. Loss scaling and the clip coefficient are
 ``reference/scaling.py`` (torch: ``moezero.zero.adamw.LossScaler``, ``clip_coef``); the stacks,
 flat buffers and mesh are ``reference/zero_layout.py``. Semantics: DESIGN.md §2 ("Sharded
 optimizer step", "Gold-standard equivalence").

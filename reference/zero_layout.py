@@ -2,7 +2,7 @@
 buffers by FQN, and the mesh.
 
 Torch counterpart: ``moezero.zero.groups`` (``OptimizerGroups``: the same plan) and the flat
-buffers and partitions of ``moezero.zero.sharded`` (``ZeroOptimizer.state_pieces``). The step
+buffers and partitions of ``moezero.zero`` (``Optimizer.state_pieces``). The step
 that uses this layout is ``reference/zero.py``; the plan itself is ``reference/plan/``.
 
 Mesh ``("edp", "ep")`` of shape (W/ep, ep) (``make_mesh``); rank ``r = edp·ep + ep_index``. A

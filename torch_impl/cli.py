@@ -23,7 +23,13 @@ from pathlib import Path
 from moezero.config import ConfigError, load_config
 from moezero.data import DataError, make_corpus
 from moezero.distributed.topology import validate
+from moezero.offload.options import IOOptions
 from moezero.plan.store import CheckpointError, read_manifest
+
+TEST_DELAY_ENV = "MOEZERO_TEST_CKPT_DELAY_S"
+"""Test hook: seconds every checkpoint save sleeps before each partition write, the manifest
+and the commit (``IOOptions.test_save_delay_s``), so crash tests can land a SIGKILL inside a
+save. Read once by ``moezero train``; unset (0) in normal use."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -137,7 +143,8 @@ def _train(args: argparse.Namespace) -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: this node's ranks
     check_supported(cfg, numel=model_numel(cfg), share=local / world)
     preflight(cfg, run_dir)
-    return launch_training(cfg, run_dir, args.nproc)
+    io = IOOptions(test_save_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0") or 0))
+    return launch_training(cfg, run_dir, args.nproc, io)
 
 
 def main(argv: list[str] | None = None) -> int:

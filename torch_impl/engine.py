@@ -1,34 +1,41 @@
 """The training engine: ``initialize(model, config)`` and the data-parallel step.
 
-``zero_optimization.stage`` 0 is plain data parallelism with replicated fp32 optimizer state:
-dense gradients are averaged over the W ranks, expert gradients summed over their EDP group and
-divided by W, so every rank computes the gradient of the *global* mean loss (DESIGN.md §2).
-The step then runs the plan's optimizer groups one at a time: upcast -> unscale -> clip ->
-AdamW on the fp32 master -> downcast. Stages 1 and 2 shard the optimizer state (and, at 2,
-the gradients) over each group's data-parallel ranks: ``moezero.zero.sharded``. With
-``zero_optimization.tiled_step: false`` every group is upcast first (same results, bit for
-bit; more memory). Reference counterpart: ``reference/optim.py``.
+The engine owns the model, the plan's optimizer groups, the step counters, the loss scaler and
+*one* optimizer chosen at construction for ``zero_optimization.stage``
+(``moezero.zero.build.build_optimizer``): the replicated optimizer of stage 0 (plain data
+parallelism, every rank holding the whole fp32 state) or the sharded one of stages 1-3
+(``moezero.zero.sharded``). Both have one interface (``moezero.zero.optimizer.Optimizer``):
+backward hooks, ``reduce_gradients``, ``step`` (upcast -> unscale -> clip -> AdamW on the fp32
+master -> downcast, one optimizer group at a time; with ``zero_optimization.tiled_step: false``
+every group is upcast first, bit for bit the same), ``zero_grad``, the shards a checkpoint
+saves and the targets it loads. Checkpoints (``moezero.checkpoint.core.Checkpointer``) receive
+those shards, the layout and ``state_dict()``, never the engine. Reference counterpart:
+``reference/optim.py``.
 """
 
 from __future__ import annotations
 
-import math
+import base64
 import resource
 import time
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moezero.checkpoint import core as checkpoint
+from moezero.checkpoint.core import Checkpointer, model_shapes
+from moezero.checkpoint.options import CheckpointOptions
 from moezero.config import Config
 from moezero.distributed.topology import Topology, build_topology
 from moezero.model.moe import expert_tag
 from moezero.offload import state as offload_state
-from moezero.zero.adamw import LossScaler, adamw_, clip_coef, lr_at
+from moezero.offload.options import IOOptions
+from moezero.plan import plan_layout
+from moezero.plan.records import EngineRecord, TopologyRecord
+from moezero.zero.adamw import LossScaler, lr_at
+from moezero.zero.build import build_optimizer
 from moezero.zero.groups import OptimizerGroups, build_groups
-from moezero.zero.sharded import ADAMW_TEMPORARIES, MemoryMeter, ZeroOptimizer, nbytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -37,15 +44,6 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     """``auto``: bf16 on GPUs that support it, fp32 elsewhere (CPU bf16 is ~7x slower here)."""
     cuda = device.type == "cuda"
     return DTYPES[cfg.precision.resolve(cuda=cuda, bf16_supported=cuda and torch.cuda.is_bf16_supported())]
-
-
-@dataclass
-class _ParamState:
-    """fp32 master (the parameter itself in fp32 runs) and the two Adam moments."""
-
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
 
 
 def check_supported(cfg: Config, *, numel: int = 0, share: float = 1.0) -> None:
@@ -57,40 +55,37 @@ def check_supported(cfg: Config, *, numel: int = 0, share: float = 1.0) -> None:
 
 
 class Engine:
-    """Owns the model's optimizer state and runs forward/backward/step across ranks."""
+    """Owns the model's optimizer and runs forward/backward/step across ranks.
 
-    def __init__(self, model: nn.Module, cfg: Config, topology: Topology, device: torch.device):
+    ``io`` sets how checkpoints and swap files reach the disk (default ``IOOptions()``).
+    """
+
+    def __init__(self, model: nn.Module, cfg: Config, topology: Topology, device: torch.device,
+                 io: IOOptions | None = None):
         self.cfg, self.topology, self.device = cfg, topology, device
+        self.io = io or IOOptions()
         self.dtype = resolve_dtype(cfg, device)
         self.model = model.to(device=device, dtype=self.dtype)
         self.params = dict(self.model.named_parameters())
         self.groups: OptimizerGroups = build_groups(self.model, cfg, topology)
         check_supported(cfg)
         zero = cfg.zero_optimization
-        self.zero: ZeroOptimizer | None = None
-        self.state: dict[str, _ParamState] = {}
-        if zero.stage == 0:
-            self.state = {fqn: self._new_state(p) for fqn, p in self.params.items()}
-            self.meter = _stage0_meter(self.params, self.state)
-        else:
-            host = torch.device("cpu")
-            self.zero = ZeroOptimizer(
-                self.params, self.groups, topology, stage=zero.stage,
-                bucket_size=zero.reduce_bucket_size, overlap=zero.overlap_comm, model=self.model,
-                state_device=host if zero.offload_optimizer.device != "none" else device,
-                param_device=host if zero.offload_param.device != "none" else device,
-                swap_factory=lambda slots, meter: offload_state.build(
-                    zero, slots, topology.rank, self.dtype, meter))
-            self.meter = self.zero.meter
+        self.optimizer = build_optimizer(
+            self.params, self.groups, topology, zero, model=self.model,
+            swap_factory=lambda slots, meter: offload_state.build(
+                zero, slots, topology.rank, self.dtype, meter, self.io))
         self.scaler = LossScaler.from_config(cfg.precision)
         self.step_count = 0  # optimizer steps taken (skipped steps excluded)
         self.global_steps = 0  # optimizer_step calls, skipped ones included (checkpoint names)
         self.micro_steps = 0
-        self.checkpointer = checkpoint.Checkpointer(topology.rank, topology.world_size, self.model)
+        self.checkpointer = Checkpointer(topology.rank, topology.world_size,
+                                         CheckpointOptions.from_config(cfg.checkpoint, self.io))
+        self.shapes = model_shapes(self.model)  # of the global model (every expert)
 
-    def _new_state(self, param: nn.Parameter) -> _ParamState:
-        master = param.data if param.dtype == torch.float32 else param.detach().float()
-        return _ParamState(master, torch.zeros_like(master), torch.zeros_like(master))
+    @property
+    def meter(self):
+        """The optimizer's memory accounting (``zero.shards.MemoryMeter``)."""
+        return self.optimizer.meter
 
     # ------------------------------------------------------------------ forward / backward
     def forward(self, batch_BS1: torch.Tensor):
@@ -100,11 +95,9 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``, averaged over the micro-batches of a step and loss-scaled."""
         accum = self.cfg.train.grad_accum_steps
-        if self.zero is not None:
-            self.zero.before_backward(final=self.micro_steps + 1 >= accum)
+        self.optimizer.before_backward(final=self.micro_steps + 1 >= accum)
         (loss * (self.scaler.scale / accum)).backward()
-        if self.zero is not None:
-            self.zero.after_backward()
+        self.optimizer.after_backward()
         self.micro_steps += 1
 
     # ------------------------------------------------------------------ step
@@ -113,28 +106,20 @@ class Engine:
         self.reduce_gradients()
         return self.optimizer_step()
 
+    def reduce_gradients(self) -> None:
+        """Sum over each parameter's data-parallel group, divide by W (DESIGN.md §2)."""
+        self.optimizer.reduce_gradients()
+
     def optimizer_step(self) -> dict:
         """Clip and step every group on already-reduced gradients, then drop the gradients.
 
         An overflow (a non-finite gradient on any rank) skips the step on every rank.
         """
-        lr = self.current_lr()
-        if self.zero is not None:
-            opt = self.cfg.optimizer
-            grad_norm, overflow = self.zero.step(
-                lr=lr, scale=self.scaler.scale, max_norm=opt.max_grad_norm,
-                step=self.step_count + 1, betas=opt.betas, eps=opt.eps,
-                tiled=self.cfg.zero_optimization.tiled_step)
-            self.zero.zero_grad()
-        else:
-            self.meter.start()
-            sq, nonfinite = self._grad_square_sum()
-            overflow = nonfinite > 0
-            grad_norm = math.sqrt(sq) / self.scaler.scale if not overflow else float("inf")
-            if not overflow:
-                self._apply(lr, clip_coef(grad_norm, self.cfg.optimizer.max_grad_norm))
-            for p in self.params.values():
-                p.grad = None
+        lr, opt = self.current_lr(), self.cfg.optimizer
+        grad_norm, overflow = self.optimizer.step(
+            lr=lr, scale=self.scaler.scale, max_norm=opt.max_grad_norm, step=self.step_count + 1,
+            betas=opt.betas, eps=opt.eps, tiled=self.cfg.zero_optimization.tiled_step)
+        self.optimizer.zero_grad()
         if not overflow:
             self.step_count += 1
         self.global_steps += 1
@@ -146,19 +131,15 @@ class Engine:
     def gradients(self) -> dict[str, torch.Tensor]:
         """The reduced gradients of this rank's params by FQN, full size.
 
-        For tests and debugging; collective at stages 1-2 (it all-gathers the partitions).
+        For tests and debugging; collective at stages 1-3 (it all-gathers the partitions).
         Call between ``reduce_gradients`` and ``optimizer_step``.
         """
-        if self.zero is not None:
-            return self.zero.full_gradients()
-        return {fqn: p.grad for fqn, p in self.params.items()}
+        return self.optimizer.full_gradients()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """This rank's params by FQN, full size: the params themselves, or at stage 3 copies
         gathered from the shards (collective there)."""
-        if self.zero is not None:
-            return self.zero.full_parameters()
-        return dict(self.params)
+        return self.optimizer.full_parameters()
 
     def current_lr(self) -> float:
         opt = self.cfg.optimizer
@@ -186,6 +167,32 @@ class Engine:
                 **out, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
                 "peak_mem_bytes": peak_memory_bytes(self.device)}
 
+    # ------------------------------------------------------------------ small state
+    def state_dict(self) -> dict:
+        """The engine's small state (JSON): counters and loss scaler (``engine``, an
+        ``EngineRecord``) and this rank's generator states (``rng``)."""
+        record = EngineRecord(self.step_count, self.global_steps, self.current_lr(),
+                              self.scaler.state_dict())
+        return {"engine": record.to_json(), "rng": _rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s counters, loss scaler and RNG; what ``state`` lacks
+        (e.g. {} after a weights-only load) restarts the counters at 0 and leaves the rest."""
+        record = EngineRecord.from_json(state.get("engine"))
+        self.step_count, self.global_steps = record.step_count, record.global_steps
+        if record.loss_scaler is not None:
+            self.scaler.load_state_dict(record.loss_scaler)
+        if state.get("rng"):
+            _set_rng_state(state["rng"])
+
+    def topology_record(self) -> TopologyRecord:
+        """How this run is laid out, for the manifest."""
+        zero, moe = self.cfg.zero_optimization, self.cfg.moe
+        return TopologyRecord(self.topology.world_size, tuple(self.topology.ep_sizes),
+                              zero.stage, str(self.dtype).removeprefix("torch."),
+                              moe.max_group_size, moe.split_groups_by_expert,
+                              offload_optimizer=zero.offload_optimizer.device)
+
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, root, *, state: dict | None = None, step: int | None = None,
                         background: bool | None = None):
@@ -196,120 +203,47 @@ class Engine:
         ``checkpoint.async`` (then call ``wait_checkpoint`` before exiting).
         """
         step = self.global_steps if step is None else step
-        return checkpoint.save(self, root, step=step, state=state, background=background)
+        meta = {"config": self.cfg.model_dump(by_alias=True, mode="json"),
+                "topology": self.topology_record().to_json()}
+        return self.checkpointer.save(
+            root, step=step, layout=plan_layout(self.groups.plan, self.shapes, step=step),
+            shards=self.optimizer.shards(), state={**self.state_dict(), "client": state or {}},
+            meta=meta, background=background)
 
     def wait_checkpoint(self):
         """Finish an async save in flight (raises its error); its directory or None."""
         return self.checkpointer.wait()
 
+    def load_checkpoint(self, path) -> dict:
+        """Load a step directory or a root's newest complete checkpoint (collective): the
+        fp32 master and moments of this rank's state, the params derived from the master,
+        the counters, loss scaler and RNG. A weights-only checkpoint (``moezero
+        import-hf``) sets the masters only: zero moments, counters at 0, RNG and loss scaler
+        as they are (a fine-tune from step 0). Returns the caller state given at save."""
+        state = self.checkpointer.load(path, self.optimizer.load_targets(), self.shapes)
+        self.optimizer.after_load()
+        self.load_state_dict(state)
+        return state.get("client", {})
+
     def close(self) -> None:
         """Finish an async save and release offload resources (swap files are removed)."""
         self.checkpointer.wait()
-        if self.zero is not None:
-            self.zero.close()
-
-    def load_checkpoint(self, path) -> dict:
-        """Load a step directory or a root's newest complete checkpoint (collective);
-        returns the caller state given at save."""
-        return checkpoint.load(self, path)
-
-    # ------------------------------------------------------------------ internals
-    def _grads(self, expert: bool, ep: int | None = None) -> list[torch.Tensor]:
-        out = []
-        for p in self.params.values():
-            tag = expert_tag(p)
-            if (tag is not None) != expert or (expert and tag.ep_size != ep):
-                continue
-            if p.grad is None:  # e.g. an expert that saw no token: its gradient is zero
-                p.grad = torch.zeros_like(p)
-            out.append(p.grad)
-        return out
-
-    def reduce_gradients(self) -> None:
-        """Sum over each parameter's data-parallel group, divide by W (DESIGN.md §2)."""
-        if self.zero is not None:
-            self.zero.reduce_gradients()
-            return
-        topo = self.topology
-        _all_reduce_mean(self._grads(False), None, topo)
-        for ep in topo.ep_sizes:
-            _all_reduce_mean(self._grads(True, ep), topo.edp_group(ep), topo)
-
-    def _grad_square_sum(self) -> tuple[float, float]:
-        """Global sum of squared (scaled) gradients, each element counted once, and a
-        non-finite flag, in one all-reduce over all ranks."""
-        topo = self.topology
-        acc = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for p in self.params.values():
-            tag = expert_tag(p)
-            owner = topo.rank == 0 if tag is None else topo.edp_rank(tag.ep_size) == 0
-            g = p.grad.float()
-            if owner:
-                acc[0] += g.square().sum(dtype=torch.float64)
-            acc[1] += (~torch.isfinite(g)).sum()
-        if topo.distributed:
-            dist.all_reduce(acc)
-        return acc[0].item(), acc[1].item()
-
-    def _apply(self, lr: float, clip: float) -> None:
-        """The step one optimizer group at a time: only that group's fp32 gradients exist
-        (``tiled_step``), or every group upcast first (untiled; the same numbers)."""
-        slices = [(g.hparams, sl) for g in self.groups.local for sl in g.members]
-        upcast = None
-        if not self.cfg.zero_optimization.tiled_step:
-            upcast = [self._upcast(sl) for _, sl in slices]
-        for i, (hp, sl) in enumerate(slices):
-            g32, held = upcast[i] if upcast is not None else self._upcast(sl)
-            if upcast is not None:
-                upcast[i] = None
-            self._apply_slice(g32, hp, sl, lr, clip)
-            self.meter.drop(held)
-
-    def _upcast(self, sl) -> tuple[torch.Tensor, int]:
-        """The slice's gradient in fp32 and the bytes that took (0: fp32 grads are used as is)."""
-        grad = self.params[sl.fqn].grad.reshape(-1)[sl.start:sl.stop]
-        g32 = grad.float()
-        held = 0 if g32 is grad else nbytes(g32)
-        self.meter.hold(held)
-        return g32, held
-
-    def _apply_slice(self, g32: torch.Tensor, hp: dict, sl, lr: float, clip: float) -> None:
-        opt = self.cfg.optimizer
-        param, st = self.params[sl.fqn], self.state[sl.fqn]
-        g32.mul_(1.0 / self.scaler.scale).mul_(clip)
-        master = st.master.view(-1)[sl.start:sl.stop]
-        self.meter.hold(ADAMW_TEMPORARIES * nbytes(g32))
-        adamw_(master, g32, st.exp_avg.view(-1)[sl.start:sl.stop],
-               st.exp_avg_sq.view(-1)[sl.start:sl.stop], step=self.step_count + 1,
-               lr=lr * hp.get("lr_scale", 1.0), beta1=opt.betas[0], beta2=opt.betas[1],
-               eps=opt.eps, weight_decay=hp.get("weight_decay", 0.0))
-        self.meter.drop(ADAMW_TEMPORARIES * nbytes(g32))
-        if st.master is not param.data:
-            param.data.view(-1)[sl.start:sl.stop].copy_(master)
+        self.optimizer.close()
 
 
-def _stage0_meter(params: dict, state: dict) -> MemoryMeter:
-    """Stage 0's persistent bytes: full grads, fp32 masters (unless the params) and moments."""
-    meter = MemoryMeter()
-    for fqn, p in params.items():
-        st = state[fqn]
-        meter.add_persistent(p, st.exp_avg, st.exp_avg_sq)  # p: the size of its gradient
-        if st.master is not p.data:
-            meter.add_persistent(st.master)
-    return meter
+def _rng_state() -> dict:
+    b64 = lambda t: base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+    state = {"torch_cpu": b64(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = b64(torch.cuda.get_rng_state())
+    return state
 
 
-def _all_reduce_mean(grads: list[torch.Tensor], group, topo: Topology) -> None:
-    """All-reduce (sum) a list of gradients in fp32 flat buckets over ``group``, then / W."""
-    if not topo.distributed or not grads:
-        return
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= topo.world_size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+def _set_rng_state(state: dict) -> None:
+    unb64 = lambda s: torch.from_numpy(np.frombuffer(base64.b64decode(s), np.uint8).copy())
+    torch.set_rng_state(unb64(state["torch_cpu"]))
+    if "torch_cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(unb64(state["torch_cuda"]))
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -320,11 +254,11 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def initialize(model: nn.Module, config: Config, *, topology: Topology | None = None,
-               device: torch.device | str | None = None) -> Engine:
+               device: torch.device | str | None = None, io: IOOptions | None = None) -> Engine:
     """Wrap ``model`` (already holding its MoE layers' EP groups) in a training engine.
 
     ``topology`` defaults to one built from the model's MoE layers; ``device`` to CUDA when
-    available (this rank's local device), else CPU.
+    available (this rank's local device), else CPU; ``io`` to ``IOOptions()``.
     """
     if topology is None:
         eps = sorted({t.ep_size for p in model.parameters() if (t := expert_tag(p))} or {1})
@@ -332,4 +266,4 @@ def initialize(model: nn.Module, config: Config, *, topology: Topology | None = 
     if device is None:
         device = torch.device(f"cuda:{torch.cuda.current_device()}"
                               if torch.cuda.is_available() else "cpu")
-    return Engine(model, config, topology, torch.device(device))
+    return Engine(model, config, topology, torch.device(device), io)

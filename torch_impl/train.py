@@ -29,6 +29,7 @@ from moezero.distributed.launcher import launch
 from moezero.distributed.topology import Topology, build_topology
 from moezero.engine import Engine, initialize
 from moezero.model.decoder import Decoder, ModelArgs, init_weights
+from moezero.offload.options import IOOptions
 from moezero.plan import store
 from moezero.zero.groups import OptimizerGroups
 
@@ -59,11 +60,13 @@ def build_model(cfg: Config, topology: Topology) -> Decoder:
     return model
 
 
-def setup(cfg: Config, device: torch.device) -> tuple[Engine, Batches]:
-    """Topology, model, engine and this rank's data stream (collective: every rank calls it)."""
+def setup(cfg: Config, device: torch.device,
+          io: IOOptions | None = None) -> tuple[Engine, Batches]:
+    """Topology, model, engine (with ``io``) and this rank's data stream (collective: every
+    rank calls it)."""
     topology = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
     torch.manual_seed(cfg.train.seed)
-    engine = initialize(build_model(cfg, topology), cfg, topology=topology, device=device)
+    engine = initialize(build_model(cfg, topology), cfg, topology=topology, device=device, io=io)
     d = cfg.data
     corpus = make_corpus(d.path, vocab=d.synthetic_vocab, sources=d.synthetic_sources,
                          seed=d.synthetic_seed)
@@ -173,11 +176,12 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None) -> dict:
+def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
+          io: IOOptions | None = None) -> dict:
     """Train ``cfg.train.steps`` steps; returns the summary (rank 0's is the one printed)."""
     run_dir = Path(run_dir)
     device = device or torch.device("cpu")
-    engine, batches = setup(cfg, device)
+    engine, batches = setup(cfg, device, io)
     root = cfg.checkpoint.resolve_dir(run_dir)
     resumed = resume(cfg, engine, batches, root)
     lead = engine.topology.rank == 0
@@ -299,15 +303,16 @@ def plot_loss(history: list[dict], summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def launch_training(cfg: Config, run_dir: Path, nproc: int) -> int:
-    """Train with ``nproc`` local ranks (or join the torchrun world); returns an exit code."""
+def launch_training(cfg: Config, run_dir: Path, nproc: int, io: IOOptions | None = None) -> int:
+    """Train with ``nproc`` local ranks (or join the torchrun world); returns an exit code.
+    ``io``: the engines' I/O options (the CLI's, read once from its environment)."""
     backend = cfg.dist.resolve_backend(cuda=torch.cuda.is_available())
-    return launch(_train_rank, (cfg.model_dump(by_alias=True), str(run_dir)), nproc=nproc,
+    return launch(_train_rank, (cfg.model_dump(by_alias=True), str(run_dir), io), nproc=nproc,
                   backend=backend, timeout_s=cfg.dist.timeout_s)
 
 
-def _train_rank(cfg_data: dict, run_dir: str) -> None:
+def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None) -> None:
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device(f"cuda:{torch.cuda.current_device()}")
-    train(Config.model_validate(cfg_data), Path(run_dir), device)
+    train(Config.model_validate(cfg_data), Path(run_dir), device, io)

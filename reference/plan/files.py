@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-CHUNK = 8 << 20  # bytes per pwrite/pread call
+from moezero.plan.bytes_io import CHUNK
 
 
 class CheckpointError(ValueError):

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moezero.plan.bytes_io import CHUNK, byte_view
 from moezero.plan.files import (
-    CHUNK,
     CheckpointError,
     fsync_dir,
     fsync_file,
@@ -83,7 +83,7 @@ def write_range(path: str | os.PathLike, offset: int, array: np.ndarray | bytes)
     Returns:
         The zlib crc32 of the bytes written, computed while writing.
     """
-    data = _byte_view(array)
+    data = byte_view(array)
     fd = os.open(path, os.O_WRONLY)
     try:
         size = os.fstat(fd).st_size
@@ -98,12 +98,6 @@ def write_range(path: str | os.PathLike, offset: int, array: np.ndarray | bytes)
     finally:
         os.close(fd)
     return crc
-
-
-def _byte_view(array: np.ndarray | bytes) -> memoryview:
-    if isinstance(array, np.ndarray):
-        array = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    return memoryview(array).cast("B")
 
 
 def write_headers(layout: Layout, ckpt_dir: str | os.PathLike) -> list[RangeRecord]:

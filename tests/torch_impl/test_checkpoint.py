@@ -1,4 +1,4 @@
-"""Engine checkpoints (torch_impl/checkpoint.py): size on disk, bitwise resume in new processes,
+"""Engine checkpoints (torch_impl/checkpoint/): size on disk, bitwise resume in new processes,
 resharding across (W, ep, stage), async saves, and strict loading.
 
 Spawning ranks dominates the cost, so each world runs every case it can; module-scoped
@@ -24,6 +24,7 @@ import moezero.checkpoint.writer as cw
 from moezero.checkpoint.core import CheckpointError
 from moezero.config import Config
 from moezero.distributed.topology import build_topology
+from moezero.offload.options import IOOptions
 from moezero.plan import store
 from moezero.train import build_model, setup
 from tests.support.compare import assert_close_by_fqn, rel_err
@@ -340,8 +341,8 @@ def test_range_writer_bytes_match_the_buffered_path(tmp_path):
     for name in ("direct", "buffered"):
         store._create(tmp_path / name, size)  # preallocated, as write_headers creates them
     want = [store.write_range(tmp_path / "buffered", a, data[a:b]) for a, b in ranges]
-    with (cw.RangeWriter(stage_bytes=4 * 4096, min_direct=0) as one,
-          cw.RangeWriter(stage_bytes=8192, min_direct=0) as two):
+    with (cw.RangeWriter(IOOptions(stage_bytes=4 * 4096, direct_min_bytes=0)) as one,
+          cw.RangeWriter(IOOptions(stage_bytes=8192, direct_min_bytes=0)) as two):
         got = [(one, two)[i % 2](tmp_path / "direct", a, data[a:b])
                for i, (a, b) in enumerate(ranges)]
     assert got == want == [zlib.crc32(data[a:b]) for a, b in ranges]
@@ -354,7 +355,7 @@ def test_range_writer_bytes_match_the_buffered_path(tmp_path):
 
 def test_range_writer_refuses_a_range_past_the_end(tmp_path):
     store._create(tmp_path / "f", 100)
-    with (cw.RangeWriter(min_direct=0) as write,
+    with (cw.RangeWriter(IOOptions(direct_min_bytes=0)) as write,
           pytest.raises(ValueError, match=r"f: range \[90, 110\) is outside the 100-byte file")):
         write(tmp_path / "f", 90, np.zeros(20, np.uint8))
     assert (tmp_path / "f").stat().st_size == 100
@@ -362,9 +363,10 @@ def test_range_writer_refuses_a_range_past_the_end(tmp_path):
 
 def test_flush_is_one_syncfs_or_an_fsync_per_file(tmp_path, monkeypatch):
     """A save flushes with one syncfs per rank on Linux >= 5.8 on ext4/xfs/btrfs/f2fs, else
-    fsyncs each file it wrote; a syncfs error (not 'unsupported') is raised, naming the
-    folder, and nothing is committed."""
-    engine, batches = setup(Config.model_validate(ccfg(world=1, stage=2)), torch.device("cpu"))
+    (another filesystem, or ``IOOptions(syncfs=False)``) fsyncs each file it wrote; a syncfs
+    error (not 'unsupported') is raised, naming the folder, and nothing is committed."""
+    cfg = Config.model_validate(ccfg(world=1, stage=2))
+    engine, _ = setup(cfg, torch.device("cpu"))
     fsynced, syncfs = [], []
     fsync_file = store.fsync_file
     monkeypatch.setattr(store, "fsync_file", lambda p: (fsynced.append(Path(p)), fsync_file(p)))
@@ -378,19 +380,38 @@ def test_flush_is_one_syncfs_or_an_fsync_per_file(tmp_path, monkeypatch):
         assert fsynced_all(engine.save_checkpoint(tmp_path / "nfs"))
     fsynced.clear()
     monkeypatch.setattr(cw, "_fs_type", lambda folder: 0xEF53)  # ext4, wherever tmp lives
-    if cw.SYNCFS is not None:  # Linux >= 5.8
-        real = cw.SYNCFS
-        monkeypatch.setattr(cw, "SYNCFS", lambda fd: (syncfs.append(fd), real(fd))[1])
+    real = cw.system_syncfs()
+    if real is not None:  # Linux >= 5.8
+        monkeypatch.setattr(cw, "system_syncfs", lambda: lambda fd: (syncfs.append(fd), real(fd))[1])
         step = engine.save_checkpoint(tmp_path / "syncfs")
         assert len(syncfs) == 1 and not [p for p in fsynced if p.suffix == ".safetensors"]
         assert store.verify(step) == []
-    monkeypatch.setattr(cw, "SYNCFS", None)
-    assert fsynced_all(engine.save_checkpoint(tmp_path / "fsync"))
-    monkeypatch.setattr(cw, "SYNCFS", lambda fd: -1)
+    no_syncfs, _ = setup(cfg, torch.device("cpu"), IOOptions(syncfs=False))
+    assert fsynced_all(no_syncfs.save_checkpoint(tmp_path / "fsync"))
+    monkeypatch.setattr(cw, "system_syncfs", lambda: lambda fd: -1)
     monkeypatch.setattr(cw.ctypes, "get_errno", lambda: errno.EIO)
     with pytest.raises(CheckpointError, match="syncfs: Input/output error"):
         engine.save_checkpoint(tmp_path / "eio")
     assert store.find_latest(tmp_path / "eio") is None
+
+
+def test_folder_flush_takes_the_syncfs_it_is_given(tmp_path, monkeypatch):
+    """``FolderFlush(folder, syncfs)``: the given syncfs once where it is enough; None, or a
+    filesystem it is not enough on, fsyncs each file."""
+    (tmp_path / "a").write_bytes(b"x")
+    fsynced, calls = [], []
+    monkeypatch.setattr(store, "fsync_file", lambda p: fsynced.append(Path(p).name))
+    monkeypatch.setattr(cw, "_fs_type", lambda folder: 0xEF53)
+    with cw.FolderFlush(tmp_path, lambda fd: calls.append(fd) or 0) as flush:
+        flush.flush(["a"])
+    assert len(calls) == 1 and fsynced == []
+    with cw.FolderFlush(tmp_path, None) as flush:
+        flush.flush(["a"])
+    assert fsynced == ["a"]
+    monkeypatch.setattr(cw, "_fs_type", lambda folder: 0x01021994)  # tmpfs
+    with cw.FolderFlush(tmp_path, lambda fd: calls.append(fd) or 0) as flush:
+        flush.flush(["a"])
+    assert len(calls) == 1 and fsynced == ["a", "a"]
 
 
 def test_fs_type_reads_statfs():
@@ -400,16 +421,18 @@ def test_fs_type_reads_statfs():
 
 
 def test_direct_save_is_byte_identical_to_buffered(tmp_path, monkeypatch):
-    """A W=1 engine saved with O_DIRECT and with the buffered fallback: every file equal,
-    ``verify`` clean; ranges at unaligned offsets and shorter than 4096 bytes are among them."""
-    engine, batches = setup(Config.model_validate(ccfg(world=1, stage=2)), torch.device("cpu"))
-    engine.train_step([torch.from_numpy(batches.next())])
+    """A W=1 engine saved with O_DIRECT and with the buffered fallback (two engines built
+    alike, one step each): every file equal, ``verify`` clean; ranges at unaligned offsets and
+    shorter than 4096 bytes are among them."""
     stats, close = [], cw.RangeWriter.close
     monkeypatch.setattr(cw.RangeWriter, "close",
                         lambda self: (close(self), stats.append(self.aio and self.aio.stats)))
-    monkeypatch.setattr(cw, "DIRECT_MIN_BYTES", 0)  # every range, however short, takes it
     for direct in (True, False):
-        monkeypatch.setattr(cw, "DIRECT_IO", direct)
+        # every range, however short, takes O_DIRECT when it is on
+        io = IOOptions(direct_io=direct, direct_min_bytes=0)
+        engine, batches = setup(Config.model_validate(ccfg(world=1, stage=2)),
+                                torch.device("cpu"), io)
+        engine.train_step([torch.from_numpy(batches.next())])
         engine.save_checkpoint(tmp_path / str(direct), state={"data": batches.state_dict()})
     dirs = [tmp_path / str(direct) / "step_00000001" for direct in (True, False)]
     names = sorted(p.name for p in dirs[0].iterdir())

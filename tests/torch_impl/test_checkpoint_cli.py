@@ -22,8 +22,7 @@ import torch
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
 
-from moezero.checkpoint.core import TEST_DELAY_ENV
-from moezero.cli import main
+from moezero.cli import TEST_DELAY_ENV, main
 from moezero.plan import store
 from tests.torch_impl.test_checkpoint import ccfg, train_run
 from tests.torch_impl.test_cli import TINY, _children, moezero

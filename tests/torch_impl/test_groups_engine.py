@@ -68,16 +68,16 @@ def engine_facts(cfg_data: dict) -> dict:
     engine = initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu")
     out = {"rank": topo.rank, "local": [g.name for g in engine.groups.local],
            "expected": expected_groups(engine.model, cfg, topo.world_size, topo.rank)}
-    if engine.zero is not None:
-        out["layout"] = engine.zero.layout()
-        out["storage"] = storage_facts(engine)
+    out["layout"] = engine.optimizer.layout()
+    out["replicated"] = cfg.zero_optimization.stage == 0
+    out["storage"] = storage_facts(engine)
     return out
 
 
 def storage_facts(engine) -> dict:
     """Per kind: do its params all view its flat buffer, and do they fill it exactly?"""
     facts = {}
-    for kind in engine.zero.kinds:
+    for kind in engine.optimizer.kinds:
         ptr = kind.params.untyped_storage().data_ptr()
         mine = [p for p in engine.params.values() if p.untyped_storage().data_ptr() == ptr]
         facts[kind.name] = (sum(p.numel() for p in mine), kind.params.numel())
@@ -100,15 +100,15 @@ def all_cases(cases: list[dict]) -> list[dict]:
 def check(facts: dict) -> None:
     expected = facts["expected"]
     assert facts["local"] == [e["name"] for e in expected]
-    if "layout" not in facts:
-        return
     layout = facts["layout"]
     assert [r["name"] for r in layout] == [e["name"] for e in expected]
     for got, want in zip(layout, expected, strict=True):
         for key in ("index", "members", "dp_rank", "range", "ranks"):
             assert got[key] == want[key], (got["name"], key, got[key], want[key])
         sizes = {got[k] for k in ("master", "exp_avg", "exp_avg_sq", "grad")}
-        assert sizes == {want["shard"]}, (got["name"], sizes)
+        # stage 0 keeps every group whole; the sharded stages keep this rank's shard
+        numel = sum(stop - start for _, start, stop in want["members"])
+        assert sizes == {numel if facts["replicated"] else want["shard"]}, (got["name"], sizes)
     storage = facts["storage"]
     assert storage.pop("all_params_in_buffers")
     for name, (in_params, flat) in storage.items():
@@ -143,7 +143,7 @@ def train_and_capture(cfg_data: dict, run_dir: str) -> dict:
     if dist.is_initialized():
         dist.barrier()
     table = json.loads((Path(run_dir) / "param_groups.json").read_text())
-    return {"rank": built[0].topology.rank, "layout": built[0].zero.layout(), "table": table}
+    return {"rank": built[0].topology.rank, "layout": built[0].optimizer.layout(), "table": table}
 
 
 def test_param_groups_json_matches_the_engine(tmp_path):

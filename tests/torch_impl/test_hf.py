@@ -153,9 +153,8 @@ def test_engine_loads_weights_only_with_fresh_moments(tmp_path, stage):
                       ["moe.ep_size=1", f"zero_optimization.stage={stage}", "precision.dtype=fp32"])
     engine, _ = setup(cfg, torch.device("cpu"))
     engine.train_step([torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(2))])
-    moments = ([t for _, _, a in engine.zero.shards() for k, t in a.items() if k != "master"]
-               if engine.zero is not None else
-               [t for st in engine.state.values() for t in (st.exp_avg, st.exp_avg_sq)])
+    moments = [t for shard in engine.optimizer.shards() for k, t in shard.tensors.items()
+               if k != "master"]
     assert any(t.any() for t in moments) and engine.step_count == 1
     assert engine.load_checkpoint(tmp_path / "ckpt") == {}
     assert (engine.step_count, engine.global_steps) == (0, 0)

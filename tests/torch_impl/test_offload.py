@@ -1,4 +1,4 @@
-"""NVMe offload I/O (torch_impl/offload.py): aligned buffers, AsyncIO round trips, O_DIRECT and
+"""NVMe offload I/O (torch_impl/offload/aio.py, swapdir.py): aligned buffers, AsyncIO round trips, O_DIRECT and
 its fallback, swap file names and folders, the free-space check, and store.copy_range's
 in-kernel copy."""
 
@@ -19,17 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moezero.config import ConfigError
-from moezero.offload import aio as offload
-from moezero.offload.aio import (
-    ALIGN,
-    OPTIMIZER_KEY,
-    PARAM_KEY,
-    AsyncIO,
-    OffloadIOError,
-    SwapDir,
-    aligned_empty,
-    swap_name,
-)
+from moezero.offload import swapdir
+from moezero.offload.aio import ALIGN, AsyncIO, OffloadIOError, aligned_empty, aligned_size
+from moezero.offload.swapdir import OPTIMIZER_KEY, PARAM_KEY, SwapDir, swap_name
 from moezero.plan import store
 
 SHM = Path("/dev/shm")
@@ -60,7 +52,7 @@ def test_aligned_empty_is_aligned_exact_and_rounded(numel, dtype):
     assert t.numel() == numel and t.dtype == dtype and t.device.type == "cpu"
     assert t.data_ptr() % ALIGN == 0 and t.is_contiguous()
     room = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
-    assert room >= offload.aligned_size(numel * t.element_size())
+    assert room >= aligned_size(numel * t.element_size())
     assert not t.is_pinned() or torch.cuda.is_available()
 
 
@@ -290,7 +282,7 @@ GROUPS = {"dense/decay/0": 1000, "moe/ep_size_2/layer3/expert5/0": 4096,
 
 def _run(root: Path, groups: dict[str, int]) -> list[tuple[str, int]]:
     swap = SwapDir(root, 3)
-    swap.check(sum(offload.aligned_size(4 * n) for n in groups.values()) * 3)
+    swap.check(sum(aligned_size(4 * n) for n in groups.values()) * 3)
     with AsyncIO(2) as aio:
         for name, numel in groups.items():
             for state in ("master", "exp_avg", "exp_avg_sq"):
@@ -373,8 +365,8 @@ def test_check_counts_our_existing_files_as_free(tmp_path, monkeypatch):
     swap = SwapDir(tmp_path, 0)
     swap.allocate("g", "master", 40 * ALIGN)
     (swap.folder / "foreign").write_bytes(bytes(8 * ALIGN))
-    usage = offload.shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(offload.shutil, "disk_usage", lambda p: usage._replace(free=10 * ALIGN))
+    usage = swapdir.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(swapdir.shutil, "disk_usage", lambda p: usage._replace(free=10 * ALIGN))
     swap.check(50 * ALIGN)
     with pytest.raises(ConfigError, match=f"need {50 * ALIGN + 1} bytes .* only {50 * ALIGN} "):
         swap.check(50 * ALIGN + 1)

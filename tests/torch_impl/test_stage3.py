@@ -1,4 +1,4 @@
-"""ZeRO-3 (torch_impl/gather.py) and offload (torch_impl/offload.py): the same parameters,
+"""ZeRO-3 (torch_impl/zero/gather.py) and offload (torch_impl/offload/): the same parameters,
 bit for bit, as stage 2 without offload, for every applicable (param, optimizer) offload
 pair; params at rest are shards only; experts that get no token do not hang.
 """
@@ -49,8 +49,8 @@ def train(cfg_data: dict, steps: int = STEPS, world_of_batch: int = 2, first: in
     if save:
         engine.save_checkpoint(save)
     params = {k: p.detach().float().clone().numpy() for k, p in engine.full_parameters().items()}
-    swaps = [s.folder for s in (engine.zero.optim_swap, engine.zero.param_swap) if s] \
-        if engine.zero else []
+    opt = engine.optimizer
+    swaps = [s.folder for s in (opt.optim_swap, getattr(opt, "param_swap", None)) if s]
     listing = sorted({entry for folder in swaps for entry in folder.listing()})
     engine.close()
     left = sorted({entry for folder in swaps for entry in folder.listing()})

@@ -1,6 +1,7 @@
-"""ZeRO stages 1 and 2 (torch_impl/zero.py): sharded runs equal the single-process run, the
-tiled step equals the untiled one bit for bit, the grad norm is invariant to ep, fp16 overflow
-skips the step on every rank, clipping is honoured, and the tiled step's peak is smaller.
+"""ZeRO stages 0-2 (torch_impl/zero/): distributed runs equal the single-process run, the
+tiled step equals the untiled one bit for bit, stage 0 (the replicated optimizer) steps bit
+for bit like the sharded stages, the grad norm is invariant to ep, fp16 overflow skips the
+step on every rank, clipping is honoured, and the tiled step's peak is smaller.
 
 Spawning ranks dominates the cost (seconds per world on 2 cores), so each world runs many
 configurations; module-scoped fixtures share them between the tests.
@@ -8,6 +9,7 @@ configurations; module-scoped fixtures share them between the tests.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,7 +86,7 @@ def _exp_avg_error(engine, grads: dict, grad_norm: float) -> float:
     beta1, max_norm = engine.cfg.optimizer.betas[0], engine.cfg.optimizer.max_grad_norm
     clip = min(1.0, max_norm / grad_norm)
     worst = 0.0
-    for piece, views in engine.zero.state_pieces():
+    for piece, views in engine.optimizer.state_pieces():
         expected = grads[piece.fqn].reshape(-1)[piece.start:piece.stop].float() * clip * (1 - beta1)
         worst = max(worst, rel_err(views["exp_avg"].numpy(), expected.numpy()))
     return worst
@@ -169,6 +171,34 @@ def test_tiled_step_is_bit_identical_to_untiled(w2, name):
         assert any((tiled["params"][k] != tiled["initial"][k]).any() for k in tiled["params"])
 
 
+def assert_bitwise(runs: list[dict], others: list[dict]) -> None:
+    for got, want in zip(runs, others, strict=True):
+        assert [m["grad_norm"] for m in got["metrics"]] == [m["grad_norm"] for m in want["metrics"]]
+        assert got["params"].keys() == want["params"].keys()
+        for fqn, value in got["params"].items():
+            assert np.array_equal(value, want["params"][fqn]), fqn
+
+
+@pytest.mark.parametrize("stage0,sharded", [("s0_ep1", "s1_ep1"), ("s0_ep2", "s1_ep2"),
+                                            ("s0_ep2", "s2_ep2"),
+                                            ("fp32_s0_tiledTrue", "fp32_s1_tiledTrue"),
+                                            ("bf16_s0_tiledFalse", "bf16_s2_tiledFalse")])
+def test_stage0_steps_bit_for_bit_like_the_sharded_stages(w2, stage0, sharded):
+    """At W = 2 every reduced gradient is one fp32 sum of two, whatever the collective; stage
+    0 then runs the sharded stages' step on whole groups, its grad norm over each rank's own
+    partition ranges: the same norms and params, bit for bit."""
+    assert_bitwise(by_name(w2, stage0), by_name(w2, sharded))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_process_stages_are_bit_identical(dtype):
+    """W = 1, in this process: stages 0, 1 and 2 give the same norms and params bit for bit."""
+    runs = {s: train_steps(zcfg(stage=s, dtype=dtype, cap=CAP), 2, steps=2) for s in (0, 1, 2)}
+    for stage in (1, 2):
+        assert_bitwise([runs[0]], [runs[stage]])
+    assert any((runs[0]["params"][k] != runs[0]["initial"][k]).any() for k in runs[0]["params"])
+
+
 def test_grad_norm_is_invariant_to_ep(w4):
     norms = {ep: [r["metrics"][0]["grad_norm"] for r in by_name(w4, name)]
              for ep, name in ((1, "norm_ep1"), (2, "s2_ep2"), (4, "norm_ep4"))}
@@ -205,8 +235,8 @@ def step_peaks(tiled: bool) -> dict:
                                      dp_rank=0, dp_size=1, global_batch=MICRO,
                                      seq_len=cfg.train.seq_len).next())
     out = engine.train_step([batch])
-    shards = [s.shard for s in engine.zero.slots]
-    return {"peak": out["step_peak_engine_bytes"], "persistent": engine.zero.meter.persistent,
+    shards = [s.shard for s in engine.optimizer.slots]
+    return {"peak": out["step_peak_engine_bytes"], "persistent": engine.optimizer.meter.persistent,
             "shards": shards}
 
 
@@ -229,9 +259,9 @@ def test_fp32_master_is_the_params_own_range(stage):
         cfg = Config.model_validate(zcfg(stage=stage, experts=4, cap=CAP, dtype=dtype))
         topo = build_topology([1], num_experts=4)
         engine = initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu")
-        flats = {k.params.untyped_storage().data_ptr() for k in engine.zero.kinds}
-        shared = [s.master.untyped_storage().data_ptr() in flats for s in engine.zero.slots]
+        flats = {k.params.untyped_storage().data_ptr() for k in engine.optimizer.kinds}
+        shared = [s.master.untyped_storage().data_ptr() in flats for s in engine.optimizer.slots]
         assert all(shared) if dtype == "fp32" else not any(shared), dtype
-        owned = sum(s.shard for s in engine.zero.slots)
+        owned = sum(s.shard for s in engine.optimizer.slots)
         full_grads = (4 if dtype == "fp32" else 2) * owned if stage == 1 else 0  # W = 1
-        assert engine.zero.meter.persistent == per_element * owned + full_grads, dtype
+        assert engine.optimizer.meter.persistent == per_element * owned + full_grads, dtype

@@ -1,16 +1,20 @@
 """How a rank's checkpoint bytes reach the disk: the O_DIRECT range writer that
 ``store.write_partition`` drives (``RangeWriter``) and the flush after a rank's last write
-(``FolderFlush``). Used by ``moezero.checkpoint.core``; docs/checkpoint.md ("Write path").
+(``FolderFlush``). Both take their behaviour from ``moezero.offload.options.IOOptions`` (or
+constructor arguments), never from module state. Used by ``moezero.checkpoint.save``;
+docs/checkpoint.md ("Write path").
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import re
 import sys
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -18,51 +22,41 @@ import numpy as np
 import torch
 
 from moezero.offload.aio import ALIGN, AsyncIO, aligned_empty
+from moezero.offload.options import IOOptions
 from moezero.plan import store
+from moezero.plan.bytes_io import byte_view
 
-__all__ = ["DIRECT_IO", "DIRECT_MIN_BYTES", "STAGE_BYTES", "FolderFlush", "RangeWriter"]
-
-DIRECT_IO = True
-"""Write the aligned bulk of each range with O_DIRECT where the filesystem allows it (tests
-turn it off to compare with the buffered path)."""
-
-STAGE_BYTES = 16 << 20
-"""Bytes per staging buffer of the O_DIRECT writer (two of them per rank during a save; 8, 16,
-32 and 64 MiB measured here: 16 was fastest)."""
-
-DIRECT_MIN_BYTES = 512 << 10
-"""Ranges shorter than this are written through the page cache: below it the per-request cost
-of the thread pool outweighs what O_DIRECT saves (measured crossover here: 256 KiB-1 MiB)."""
-
-_NO_DIRECT: set[int] = set()
-"""``st_dev`` of the filesystems where O_DIRECT was refused (``AsyncIO`` logs it once)."""
+__all__ = ["FolderFlush", "RangeWriter", "system_syncfs"]
 
 
 class RangeWriter:
     """``store.write_partition``'s writer: each range's aligned bulk with O_DIRECT.
 
-    A range is staged chunk by chunk (at most ``stage_bytes``) into one of two aligned
+    A range is staged chunk by chunk (at most ``options.stage_bytes``) into one of two aligned
     buffers, at an address congruent to its file offset modulo ``ALIGN``; ``AsyncIO`` then
     writes the aligned middle with O_DIRECT and the unaligned head and tail (< 4 KiB each)
     buffered. While one buffer is written the next chunk is copied into the other. The crc32
     is taken from the source bytes. Writes return before the bytes are on disk: ``close``
-    (or leaving the ``with``) waits for them. Ranges shorter than ``min_direct``, and every
-    range where O_DIRECT is refused (or ``direct`` is False), are written by
-    ``store.write_range``, through the page cache.
+    (or leaving the ``with``) waits for them. Ranges shorter than ``options.direct_min_bytes``,
+    and every range where O_DIRECT is refused (or ``options.direct_io`` is False), are written
+    by ``store.write_range``, through the page cache. ``refused`` collects the ``st_dev`` of
+    filesystems that refused O_DIRECT (share it between writers to probe each one once).
     """
 
-    def __init__(self, direct: bool = True, stage_bytes: int = STAGE_BYTES,
-                 min_direct: int = DIRECT_MIN_BYTES):
+    def __init__(self, options: IOOptions | None = None, refused: set[int] | None = None):
+        options = options or IOOptions()
         self.aio: AsyncIO | None = None  # started by the first range that may use it
-        self._allowed = direct and hasattr(os, "O_DIRECT")
-        self._stage, self._min = stage_bytes, min_direct
+        self._allowed = options.direct_io and hasattr(os, "O_DIRECT")
+        self._stage, self._min = options.stage_bytes, options.direct_min_bytes
+        self._chunk = options.chunk_bytes
+        self._refused = set() if refused is None else refused
         self._bufs: list[torch.Tensor | None] = [None, None]
         self._pending: list[Future | None] = [None, None]
         self._turn = 0
         self._direct: dict[str, bool] = {}  # folder -> O_DIRECT works there
 
     def __call__(self, path: Path, offset: int, array: np.ndarray) -> int:
-        src = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        src = byte_view(array)
         if len(src) < self._min or not self._uses_direct(path):
             return store.write_range(path, offset, src)
         size = os.stat(path).st_size
@@ -75,7 +69,7 @@ class RangeWriter:
             piece = src[pos:pos + min(len(src) - pos, self._stage - at)]
             k, buf = self._buffer(at + len(piece))
             buf = buf[at:at + len(piece)]
-            buf.numpy()[:] = piece
+            buf.numpy()[:] = np.frombuffer(piece, np.uint8)
             crc = zlib.crc32(piece, crc)
             self._pending[k] = self.aio.write(path, buf, offset + pos)
             pos += len(piece)
@@ -86,16 +80,16 @@ class RangeWriter:
         folder = os.path.dirname(os.path.abspath(path))
         if folder not in self._direct:
             dev = os.stat(folder).st_dev
-            ok = self._allowed and dev not in _NO_DIRECT
+            ok = self._allowed and dev not in self._refused
             if ok:  # an empty read opens the file and probes O_DIRECT in its folder
-                self.aio = self.aio or AsyncIO(direct=True)
+                self.aio = self.aio or AsyncIO(chunk_bytes=self._chunk, direct=True)
                 try:
                     self.aio.read(path, torch.empty(0, dtype=torch.uint8)).result()
                 except OSError:
                     return False  # store.write_range names the problem
                 ok = self.aio.uses_direct(path)
                 if not ok:
-                    _NO_DIRECT.add(dev)
+                    self._refused.add(dev)
             self._direct[folder] = ok
         return self._direct[folder]
 
@@ -143,6 +137,8 @@ class FolderFlush:
 
     Create it before the rank's first write into ``folder`` (so the filesystem's writeback
     error mark is taken before any of them), call ``flush(names)`` after the last one.
+    ``syncfs`` is ``system_syncfs()`` (libc's, where it reports errors) or None: per-file
+    fsyncs everywhere (``IOOptions.syncfs`` False).
 
     One syncfs is one journal commit and one device cache flush for every file a rank wrote
     (a checkpoint has one file per group and state: ~70 for a 16-expert model, where per-file
@@ -153,14 +149,14 @@ class FolderFlush:
     pages on that filesystem: on a disk shared with heavy writers a save waits for them.
     """
 
-    def __init__(self, folder: Path):
-        self.folder, self.fd = Path(folder), None
-        if SYNCFS is not None and _fs_type(self.folder) in SYNCFS_FILESYSTEMS:
+    def __init__(self, folder: Path, syncfs: Callable[[int], int] | None = None):
+        self.folder, self.fd, self._syncfs = Path(folder), None, syncfs
+        if syncfs is not None and _fs_type(self.folder) in SYNCFS_FILESYSTEMS:
             self.fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
 
     def flush(self, names: list[str]) -> None:
         if names and self.fd is not None:
-            if SYNCFS(self.fd) == 0:
+            if self._syncfs(self.fd) == 0:
                 return
             err = ctypes.get_errno()
             if err not in (errno.ENOSYS, errno.EOPNOTSUPP):
@@ -197,7 +193,8 @@ def _fs_type(folder: Path) -> int | None:
     return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
-def _syncfs():
+@functools.cache
+def system_syncfs() -> Callable[[int], int] | None:
     """libc's ``syncfs(fd)`` on Linux >= 5.8 (it reports writeback errors since then), or
     None."""
     release = re.match(r"(\d+)\.(\d+)", os.uname().release) if hasattr(os, "uname") else None
@@ -209,7 +206,5 @@ def _syncfs():
 
 try:
     _LIBC = ctypes.CDLL(None, use_errno=True)
-except OSError:
+except OSError:  # no libc to load: statfs and syncfs are unknown, fsync is used
     _LIBC = None
-SYNCFS = _syncfs()
-"""``FolderFlush``'s syncfs; None (tests set it) flushes file by file."""

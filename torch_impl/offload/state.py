@@ -3,10 +3,11 @@
 One swap file per (optimizer group, state) and rank (``offload.SwapDir``), holding exactly the
 rank's padded partition of that group: ``master``/``exp_avg``/``exp_avg_sq`` in fp32 and, at
 stage 3 with ``offload_param.device: nvme``, ``param`` in the compute dtype. The checkpoint
-layout stores the same contiguous ranges, so a save copies file to file
-(``checkpoint.py``). ``SwapState.stepping`` pipelines the tiled step: while group g is
+layout stores the same contiguous ranges, so a save or load copies file to file
+(``moezero.checkpoint``, which receives the swap files' paths as the optimizer's shards). ``SwapState.stepping`` pipelines the tiled step: while group g is
 stepped, group g+1 is being read and group g-1 written back; only those three groups' fp32
-state is in memory. The engine builds these objects; ``zero.ZeroOptimizer`` only calls them.
+state is in memory. The engine builds these objects (``build``); ``zero.sharded.ShardedOptimizer``
+only calls them.
 Reference counterpart: none (the reference keeps every state in memory).
 """
 
@@ -15,23 +16,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from pathlib import Path
 
 import torch
 
-from moezero.offload.aio import (
-    CHUNK,
-    OPTIMIZER_KEY,
-    PARAM_KEY,
-    AsyncIO,
-    SwapDir,
-    aligned_empty,
-    aligned_size,
-)
-from moezero.plan import store
-from moezero.plan.layout import rank_ranges, same_group
-
-OPTIM_STATES = ("master", "exp_avg", "exp_avg_sq")
+from moezero.offload.aio import AsyncIO, aligned_empty, aligned_size
+from moezero.offload.options import IOOptions
+from moezero.offload.swapdir import OPTIMIZER_KEY, PARAM_KEY, SwapDir
+from moezero.plan.layout import STATES
 
 
 class SwapState:
@@ -122,24 +113,12 @@ class SwapState:
         _wait(futures)
         self.drop(bufs)
 
-    def fill_from_checkpoint(self, slot, ckpt_dir, manifest) -> bool:
-        """Fill ``slot``'s swap files from a checkpoint file to file (``store.copy_range``)
-        when the checkpoint holds its group unchanged (any world size: the rank's range is
-        then one byte range per state); False when the plan differs (read it instead).
-        Padding and the moments of a weights-only checkpoint become zeros."""
-        part = slot.group.partition
-        if not same_group(manifest.layout, part):
-            return False
-        ranges = rank_ranges(manifest.layout, part, slot.dp_rank)
-        for state in self.states:
-            path, where = self.path(slot, state), getattr(ranges, state)
-            done = 0
-            if where is not None and where.length:
-                store.copy_range(Path(ckpt_dir) / where.file, where.offset, path, 0, where.length)
-                done = where.length
-            self.io.release(path)  # the copy bypassed the engine's descriptors
-            _zero_fill(path, done, slot.shard * self.dtype.itemsize)
-        return True
+    def reopen(self) -> None:
+        """Close the cached descriptors of every file (after they were written behind the
+        I/O engine's back, e.g. a checkpoint's file-to-file copy); the next use reopens them."""
+        for slot in self.slots:
+            for state in self.states:
+                self.io.release(self.path(slot, state))
 
     def check_space(self, others: Sequence[SwapState] = ()) -> None:
         """One-line ``ConfigError`` before anything is written when the folder is missing,
@@ -155,32 +134,24 @@ class SwapState:
             self.folder.cleanup()
 
 
-def _zero_fill(path, start: int, stop: int) -> None:
-    """Zeros in bytes [start, stop) of an existing file."""
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        for at in range(start, stop, CHUNK):
-            os.pwrite(fd, bytes(min(CHUNK, stop - at)), at)
-    finally:
-        os.close(fd)
-
-
 def _wait(futures: list[Future]) -> None:
     for f in futures:
         f.result()
 
 
-def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter) -> tuple:
+def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
+          options: IOOptions | None = None) -> tuple:
     """(optimizer SwapState or None, param SwapState or None) for the configured tiers, after
     the free-space check of every folder (nothing is written before it passes)."""
-    optim = param = None
-    io = None
+    optim = param = io = None
+    options = options or IOOptions()
+    new_io = lambda: AsyncIO(chunk_bytes=options.chunk_bytes, direct=options.direct_io)
     if cfg_zero.offload_optimizer.device == "nvme":
-        io = AsyncIO()
+        io = new_io()
         optim = SwapState(SwapDir(cfg_zero.offload_optimizer.nvme_path, rank), io, slots,
-                          OPTIM_STATES, torch.float32, key=OPTIMIZER_KEY, meter=meter)
+                          STATES, torch.float32, key=OPTIMIZER_KEY, meter=meter)
     if cfg_zero.stage == 3 and cfg_zero.offload_param.device == "nvme":
-        io = io or AsyncIO()
+        io = io or new_io()
         param = SwapState(SwapDir(cfg_zero.offload_param.nvme_path, rank), io, slots,
                           ("param",), dtype, key=PARAM_KEY, meter=meter)
     stores = [s for s in (optim, param) if s is not None]

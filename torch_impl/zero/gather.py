@@ -1,13 +1,17 @@
 """ZeRO-3 parameter gathering: params live as shards; a module's params exist only while used.
 
-**Units.** The model's root, every module of an ``nn.ModuleList`` (the decoder's blocks) and
-every ``MoE`` layer are gather units. A unit owns the params below it that no nested unit
+**Units** (``plan_units``: pure, frozen ``GatherUnit`` records). The model's root, every
+module of an ``nn.ModuleList`` (the decoder's blocks) and every ``MoE`` layer are gather units. A unit owns the params below it that no nested unit
 owns, split by data-parallel kind (dense params; each moe group's experts), so the dense
 part of a MoE layer (its router) and its experts are released independently. A unit needs
 every optimizer group holding one of its params, closed over the groups of those groups'
 members (a param sliced across groups by ``moe.max_group_size`` is gathered whole). Cap the
 groups to make units fine-grained: with one big dense group every dense param is gathered at
 once.
+
+**Inputs.** ``ParamGatherer`` receives the model (its modules carry the hooks), the params by
+FQN, the optimizer's slots (each group's members and partition) and a fetch function giving a
+slot's param shard on the compute device; it never calls back into the optimizer.
 
 **Forward.** A unit's forward pre-hook gathers its groups (all-gather of each group's shard
 into a padded temporary, copied into the params' own storage, which is re-allocated for the
@@ -32,27 +36,78 @@ is tested bit-identical to stage 2, tests/torch_impl/test_stage3.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moezero.distributed.topology import Topology, gather_groups
 from moezero.model.moe import MoE, expert_tag
+from moezero.zero.shards import Slot
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-@dataclass(eq=False)
-class _Unit:
+@dataclass(frozen=True)
+class GatherUnit:
     """One module's params of one data-parallel kind and the groups they need."""
 
-    name: str
+    name: str  # "<module>[<kind>]", for messages
+    module: str  # the module's name ("" = the root)
     fqns: frozenset[str]
-    slots: tuple[int, ...]  # indices into ZeroOptimizer.slots, ascending
-    pending: int = 0  # backward: owned params whose gradient has not arrived yet
-    active: bool = False  # held for backward
+    slots: tuple[int, ...]  # indices into the optimizer's slots, ascending
+
+
+def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every gather unit in registration (~forward) order; root first."""
+    lists = {n for n, m in model.named_modules() if n and isinstance(m, nn.ModuleList)}
+    return [(name, module) for name, module in model.named_modules()
+            if module is model or name.rpartition(".")[0] in lists or isinstance(module, MoE)]
+
+
+def param_kind(param: nn.Parameter) -> str:
+    """``dense``, or the moe group and EP size of an expert parameter."""
+    tag = expert_tag(param)
+    return "dense" if tag is None else f"moe/{tag.group_name}/ep{tag.ep_size}"
+
+
+def plan_units(modules: Sequence[str], kinds: Mapping[str, str],
+               slot_members: Sequence[Sequence[str]]) -> tuple[GatherUnit, ...]:
+    """The gather units, in module order (pure).
+
+    Args:
+        modules: Unit module names in forward order, the root ("") first.
+        kinds: Every parameter's kind (``param_kind``), in registration order.
+        slot_members: Each optimizer group's member FQNs, in slot order.
+
+    A parameter belongs to the innermost unit module above it; a unit needs every group
+    holding one of its params, closed over the groups of those groups' members.
+    """
+    owned: dict[tuple[str, str], set[str]] = {}
+    for fqn, kind in kinds.items():
+        unit = max((n for n in modules if not n or fqn.startswith(n + ".")), key=len)
+        owned.setdefault((unit, kind), set()).add(fqn)
+    slots_of: dict[str, set[int]] = {}
+    for i, members in enumerate(slot_members):
+        for fqn in members:
+            slots_of.setdefault(fqn, set()).add(i)
+    ordered = sorted(owned.items(), key=lambda kv: modules.index(kv[0][0]))
+    return tuple(GatherUnit(f"{unit or '<root>'}[{kind}]", unit, frozenset(fqns),
+                            _closure(fqns, slots_of, slot_members))
+                 for (unit, kind), fqns in ordered)
+
+
+def _closure(fqns: set[str], slots_of: dict[str, set[int]],
+             slot_members: Sequence[Sequence[str]]) -> tuple[int, ...]:
+    """The groups holding ``fqns``, plus the groups of every member of those groups."""
+    need, todo = set(), set().union(*(slots_of[f] for f in fqns))
+    while todo:
+        i = todo.pop()
+        need.add(i)
+        for fqn in slot_members[i]:
+            todo |= slots_of[fqn] - need
+    return tuple(sorted(need))
 
 
 @dataclass(eq=False)
@@ -68,73 +123,51 @@ class _State:
     inflight: dict[int, _Gathering] = field(default_factory=dict)
 
 
-def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every gather unit in registration (~forward) order; root first."""
-    lists = {n for n, m in model.named_modules() if n and isinstance(m, nn.ModuleList)}
-    return [(name, module) for name, module in model.named_modules()
-            if module is model or name.rpartition(".")[0] in lists or isinstance(module, MoE)]
-
-
 class ParamGatherer:
-    """Gathers and releases a stage-3 model's params around each unit's forward and backward."""
+    """Gathers and releases a stage-3 model's params around each unit's forward and backward.
 
-    def __init__(self, zero, model: nn.Module, topology: Topology, *, prefetch: bool = True):
-        self.zero, self.prefetch = zero, prefetch
-        self.groups = gather_groups(topology)
-        self.state = _State([0] * len(zero.slots))
-        self.by_module = self._build_units(model)
-        self.order = [u for units in self.by_module.values() for u in units]
-        self.owner = {fqn: u for u in self.order for fqn in u.fqns}
-        for name, module in unit_modules(model):
-            units = self.by_module[name]
+    Args:
+        model: The model; its unit modules get the hooks.
+        params: Its parameters by FQN (their storage is freed now, re-allocated while used).
+        slots: The optimizer's slots (groups, partitions, channels), in plan order.
+        fetch: ``fetch(slot)``: the slot's param shard on the compute device.
+        groups: Process group by channel name (``distributed.topology.gather_groups``).
+        prefetch: Start the next unit's gathers while a unit runs.
+    """
+
+    def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], slots: Sequence[Slot],
+                 fetch: Callable[[Slot], torch.Tensor], groups: dict, *, prefetch: bool = True):
+        self.params, self.slots, self.fetch = params, slots, fetch
+        self.groups, self.prefetch = groups, prefetch
+        modules = unit_modules(model)
+        self.units = plan_units([n for n, _ in modules],
+                                {fqn: param_kind(p) for fqn, p in model.named_parameters()},
+                                [[m.fqn for m in s.group.members] for s in slots])
+        self.state = _State([0] * len(slots))
+        self.pending = [0] * len(self.units)  # backward: owned params whose grad has not arrived
+        self.active = [False] * len(self.units)  # held for backward
+        self.owner = {fqn: u for u, unit in enumerate(self.units) for fqn in unit.fqns}
+        for name, module in modules:
+            units = [u for u, unit in enumerate(self.units) if unit.module == name]
             module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units))
             module.register_forward_hook(lambda m, a, out, units=units: self._post_forward(units, out))
-        for fqn, p in zero.params.items():
+        for fqn, p in params.items():
             p.register_post_accumulate_grad_hook(lambda _p, fqn=fqn: self._on_grad(fqn))
-        for p in zero.params.values():
+        for p in params.values():
             p.data.untyped_storage().resize_(0)
 
-    # ------------------------------------------------------------------ units
-    def _build_units(self, model: nn.Module) -> dict[str, list[_Unit]]:
-        names = [name for name, _ in unit_modules(model)]
-        owned: dict[tuple[str, str], set[str]] = {}
-        for fqn, p in model.named_parameters():
-            unit = max((n for n in names if not n or fqn.startswith(n + ".")), key=len)
-            tag = expert_tag(p)
-            kind = "dense" if tag is None else f"moe/{tag.group_name}/ep{tag.ep_size}"
-            owned.setdefault((unit, kind), set()).add(fqn)
-        slots_of: dict[str, set[int]] = {}
-        for i, slot in enumerate(self.zero.slots):
-            for member in slot.group.members:
-                slots_of.setdefault(member.fqn, set()).add(i)
-        by_module: dict[str, list[_Unit]] = {n: [] for n in names}
-        for (unit, kind), fqns in sorted(owned.items(), key=lambda kv: names.index(kv[0][0])):
-            label = f"{unit or '<root>'}[{kind}]"
-            by_module[unit].append(_Unit(label, frozenset(fqns), self._closure(fqns, slots_of)))
-        return by_module
-
-    def _closure(self, fqns: set[str], slots_of: dict[str, set[int]]) -> tuple[int, ...]:
-        """The groups holding ``fqns``, plus the groups of every member of those groups."""
-        need, todo = set(), set().union(*(slots_of[f] for f in fqns))
-        while todo:
-            i = todo.pop()
-            need.add(i)
-            for member in self.zero.slots[i].group.members:
-                todo |= slots_of[member.fqn] - need
-        return tuple(sorted(need))
-
     # ------------------------------------------------------------------ hooks
-    def _pre_forward(self, units: list[_Unit]) -> None:
-        for unit in units:
-            self._acquire(unit)
+    def _pre_forward(self, units: list[int]) -> None:
+        for u in units:
+            self._acquire(u)
         if self.prefetch:
-            after = self.order.index(units[-1]) + 1 if units else len(self.order)
-            for unit in self.order[after:after + 1]:
+            after = units[-1] + 1 if units else len(self.units)
+            for unit in self.units[after:after + 1]:
                 self._start(unit.slots)
 
-    def _post_forward(self, units: list[_Unit], out):
-        for unit in units:
-            self._release(unit)
+    def _post_forward(self, units: list[int], out):
+        for u in units:
+            self._release(u)
         if not torch.is_grad_enabled() or not units:
             return out
         tensors = [t for t in _flatten(out) if t.requires_grad]
@@ -144,29 +177,27 @@ class ParamGatherer:
         swap = {id(t): next(wrapped) for t in tensors}
         return _rebuild(out, swap)
 
-    def _pre_backward(self, units: list[_Unit]) -> None:
-        for unit in units:
-            self._acquire(unit)
-            unit.pending, unit.active = len(unit.fqns), True
-        if self.prefetch:
-            before = self.order.index(units[0]) - 1
-            if before >= 0:
-                self._start(self.order[before].slots)
+    def _pre_backward(self, units: list[int]) -> None:
+        for u in units:
+            self._acquire(u)
+            self.pending[u], self.active[u] = len(self.units[u].fqns), True
+        if self.prefetch and units[0] > 0:
+            self._start(self.units[units[0] - 1].slots)
 
     def _on_grad(self, fqn: str) -> None:
-        unit = self.owner[fqn]
-        if unit.active:
-            unit.pending -= 1
-            if unit.pending == 0:
-                unit.active = False
-                self._release(unit)
+        u = self.owner[fqn]
+        if self.active[u]:
+            self.pending[u] -= 1
+            if self.pending[u] == 0:
+                self.active[u] = False
+                self._release(u)
 
     def after_backward(self) -> None:
         """Release units still held for backward and drop unused prefetches."""
-        for unit in self.order:
-            if unit.active:
-                unit.active = False
-                self._release(unit)
+        for u in range(len(self.units)):
+            if self.active[u]:
+                self.active[u] = False
+                self._release(u)
         self.drain()
 
     def drain(self) -> None:
@@ -177,23 +208,23 @@ class ParamGatherer:
         self.state.inflight.clear()
 
     # ------------------------------------------------------------------ groups
-    def _acquire(self, unit: _Unit) -> None:
-        st = self.state
-        for i in unit.slots:
+    def _acquire(self, u: int) -> None:
+        st, slots = self.state, self.units[u].slots
+        for i in slots:
             st.refs[i] += 1
-        self._start(unit.slots)
-        for i in unit.slots:
+        self._start(slots)
+        for i in slots:
             if i not in st.resident:
                 self._scatter(i, st.inflight.pop(i))
 
-    def _release(self, unit: _Unit) -> None:
+    def _release(self, u: int) -> None:
         st = self.state
-        for i in unit.slots:
+        for i in self.units[u].slots:
             st.refs[i] -= 1
             if st.refs[i] == 0 and i in st.resident:
                 st.resident.discard(i)
-                for member in self.zero.slots[i].group.members:
-                    storage = self.zero.params[member.fqn].data.untyped_storage()
+                for member in self.slots[i].group.members:
+                    storage = self.params[member.fqn].data.untyped_storage()
                     if storage.nbytes():
                         storage.resize_(0)
 
@@ -203,9 +234,9 @@ class ParamGatherer:
         for i in slots:
             if i in st.resident or i in st.inflight:
                 continue
-            slot = self.zero.slots[i]
-            shard = self.zero.param_shard(slot)
-            part = slot.group.partition
+            slot = self.slots[i]
+            shard = self.fetch(slot)
+            part = slot.partition
             if part.dp_size == 1:
                 st.inflight[i] = _Gathering(None, shard)
                 continue
@@ -218,8 +249,8 @@ class ParamGatherer:
         if gathering.work is not None:
             gathering.work.wait()
         with torch.no_grad():
-            for member, off in self.zero.slots[i].group.partition.offsets:
-                param = self.zero.params[member.fqn].data
+            for member, off in self.slots[i].partition.offsets:
+                param = self.params[member.fqn].data
                 storage = param.untyped_storage()
                 if storage.nbytes() == 0:
                     storage.resize_(param.numel() * param.element_size())
@@ -232,7 +263,7 @@ class _Regather(torch.autograd.Function):
     """Identity on a unit's outputs whose backward gathers the unit's params again."""
 
     @staticmethod
-    def forward(ctx, gatherer: ParamGatherer, units: list[_Unit], *xs):
+    def forward(ctx, gatherer: ParamGatherer, units: list[int], *xs):
         ctx.gatherer, ctx.units = gatherer, units
         return tuple(x.view_as(x) for x in xs)
 

@@ -1,14 +1,14 @@
-"""Gradient reduction of ZeRO stages 1-3: buckets of partition columns, reduce-scattered from
-gradient hooks while backward runs.
+"""Gradient reduction of every stage: buckets of group columns (``moezero.zero.buckets``),
+reduced from gradient hooks while backward runs.
 
-**Reduction.** Seen as a [dp_size, shard_numel] matrix (row d = DP rank d's shard), a group
-can be reduce-scattered by column ranges. A bucket is a list of column ranges of groups of one
-kind (at most ``reduce_bucket_size`` elements); its send buffer is [dp_size, cols] in fp32 and
-one ``reduce_scatter_single`` (sum) gives every rank its columns, which are divided by W
-(DESIGN.md §2: dense grads averaged over W; expert grads summed over the EDP group and divided
-by W, i.e. the gradient of the global mean loss) and downcast into the grad partition. Sums are
-taken in fp32 (one rounding for bf16/fp16 grads, as stage 0 does; on CPU the extra bandwidth
-is not the bottleneck). With ``overlap_comm``, a ``register_post_accumulate_grad_hook`` on
+**Reduction.** A bucket's send buffer is [rows, cols] in fp32, filled from the local
+gradients. The sharded optimizer (rows = dp_size) reduce-scatters it: one
+``reduce_scatter_single`` (sum) gives every rank its columns of its shard; the replicated one
+(one row) all-reduces it. The sums are divided by W (DESIGN.md §2: dense grads averaged over W;
+expert grads summed over the EDP group and divided by W, i.e. the gradient of the global mean
+loss) and downcast into ``Slot.grad`` (the shard, or the whole group's range of the flat
+gradients). Sums are taken in fp32 (one rounding for bf16/fp16 grads; on CPU the extra
+bandwidth is not the bottleneck). With ``overlap_comm``, a ``register_post_accumulate_grad_hook`` on
 every parameter counts ready params during the *last* micro-batch's backward (earlier ones
 only accumulate locally) and launches a bucket asynchronously once all its params are ready,
 strictly in a fixed order per process group (groups by the registration order of their first
@@ -25,26 +25,16 @@ from __future__ import annotations
 import queue
 import threading
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from moezero.zero.shards import Kind, Slot
+from moezero.zero.buckets import Bucket, plan_buckets
+from moezero.zero.shards import Kind, Slot, read_members
 
 # torch 2.13 renamed the tensor forms; older versions only have the *_tensor names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-@dataclass(frozen=True)
-class _Bucket:
-    kind: int
-    pieces: tuple[tuple[int, int, int], ...]  # (slot index in kind, column start, column stop)
-    fqns: tuple[str, ...]  # params it reads
-
-    @property
-    def cols(self) -> int:
-        return sum(b - a for _, a, b in self.pieces)
 
 
 class _Waiter:
@@ -86,66 +76,42 @@ class _Waiter:
 
 
 class GradReduction:
-    """Mixin of ``zero.ZeroOptimizer``: plans the buckets and reduces gradients into the grad
-    partitions (``Slot.grad``). Needs ``params``, ``kinds``, ``stage``, ``topology``, ``_where``
-    and ``_device`` from the optimizer; ``_init_reduction`` after the kinds are built."""
+    """Plans the buckets and reduces the local gradients into every ``Slot.grad``.
 
-    def _init_reduction(self, bucket_size: int, overlap: bool) -> None:
-        self.buckets = self._plan_buckets(bucket_size)
+    Args:
+        params: The model's params by FQN (registration order: the buckets' order).
+        kinds: The optimizer's kinds; ``Kind.grads`` (a flat buffer of full local gradients,
+            when kept) is read instead of ``param.grad``.
+        bucket_size: ``reduce_bucket_size``, elements of one bucket's send buffer.
+        overlap: Launch buckets from gradient hooks during the last micro-batch's backward.
+        all_reduce: All-reduce whole groups (replicated) instead of reduce-scattering shards.
+        release: Free each ``param.grad`` once every bucket reading it has been sent.
+        world_size: W, the divisor of the sums.
+    """
+
+    def __init__(self, params: dict, kinds: Sequence[Kind], *, bucket_size: int, overlap: bool,
+                 all_reduce: bool, release: bool, world_size: int):
+        self.params, self.kinds, self.world_size = params, kinds, world_size
+        self._all_reduce, self._release_sent = all_reduce, release
+        self._device = next(iter(params.values())).device
+        order = {fqn: i for i, fqn in enumerate(params)}
+        self.buckets = plan_buckets([[s.columns for s in k.slots] for k in kinds], order,
+                                    bucket_size)
         self._order: dict[str, list[int]] = defaultdict(list)
         self._buckets_of: dict[str, list[int]] = defaultdict(list)
         for i, bucket in enumerate(self.buckets):
-            self._order[self.kinds[bucket.kind].channel].append(i)
+            self._order[kinds[bucket.kind].channel].append(i)
             for fqn in bucket.fqns:
                 self._buckets_of[fqn].append(i)
-        self._final = False
         self._waiter = _Waiter(self._store)
-        self._reset_reduction()
+        self._reset()
         if overlap:
-            for fqn, p in self.params.items():
+            for fqn, p in params.items():
                 p.register_post_accumulate_grad_hook(lambda _p, fqn=fqn: self._on_grad(fqn))
-
-    def _plan_buckets(self, cap: int) -> list[_Bucket]:
-        """Column ranges of groups, <= cap elements each, in the order backward is expected to
-        complete the groups: by the registration (~forward) order of their first param, last
-        first. Every rank of a data-parallel group computes the same order."""
-        position = {fqn: i for i, fqn in enumerate(self.params)}
-        buckets = []
-        for k, kind in enumerate(self.kinds):
-            cols_cap, pieces, cols = max(1, cap // kind.dp_size), [], 0
-            first_use = [min(position[m.fqn] for m in s.group.members) for s in kind.slots]
-            for si in sorted(range(len(kind.slots)), key=lambda i: -first_use[i]):
-                a, shard = 0, kind.slots[si].shard
-                while a < shard:
-                    b = min(shard, a + cols_cap - cols)
-                    pieces.append((si, a, b))
-                    cols, a = cols + b - a, b
-                    if cols == cols_cap:
-                        buckets.append(self._bucket(k, pieces))
-                        pieces, cols = [], 0
-            if pieces:
-                buckets.append(self._bucket(k, pieces))
-        return buckets
-
-    def _bucket(self, k: int, pieces: list) -> _Bucket:
-        fqns = {}
-        for si, a, b in pieces:
-            slot = self.kinds[k].slots[si]
-            for _, lo, hi in slot.rows(a, b):
-                fqns.update((fqn, None) for fqn, *_ in slot.members_in(lo, hi))
-        return _Bucket(k, tuple(pieces), tuple(fqns))
 
     def before_backward(self, *, final: bool) -> None:
         """Called before each micro-batch's backward; ``final`` = the step's last one."""
         self._final = final
-        if self.stage == 1:
-            self._attach_grad_views()
-
-    def _attach_grad_views(self) -> None:
-        for fqn, p in self.params.items():
-            if p.grad is None:
-                k, pos = self._where[fqn]
-                p.grad = self.kinds[k].grads[pos:pos + p.numel()].view_as(p)
 
     def _on_grad(self, fqn: str) -> None:
         if not self._final:
@@ -165,24 +131,30 @@ class GradReduction:
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
         kind = self.kinds[bucket.kind]
-        send = torch.zeros(kind.dp_size, bucket.cols, dtype=torch.float32, device=self._device)
+        rows = kind.slots[0].columns.rows
+        send = torch.zeros(rows, bucket.cols, dtype=torch.float32, device=self._device)
         col = 0
         for si, a, b in bucket.pieces:
             slot = kind.slots[si]
-            for d, lo, hi in slot.rows(a, b):
+            for d, lo, hi in slot.columns.cells(a, b):
                 self._read_grads(kind, slot, lo, hi, send[d, col:col + hi - lo])
             col += b - a
-        if kind.dp_size == 1:
-            out, work = send[0], None
-        else:
-            out = torch.empty(bucket.cols, dtype=torch.float32, device=self._device)
-            work = _reduce_scatter(out, send.view(-1), group=kind.group, async_op=True)
+        out, work = self._collective(kind, send)
         if work is None:
             self._store(index, out, work)
         else:
             self._waiter.put((index, out, work, send))  # send stays alive until the op is done
-        if self.stage >= 2:
+        if self._release_sent:
             self._release(bucket)
+
+    def _collective(self, kind: Kind, send: torch.Tensor):
+        """(this rank's sums, the async work or None) of one bucket's send buffer."""
+        if kind.dp_size == 1:
+            return send[0], None
+        if self._all_reduce:
+            return send[0], dist.all_reduce(send[0], group=kind.group, async_op=True)
+        out = torch.empty(send.shape[1], dtype=torch.float32, device=self._device)
+        return out, _reduce_scatter(out, send.view(-1), group=kind.group, async_op=True)
 
     def _read_grads(self, kind: Kind, slot: Slot, lo: int, hi: int, dst: torch.Tensor) -> None:
         """Copy (upcasting) the group elements [lo, hi) of the local gradients into ``dst``."""
@@ -190,39 +162,31 @@ class GradReduction:
             dst.copy_(kind.grads[slot.offset + lo:slot.offset + hi])
             return
         # no gradient (e.g. an expert that saw no token) is zero
-        self._read_members(slot, lo, hi, dst, lambda fqn: self.params[fqn].grad)
+        read_members(slot.columns, lo, hi, dst, lambda fqn: self.params[fqn].grad)
 
-    @staticmethod
-    def _read_members(slot: Slot, lo: int, hi: int, dst: torch.Tensor, tensor_of) -> None:
-        """Copy the group elements [lo, hi) of ``tensor_of(fqn)`` (None: skipped) into ``dst``."""
-        for fqn, start, at, count in slot.members_in(lo, hi):
-            t = tensor_of(fqn)
-            if t is not None:
-                dst[at:at + count].copy_(t.reshape(-1)[start:start + count])
-
-    def _release(self, bucket: _Bucket) -> None:
+    def _release(self, bucket: Bucket) -> None:
         for fqn in bucket.fqns:
             self._unsent[fqn] -= 1
             if self._unsent[fqn] == 0:
                 self.params[fqn].grad = None
 
     def reduce_gradients(self) -> None:
-        """Launch every bucket not yet launched, wait, and store (sum / W) in the partitions."""
+        """Launch every bucket not yet launched, wait, and store (sum / W) in the slots."""
         self._launch_ready(flush=True)
         self._waiter.join()
-        self._reset_reduction()
+        self._reset()
 
     def _store(self, index: int, out: torch.Tensor, work, _send=None) -> None:
-        """Wait for a bucket's reduce-scatter; put (sum / W) into the grad partitions."""
+        """Wait for a bucket's collective; put (sum / W) into the slots' gradients."""
         if work is not None:
             work.wait()
-        out.div_(self.topology.world_size)
+        out.div_(self.world_size)
         bucket, col = self.buckets[index], 0
         for si, a, b in bucket.pieces:
             self.kinds[bucket.kind].slots[si].grad[a:b].copy_(out[col:col + b - a])
             col += b - a
 
-    def _reset_reduction(self) -> None:
+    def _reset(self) -> None:
         self._final = False
         self._waiting = [len(b.fqns) for b in self.buckets]
         self._next = dict.fromkeys(self._order, 0)

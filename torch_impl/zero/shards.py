@@ -1,17 +1,22 @@
-"""The pieces a ZeRO optimizer is made of: one local group's shard (``Slot``), the groups that
-share one data-parallel group (``Kind``) and the engine's memory accounting (``MemoryMeter``).
+"""The pieces the optimizers are made of: one local group's state (``Slot``), the groups that
+share one data-parallel group (``Kind``), the engine's memory accounting (``MemoryMeter``) and
+the record a checkpoint receives of one shard (``StateShard``).
 
-Used by ``moezero.zero.reduce`` (gradient reduction), ``moezero.zero.gather`` (stage 3) and
-``moezero.zero.sharded`` (the step). Reference counterpart: ``reference/plan/partition.py``.
+Used by ``moezero.zero.reduce`` (gradient reduction), ``moezero.zero.gather`` (stage 3),
+``moezero.zero.optimizer`` (the step) and ``moezero.checkpoint``.
+Reference counterpart: ``reference/plan/partition.py``.
 """
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from moezero.plan.partition import Partition
+from moezero.zero.buckets import GroupColumns
 from moezero.zero.groups import LocalGroup
 
 
@@ -43,18 +48,26 @@ class MemoryMeter:
 
 @dataclass(eq=False)
 class Slot:
-    """One local optimizer group: its place in its kind's flat buffer and this rank's shard."""
+    """One local optimizer group: its place in its kind's flat buffer and this rank's state.
+
+    Sharded (stages 1-3): ``grad`` and the fp32 states hold this rank's shard of the group.
+    Replicated (stage 0): they hold the whole group, ``grad`` and ``param`` being views of the
+    kind's flat gradients and parameters."""
 
     group: LocalGroup
     offset: int  # element offset of the group in its kind's flat buffer
     dp_rank: int
-    starts: list[int] = field(default_factory=list)  # member offsets (for bisect)
+    columns: GroupColumns  # how the reduction sees the group (``moezero.zero.buckets``)
     master: torch.Tensor | None = None
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
-    grad: torch.Tensor | None = None  # reduced grad partition, compute dtype
-    param: torch.Tensor | None = None  # stage 3: the param shard, compute dtype
+    grad: torch.Tensor | None = None  # reduced gradient (shard or whole group), compute dtype
+    param: torch.Tensor | None = None  # the downcast's target: stage-3 shard or the group's params
     channel: str = ""  # its data-parallel group's name (``Kind.channel``)
+
+    @property
+    def partition(self) -> Partition:
+        return self.group.partition
 
     @property
     def numel(self) -> int:
@@ -64,23 +77,10 @@ class Slot:
     def shard(self) -> int:
         return self.group.partition.shard_numel
 
-    def rows(self, a: int, b: int):
-        """(row d, lo, hi): the group elements of columns [a, b) in DP rank d's shard."""
-        for d in range(self.group.partition.dp_size):
-            lo, hi = d * self.shard + a, min(d * self.shard + b, self.numel)
-            if lo < hi:
-                yield d, lo, hi
-
-    def members_in(self, lo: int, hi: int):
-        """(fqn, param element start, start in [lo, hi), count) of members overlapping it."""
-        offsets = self.group.partition.offsets
-        i = max(bisect.bisect_right(self.starts, lo) - 1, 0)
-        while i < len(offsets) and offsets[i][1] < hi:
-            member, off = offsets[i]
-            start, stop = max(lo, off), min(hi, off + member.numel)
-            if start < stop:
-                yield member.fqn, member.start + start - off, start - lo, stop - start
-            i += 1
+    def rank_range(self, dp_rank: int) -> tuple[int, int]:
+        """The real elements [lo, hi) of DP rank ``dp_rank``'s shard within the group."""
+        lo = min(dp_rank * self.shard, self.numel)
+        return lo, min(lo + self.shard, self.numel)
 
 
 @dataclass(eq=False)
@@ -94,3 +94,24 @@ class Kind:
     slots: list[Slot]
     params: torch.Tensor | None = None
     grads: torch.Tensor | None = None  # stage 1: full local grads, viewed by param.grad
+
+
+@dataclass(frozen=True)
+class StateShard:
+    """One DP rank's fp32 state of one group, as checkpoints see it: the partition and DP
+    rank, and either ``tensors`` (state -> fp32 tensor of the shard's real elements, or the
+    padded shard) or, NVMe-offloaded, ``files`` (state -> swap file holding the padded shard
+    from byte 0). Produced by the optimizers, consumed by ``moezero.checkpoint``."""
+
+    partition: Partition
+    dp_rank: int
+    tensors: Mapping[str, torch.Tensor] | None = None
+    files: Mapping[str, Path] | None = None
+
+
+def read_members(columns: GroupColumns, lo: int, hi: int, dst: torch.Tensor, tensor_of) -> None:
+    """Copy the group elements [lo, hi) of ``tensor_of(fqn)`` (None: skipped) into ``dst``."""
+    for fqn, start, at, count in columns.members_in(lo, hi):
+        t = tensor_of(fqn)
+        if t is not None:
+            dst[at:at + count].copy_(t.reshape(-1)[start:start + count])

@@ -1,0 +1,129 @@
+"""Loading a checkpoint into state: the optimizer's load targets and this rank's small state.
+
+The loader receives what to fill (``zero.shards.StateShard`` targets: views of the live fp32
+state, or the NVMe swap files) and returns this rank's JSON state; it never sees the trainer.
+Each target is read under the *current* plan with ``store.read_shard``, whatever world size,
+``ep``, stage or group cap saved it; a swap-file target whose group the checkpoint holds
+unchanged is filled file to file (``store.copy_range``), any other through a host buffer. The
+manifest and shapes are checked before anything is read. Only JSON and safetensors are read.
+Reference counterpart: ``moezero.plan.store`` and ``moezero.reference.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moezero.checkpoint.save import RANK_KEYS
+from moezero.plan import store
+from moezero.plan.bytes_io import CHUNK
+from moezero.plan.layout import STATES, Manifest, rank_ranges, same_group
+from moezero.plan.store import CheckpointError, find_checkpoint
+from moezero.zero.shards import StateShard
+
+ITEMSIZE = 4  # fp32 state
+
+
+def resolve_load(value: str, root: str | os.PathLike) -> Path:
+    """``checkpoint.load`` to a checked step directory: ``latest`` is the newest complete one
+    under ``root``; a relative path is looked up under ``root`` first, then the working dir."""
+    root = Path(root)
+    if value == "latest":
+        if not root.is_dir():
+            raise CheckpointError(f"checkpoint.load: latest: no checkpoint root {root}")
+        path = root
+    else:
+        path = Path(value)
+        if not path.is_absolute() and (root / path).exists():
+            path = root / path
+        elif not path.exists():
+            where = "" if path.is_absolute() else f" (looked under {root} and the working directory)"
+            raise CheckpointError(f"checkpoint.load: {value}: no such checkpoint directory{where}")
+    try:
+        ckpt = find_checkpoint(path)
+        store.read_manifest(ckpt)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint.load: {exc}") from None
+    return ckpt
+
+
+def read_checkpoint(path: str | os.PathLike, targets: Iterable[StateShard],
+                    shapes: dict[str, tuple[int, ...]], rank: int) -> dict:
+    """Fill ``targets`` from the checkpoint at ``path`` (a step directory or a root: its
+    newest complete checkpoint) and return ``rank``'s state: the saved JSON state with each
+    per-rank entry (``save.RANK_KEYS``) replaced by this rank's (``rank % saved world``: a rank
+    that did not exist at save takes another's), or {} for a weights-only checkpoint, whose
+    moments are zeroed. Raises CheckpointError, OSError or ValueError (one line)."""
+    where = find_checkpoint(path)
+    manifest = store.read_manifest(where)
+    store.check_shapes(manifest, shapes, where)
+    saved = ("master",) if manifest.layout.weights_only else STATES
+    for target in targets:
+        fill = _fill_files if target.files is not None else _fill_tensors
+        fill(where, manifest, target, saved)
+    if manifest.layout.weights_only:
+        return {}
+    state = dict(manifest.state)
+    for key in RANK_KEYS:
+        entries = state.pop(key, None) or []
+        if entries:
+            state[key] = entries[rank % len(entries)]
+    return state
+
+
+def _fill_tensors(where: Path, manifest: Manifest, target: StateShard, saved) -> None:
+    """Each state of one target from the checkpoint (a state it lacks is zeroed)."""
+    part = target.partition
+    for s, t in target.tensors.items():
+        if s not in saved:
+            t.detach().zero_()
+        elif t.numel():
+            _read_into(t, partial(store.read_shard, where, manifest, part, target.dp_rank, s),
+                       part.shard_numel)
+
+
+def _read_into(tensor: torch.Tensor, read: Callable, numel: int) -> None:
+    """``read(out=...)`` of ``numel`` elements into a float32 tensor, through a host buffer
+    when not on the CPU or when the tensor holds fewer elements (its real elements only)."""
+    if tensor.device.type == "cpu" and tensor.numel() == numel:
+        read(out=tensor.detach().reshape(-1).numpy())
+        return
+    host = np.empty(numel, np.float32)
+    read(out=host)
+    tensor.detach().view(-1).copy_(torch.from_numpy(host[:tensor.numel()]))
+
+
+def _fill_files(where: Path, manifest: Manifest, target: StateShard, saved) -> None:
+    """A swap-file target: file to file where the checkpoint holds the group unchanged (any
+    world size: the rank's range is then one byte range per state), else read and written
+    through a host buffer. Padding and the states the checkpoint lacks become zeros."""
+    part, size = target.partition, target.partition.shard_numel * ITEMSIZE
+    if same_group(manifest.layout, part):
+        ranges = rank_ranges(manifest.layout, part, target.dp_rank)
+        for s, path in target.files.items():
+            where_s, done = getattr(ranges, s), 0
+            if s in saved and where_s is not None and where_s.length:
+                store.copy_range(where / where_s.file, where_s.offset, path, 0, where_s.length)
+                done = where_s.length
+            _zero_fill(path, done, size)
+        return
+    for s, path in target.files.items():
+        host = np.zeros(part.shard_numel, np.float32)
+        if s in saved:
+            store.read_shard(where, manifest, part, target.dp_rank, s, out=host)
+        store.write_range(path, 0, host)
+
+
+def _zero_fill(path, start: int, stop: int) -> None:
+    """Zeros in bytes [start, stop) of an existing file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for at in range(start, stop, CHUNK):
+            os.pwrite(fd, bytes(min(CHUNK, stop - at)), at)
+    finally:
+        os.close(fd)

@@ -1,0 +1,187 @@
+"""Saving a checkpoint: the plan's layout written rank by rank (docs/checkpoint.md).
+
+The saver receives state, never the engine: the layout (``moezero.plan.plan_layout`` of the
+optimizer groups), this rank's fp32 shards (``zero.shards.StateShard``: tensors, or the NVMe
+swap files that hold the same ranges) and the engine's small JSON state (``Engine.state_dict``
+plus the caller's). Rank 0 creates the ``step_XXXXXXXX.partial/`` directory and every file's
+header; each rank writes its own fp32 partition of every group it holds (master, exp_avg,
+exp_avg_sq) with ``store.write_partition`` (the aligned bulk of each large range with O_DIRECT:
+``writer.RangeWriter``), or copies its swap files file to file, and flushes once
+(``writer.FolderFlush``); rank 0 gathers the checksummed ranges and the per-rank state
+(``RANK_KEYS``), writes the manifest and commits atomically. Every failure is agreed on over
+the checkpoint group, so every rank raises the same one-line ``CheckpointError``.
+Reference counterpart: ``moezero.plan.store`` (the byte mover this module drives) and
+``moezero.reference.checkpoint.save_train_state``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moezero.checkpoint import writer as ckpt_write
+from moezero.checkpoint.group import CheckpointGroup, one_line
+from moezero.checkpoint.options import CheckpointOptions
+from moezero.plan import store
+from moezero.plan.layout import STATES, Layout, RangeRecord, rank_ranges
+from moezero.plan.partition import Partition
+from moezero.plan.store import CheckpointError
+from moezero.zero.shards import StateShard
+
+RANK_KEYS = ("rng",)
+"""Entries of the saved state that each rank has its own of (its generator states): gathered
+into a list in rank order; on load a rank takes entry ``rank % saved world``."""
+
+
+@dataclass
+class _Shard:
+    """This rank's fp32 partition of one group as numpy arrays (``shard_numel`` elements per
+    state, padding included, or at least the real elements) or swap files (state -> path)."""
+
+    partition: Partition
+    dp_rank: int
+    arrays: dict[str, np.ndarray] | None = None
+    files: dict[str, Path] | None = None
+
+
+@dataclass
+class SaveJob:
+    """Everything one save writes, taken at the step boundary (a background save's shards are
+    copies)."""
+
+    root: str
+    step: int
+    layout: Layout
+    shards: list[_Shard]
+    state: dict  # the shared state (rank 0's is written)
+    rank_state: dict  # this rank's entries of RANK_KEYS
+    meta: dict  # {"config": ..., "topology": ...} (rank 0's is written)
+
+
+def _host(t: torch.Tensor, copy: bool) -> np.ndarray:
+    t = t.detach()
+    if t.device.type != "cpu" or copy:
+        t = t.to("cpu", copy=True)
+    return t.numpy()
+
+
+def make_job(root, step: int, layout: Layout, shards: Iterable[StateShard], state: dict,
+             meta: dict, *, copy: bool) -> SaveJob:
+    """The job of one save: ``shards`` as numpy views (``copy``: host copies) or swap files;
+    ``state`` split into the shared part and this rank's ``RANK_KEYS``. Raises ValueError on
+    the caller's thread when the state or meta is not strict JSON."""
+    shared = {k: v for k, v in state.items() if k not in RANK_KEYS}
+    mine = {k: v for k, v in state.items() if k in RANK_KEYS}
+    json.dumps([shared, mine, meta], allow_nan=False)
+    arrays = [_Shard(s.partition, s.dp_rank, files=dict(s.files)) if s.files is not None else
+              _Shard(s.partition, s.dp_rank, {k: _host(t, copy) for k, t in s.tensors.items()})
+              for s in shards]
+    return SaveJob(os.fspath(root), step, layout, arrays, shared, mine, meta)
+
+
+def write(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
+          refused: set[int]) -> Path:
+    """The save protocol of docs/checkpoint.md; every rank agrees on each failure.
+
+    ``refused``: ``st_dev`` of filesystems where O_DIRECT was refused (kept by the caller
+    across saves).
+    """
+    what = f"checkpoint save of step {job.step} under {job.root}"
+    partial, error = Path(job.root) / (store.step_dir_name(job.step) + store.PARTIAL), None
+    headers, flush = [], None
+    if group.rank == 0:
+        try:
+            partial = store.begin_save(job.root, job.step)
+            flush = _folder_flush(partial, options)  # before the first write (error mark)
+            headers = store.write_headers(job.layout, partial)
+        except Exception as exc:
+            error = one_line(exc)
+    try:
+        group.agree(error, what)
+        records, error = _write_partitions(group.rank, job, partial, flush, options, refused)
+    finally:
+        if flush is not None:
+            flush.close()
+    gathered = group.all_gather({"error": error, "records": [list(r) for r in records],
+                                 "state": job.rank_state})
+    error = next((g["error"] for g in gathered if g["error"]), None)
+    if group.rank == 0 and error is None:
+        try:
+            _finish(job, partial, headers, gathered, options)
+        except Exception as exc:
+            error = one_line(exc)
+    outcome = group.all_gather(error)[0]
+    if outcome:
+        raise CheckpointError(f"{what}: {outcome}")
+    return Path(job.root) / store.step_dir_name(job.step)
+
+
+def _folder_flush(folder: Path, options: CheckpointOptions) -> ckpt_write.FolderFlush:
+    return ckpt_write.FolderFlush(folder, ckpt_write.system_syncfs() if options.io.syncfs
+                                  else None)
+
+
+def _pause(options: CheckpointOptions) -> None:
+    """The test hook: sleep ``io.test_save_delay_s`` (0 in normal use)."""
+    if options.io.test_save_delay_s > 0:
+        time.sleep(options.io.test_save_delay_s)
+
+
+def _write_partitions(rank: int, job: SaveJob, partial: Path,
+                      flush: ckpt_write.FolderFlush | None, options: CheckpointOptions,
+                      refused: set[int]) -> tuple[list, str | None]:
+    """This rank's ranges, flushed: (records, None), or what has been written and the error."""
+    records = []
+    try:
+        with flush or _folder_flush(partial, options) as flush:
+            with ckpt_write.RangeWriter(options.io, refused) as writer:
+                for shard in job.shards:
+                    _pause(options)
+                    if shard.files is not None:
+                        records += _copy_partition(partial, job.layout, shard)
+                    else:
+                        records += store.write_partition(partial, job.layout, shard.partition,
+                                                         shard.dp_rank, **shard.arrays,
+                                                         fsync=False, writer=writer)
+            written = {r.file for r in records}  # every write has finished
+            if rank == 0:  # it wrote every header: commit need not flush them again
+                written.update(f.name for f in job.layout.files)
+            flush.flush(sorted(written))
+    except Exception as exc:
+        return records, f"rank {rank}: {one_line(exc)}"
+    return records, None
+
+
+def _copy_partition(ckpt_dir: Path, layout: Layout, shard: _Shard) -> list:
+    """A swapped shard's real elements, swap file -> checkpoint file (``os.copy_file_range``),
+    with the checksum of each range."""
+    ranges = rank_ranges(layout, shard.partition, shard.dp_rank)
+    records = []
+    for state in STATES:
+        where = getattr(ranges, state)
+        if where is not None and where.length:
+            crc = store.copy_range(shard.files[state], 0, ckpt_dir / where.file, where.offset,
+                                   where.length)
+            records.append(RangeRecord(where.file, where.offset, where.length, crc))
+    return records
+
+
+def _finish(job: SaveJob, partial: Path, headers: list, gathered: list[dict],
+            options: CheckpointOptions) -> None:
+    """Rank 0: manifest (the shared state plus every rank's entries), commit, retention."""
+    records = headers + [tuple(r) for g in gathered for r in g["records"]]
+    state = dict(job.state, **{k: [g["state"].get(k) for g in gathered]
+                               for k in RANK_KEYS if k in job.rank_state})
+    _pause(options)
+    store.write_manifest(partial, job.layout, checksums=records, config=job.meta["config"],
+                         topology=job.meta["topology"], state=state)
+    _pause(options)
+    final = store.commit(partial, flushed=True, layout=job.layout)  # every rank flushed
+    store.apply_retention(job.root, options.keep_last, committed=final)

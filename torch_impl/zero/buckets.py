@@ -1,0 +1,125 @@
+"""The plan of the gradient reduction as frozen data: which columns of which groups travel
+together in one bucket (pure: no tensors, no process group).
+
+**Columns.** A group's ``numel`` elements are seen as a [rows, cols] matrix whose row d holds
+the elements ``[d * cols, (d + 1) * cols)`` (elements past ``numel`` are padding and are never
+read). The sharded optimizer reduce-scatters: rows = the group's ``dp_size``, cols =
+``shard_numel``, so one collective over a column range gives every DP rank its slice of its
+shard. The replicated optimizer all-reduces: one row of ``numel`` columns.
+
+**Buckets.** Column ranges of the groups of one kind (groups sharing a process group), at most
+``cap`` elements of send buffer each (``cap // rows`` columns), in the order backward is
+expected to finish the groups: by the registration (~forward) order of their first parameter,
+last first. Every rank of a data-parallel group computes the same plan, so every rank issues
+its collectives in the same order. Used by ``moezero.zero.reduce``.
+Reference counterpart: the ``psum_scatter`` of ``reference/zero.py``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from moezero.plan.partition import Partition
+
+
+@dataclass(frozen=True)
+class GroupColumns:
+    """One group as a [rows, cols] matrix of its elements (row-major, padding at the end)."""
+
+    partition: Partition
+    rows: int
+    cols: int
+    starts: tuple[int, ...] = field(default=(), repr=False, compare=False)  # member offsets
+
+    @property
+    def numel(self) -> int:
+        return self.partition.numel
+
+    def cells(self, a: int, b: int) -> Iterator[tuple[int, int, int]]:
+        """(row d, lo, hi): the group elements [lo, hi) of columns [a, b) in row d."""
+        for d in range(self.rows):
+            lo, hi = d * self.cols + a, min(d * self.cols + b, self.numel)
+            if lo < hi:
+                yield d, lo, hi
+
+    def members_in(self, lo: int, hi: int) -> Iterator[tuple[str, int, int, int]]:
+        """(fqn, param element start, start in [lo, hi), count) of members overlapping it."""
+        offsets = self.partition.offsets
+        i = max(bisect.bisect_right(self.starts, lo) - 1, 0)
+        while i < len(offsets) and offsets[i][1] < hi:
+            member, off = offsets[i]
+            start, stop = max(lo, off), min(hi, off + member.numel)
+            if start < stop:
+                yield member.fqn, member.start + start - off, start - lo, stop - start
+            i += 1
+
+
+def scatter_columns(partition: Partition) -> GroupColumns:
+    """Reduce-scatter view: a row per DP rank, a shard per row."""
+    return GroupColumns(partition, partition.dp_size, partition.shard_numel, _starts(partition))
+
+
+def full_columns(partition: Partition) -> GroupColumns:
+    """All-reduce view: one row holding the whole group."""
+    return GroupColumns(partition, 1, partition.numel, _starts(partition))
+
+
+def _starts(partition: Partition) -> tuple[int, ...]:
+    return tuple(off for _, off in partition.offsets)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Column ranges of one kind's groups reduced by one collective."""
+
+    kind: int  # index of the kind (process group)
+    pieces: tuple[tuple[int, int, int], ...]  # (group index in the kind, column start, stop)
+    fqns: tuple[str, ...]  # params it reads, in first-seen order
+
+    @property
+    def cols(self) -> int:
+        return sum(b - a for _, a, b in self.pieces)
+
+
+def plan_buckets(kinds: Sequence[Sequence[GroupColumns]], order: Mapping[str, int],
+                 cap: int) -> tuple[Bucket, ...]:
+    """Every kind's columns cut into buckets of at most ``cap`` send-buffer elements.
+
+    Args:
+        kinds: Per kind (one process group), its groups' columns; all with the same ``rows``.
+        order: Each parameter's registration position (backward finishes late ones first).
+        cap: ``reduce_bucket_size``: elements of one bucket's [rows, cols] send buffer.
+    """
+    buckets = []
+    for k, groups in enumerate(kinds):
+        if groups:
+            buckets += _kind_buckets(k, groups, order, max(1, cap // groups[0].rows))
+    return tuple(buckets)
+
+
+def _kind_buckets(k: int, groups: Sequence[GroupColumns], order: Mapping[str, int],
+                  cols_cap: int) -> list[Bucket]:
+    first_use = [min(order[m.fqn] for m, _ in g.partition.offsets) for g in groups]
+    buckets, pieces, cols = [], [], 0
+    for gi in sorted(range(len(groups)), key=lambda i: -first_use[i]):
+        a, width = 0, groups[gi].cols
+        while a < width:
+            b = min(width, a + cols_cap - cols)
+            pieces.append((gi, a, b))
+            cols, a = cols + b - a, b
+            if cols == cols_cap:
+                buckets.append(_bucket(k, groups, pieces))
+                pieces, cols = [], 0
+    if pieces:
+        buckets.append(_bucket(k, groups, pieces))
+    return buckets
+
+
+def _bucket(k: int, groups: Sequence[GroupColumns], pieces: list) -> Bucket:
+    fqns: dict[str, None] = {}
+    for gi, a, b in pieces:
+        for _, lo, hi in groups[gi].cells(a, b):
+            fqns.update((fqn, None) for fqn, *_ in groups[gi].members_in(lo, hi))
+    return Bucket(k, tuple(pieces), tuple(fqns))

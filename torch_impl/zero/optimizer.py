@@ -1,0 +1,262 @@
+"""The optimizer interface of every ZeRO stage and the step all stages share.
+
+``Optimizer`` is what the engine holds: ``moezero.zero.replicated.ReplicatedOptimizer`` (stage
+0: every rank keeps the whole state of its groups) or ``moezero.zero.sharded.ShardedOptimizer``
+(stages 1-3: each rank keeps a shard). Both are built on the same pieces: flat buffers by kind
+(``moezero.zero.buffers``), one ``Slot`` per local optimizer group in plan order, the bucketed
+gradient reduction (``moezero.zero.reduce``) and the step below. The engine calls, per training
+step: ``before_backward`` / ``after_backward`` around each micro-batch's backward,
+``reduce_gradients``, ``step``, ``zero_grad``. A checkpoint receives ``shards()`` (what this rank
+saves) and ``load_targets()`` (what it fills on load, then ``after_load``); it never sees the
+optimizer itself.
+
+**Step.** The global grad norm is one all-reduce of local sums of squares over each rank's
+*own* range of every group (its shard: each element is counted exactly once, on every stage,
+so stage 0's norm equals the sharded stages' bit for bit) and of a non-finite count (fp16
+overflow: every rank skips). Then, group by group (``tiled``): upcast the gradient to fp32 ->
+unscale -> x clip coefficient -> AdamW on the fp32 master (``adamw.adamw_``) -> downcast, so
+only one group's fp32 gradients are alive. The untiled step upcasts every group first and runs
+the same per-group ops, hence bit-identical results. Reference counterpart:
+``reference/zero.py`` (the sharded step) and ``reference/optim.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moezero.distributed.topology import Topology
+from moezero.plan.layout import STATES
+from moezero.plan.partition import Partition
+from moezero.zero.adamw import adamw_, clip_coef
+from moezero.zero.buckets import GroupColumns
+from moezero.zero.buffers import attach_grad_views, build_kinds, flatten_params, param_positions
+from moezero.zero.groups import OptimizerGroups
+from moezero.zero.reduce import GradReduction
+from moezero.zero.shards import MemoryMeter, Slot, StateShard, nbytes
+
+ADAMW_TEMPORARIES = 2  # adamw_ allocates m_hat and denom, each the size of its input
+
+
+class Optimizer:
+    """Gradient reduction, fp32 state and the (tiled) step of the local optimizer groups.
+
+    Subclasses build the slots' state and say where this rank's range of a slot lies
+    (``_local``), which ranges it loads (``_load_ranges``), where the updated master goes
+    (``_downcast``) and what ends a step (``_after_step``).
+    """
+
+    clone_fp32_grads = True  # the step's fp32 gradient is a copy, not ``Slot.grad`` itself
+    optim_swap = None  # NVMe: the fp32 states' swap files (``offload.state.SwapState``)
+
+    def __init__(self, params: dict[str, nn.Parameter], topology: Topology) -> None:
+        self.params, self.topology = params, topology
+        self.meter = MemoryMeter()
+        self.state_device = self._device
+        self.full_grads = False
+
+    def _build_buffers(self, groups: OptimizerGroups, columns: Callable[[Partition], GroupColumns],
+                       *, flat: bool, full_grads: bool) -> None:
+        """Kinds and slots (plan order); with ``flat`` the params become views of one flat
+        buffer per kind, with ``full_grads`` their gradients too."""
+        self.kinds = build_kinds(groups.local, self.topology, columns)
+        self.slots = sorted((s for kind in self.kinds for s in kind.slots),
+                            key=lambda s: s.group.plan.index)
+        self.where = param_positions(self.kinds, self.params)
+        self.full_grads = full_grads
+        if flat:
+            flatten_params(self.kinds, self.params, self.where, full_grads=full_grads,
+                           meter=self.meter)
+        if full_grads:
+            attach_grad_views(self.params, self.kinds, self.where)
+
+    def _build_reduction(self, *, bucket_size: int, overlap: bool, all_reduce: bool,
+                         release: bool) -> None:
+        self.reduction = GradReduction(self.params, self.kinds, bucket_size=bucket_size,
+                                       overlap=overlap, all_reduce=all_reduce, release=release,
+                                       world_size=self.topology.world_size)
+
+    @property
+    def _device(self) -> torch.device:
+        return next(iter(self.params.values())).device
+
+    # ------------------------------------------------------------------ gradients
+    def before_backward(self, *, final: bool) -> None:
+        """Called before each micro-batch's backward; ``final`` = the step's last one."""
+        self.reduction.before_backward(final=final)
+        if self.full_grads:
+            attach_grad_views(self.params, self.kinds, self.where)
+
+    def after_backward(self) -> None:
+        """Called after each micro-batch's backward."""
+
+    def reduce_gradients(self) -> None:
+        """Launch every gradient bucket not yet launched, wait, store the sums / W."""
+        self.reduction.reduce_gradients()
+
+    def zero_grad(self) -> None:
+        """After a step: clear the local gradients (full gradient buffers keep their views)."""
+        for kind in self.kinds:
+            if kind.grads is not None:
+                kind.grads.zero_()
+        if not self.full_grads:
+            for p in self.params.values():
+                p.grad = None
+
+    # ------------------------------------------------------------------ step
+    def step(self, *, lr: float, scale: float, max_norm: float | None, step: int,
+             betas: tuple[float, float], eps: float, tiled: bool) -> tuple[float, bool]:
+        """Clip and AdamW-step every group on the reduced gradients.
+
+        Returns (grad norm of the unscaled gradients, overflow); on overflow nothing changes.
+        """
+        self.meter.start()
+        upcast = None if tiled else [self._upcast(s) for s in self.slots]
+        sq, overflow = self._square_sum(upcast)
+        if overflow:
+            for _, held in upcast or ():
+                self.meter.drop(held)
+            return float("inf"), True
+        grad_norm = math.sqrt(sq) / scale
+        clip = clip_coef(grad_norm, max_norm)
+        adam = {"step": step, "beta1": betas[0], "beta2": betas[1], "eps": eps}
+        for i, (slot, st) in enumerate(self._states()):
+            g32, held = upcast[i] if upcast is not None else self._upcast(slot)
+            if upcast is not None:
+                upcast[i] = None
+            g32.mul_(1.0 / scale).mul_(clip)
+            self._adamw(slot, st, g32, held, lr, adam)
+            del g32
+            self._downcast(slot, st["master"])
+        self._after_step()
+        return grad_norm, False
+
+    def _adamw(self, slot: Slot, st: dict, g32: torch.Tensor, held: int, lr: float,
+               adam: dict) -> None:
+        """AdamW on the state's device (offload: where the state is); frees the gradient."""
+        temporaries = ADAMW_TEMPORARIES * nbytes(g32)
+        g32 = g32.to(self.state_device)
+        hp = slot.group.hparams
+        self.meter.hold(temporaries)
+        n = st["master"].numel()  # the shard, or its real elements (master = params)
+        adamw_(st["master"], g32[:n], st["exp_avg"][:n], st["exp_avg_sq"][:n],
+               lr=lr * hp.get("lr_scale", 1.0), weight_decay=hp.get("weight_decay", 0.0), **adam)
+        self.meter.drop(temporaries + held)
+
+    def _upcast(self, slot: Slot, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, int]:
+        """Elements [lo, hi) of the slot's reduced gradient in fp32, and the bytes that took."""
+        grad = slot.grad[lo:hi]
+        g32 = grad.float()
+        if g32 is grad and self.clone_fp32_grads:
+            g32 = grad.clone()
+        held = 0 if g32 is grad else nbytes(g32)
+        self.meter.hold(held)
+        return g32, held
+
+    def _square_sum(self, upcast: list | None) -> tuple[float, bool]:
+        """Global sum of squared (scaled) grads over every rank's own ranges and a non-finite
+        flag, in one all-reduce over all ranks."""
+        acc = torch.zeros(2, dtype=torch.float64, device=self._device)
+        for i, slot in enumerate(self.slots):
+            lo, hi = self._local(slot)
+            g32, held = (upcast[i][0][lo:hi], 0) if upcast is not None else self._upcast(slot, lo, hi)
+            sq = g32.square()
+            self.meter.hold(nbytes(sq))
+            acc[0] += sq.sum(dtype=torch.float64)
+            acc[1] += torch.isfinite(g32).logical_not_().sum()
+            self.meter.drop(nbytes(sq) + held)
+        if self.topology.distributed:
+            dist.all_reduce(acc)
+        return acc[0].item(), acc[1].item() > 0
+
+    def _states(self) -> Iterator[tuple[Slot, dict[str, torch.Tensor]]]:
+        """(slot, {"master", "exp_avg", "exp_avg_sq": fp32 tensors}) in plan order: the
+        tensors themselves, or swap files' contents in host buffers that are written back."""
+        if self.optim_swap is not None:
+            yield from self.optim_swap.stepping(self.slots)
+            return
+        for slot in self.slots:
+            yield slot, {"master": slot.master, "exp_avg": slot.exp_avg,
+                         "exp_avg_sq": slot.exp_avg_sq}
+
+    def _read_states(self) -> Iterator[tuple[Slot, dict[str, torch.Tensor]]]:
+        """Like ``_states``, but swapped states are read into host buffers and not written back."""
+        if self.optim_swap is None:
+            yield from self._states()
+            return
+        for slot in self.slots:
+            bufs = self.optim_swap.load(slot)
+            yield slot, bufs
+            self.optim_swap.drop(bufs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def shards(self) -> list[StateShard]:
+        """What this rank saves: its fp32 range of every local group, in plan order (views of
+        the live state, or with NVMe offload the swap files, which hold the same range)."""
+        if self.optim_swap is not None:
+            return [StateShard(slot.partition, slot.dp_rank,
+                               files={s: self.optim_swap.path(slot, s) for s in STATES})
+                    for slot in self.slots]
+        out = []
+        for slot, st in self._states():
+            lo, hi = self._local(slot)
+            out.append(StateShard(slot.partition, slot.dp_rank,
+                                  tensors={s: t[lo:hi] for s, t in st.items()}))
+        return out
+
+    def load_targets(self) -> Iterator[StateShard]:
+        """What this rank fills from a checkpoint: every DP rank's range it holds (views of
+        the live state, or the swap files); call ``after_load`` once they are filled."""
+        if self.optim_swap is not None:
+            yield from self.shards()
+            return
+        for slot, st in self._states():
+            for d, lo, hi in self._load_ranges(slot):
+                yield StateShard(slot.partition, d, tensors={s: t[lo:hi] for s, t in st.items()})
+
+    def after_load(self) -> None:
+        """Derive the compute-dtype params from the loaded masters (collective)."""
+        self.params_from_master()
+
+    def params_from_master(self) -> None:
+        """Downcast every master and finish as a step does (collective at stages 1-2)."""
+        for slot, st in self._read_states():
+            self._downcast(slot, st["master"])
+        self._after_step()
+
+    def state_pieces(self):
+        """(Slice of a param, {"master", "exp_avg", "exp_avg_sq": views}) for every element
+        range this rank owns, in plan order (padding omitted)."""
+        for slot, st in self._read_states():
+            base = self._local(slot)[0]
+            for piece, at in slot.partition.rank_slices(slot.dp_rank):
+                yield piece, {name: t[base + at:base + at + piece.numel]
+                              for name, t in st.items()}
+
+    def close(self) -> None:
+        """Release what the optimizer holds beyond memory (a clean exit)."""
+
+    # ------------------------------------------------------------------ per stage
+    def _local(self, slot: Slot) -> tuple[int, int]:
+        """[lo, hi) of this rank's own range within the slot's gradient and state tensors."""
+        raise NotImplementedError
+
+    def _load_ranges(self, slot: Slot) -> list[tuple[int, int, int]]:
+        """(DP rank, lo, hi): the ranges of the slot's state tensors filled on load."""
+        raise NotImplementedError
+
+    def _downcast(self, slot: Slot, master: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _after_step(self) -> None:
+        """What ends a step once every group is stepped (the sharded all-gather)."""
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
