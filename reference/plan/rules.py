@@ -47,8 +47,9 @@ def parse_expert_fqn(fqn: str) -> ExpertName | None:
 
 
 def expert_fqn(layer: str, expert: int, rest: str) -> str:
-    """``layers.3.moe.experts.5.w1.weight`` for (``layers.3.moe``, 5, ``w1.weight``)."""
-    return f"{layer}.{EXPERTS}.{expert}.{rest}"
+    """``layers.3.moe.experts.5.w1.weight`` for (``layers.3.moe``, 5, ``w1.weight``); with
+    ``layer=""`` (the params of one MoE layer on their own) ``experts.5.w1.weight``."""
+    return ".".join(part for part in (layer, EXPERTS, str(expert), rest) if part)
 
 
 def expert_group_name(name: str | None, *, ep_size: int) -> str:

@@ -26,6 +26,10 @@ def test_expert_fqns_parse_into_layer_expert_and_rest_and_back(fqn, parts):
     assert name == ExpertName(*parts) and name.fqn == fqn == expert_fqn(*parts)
 
 
+def test_the_experts_of_a_layer_on_its_own_are_named_from_experts():
+    assert expert_fqn("", 2, "w1.weight") == "experts.2.w1.weight"
+
+
 @pytest.mark.parametrize("fqn", ["layers.3.moe.router.weight", "experts.1.w", "moe.experts.w1",
                                  "moe.experts.1", "moe.experts.x1.w", "moe.expert.1.w"])
 def test_names_without_an_indexed_experts_module_are_not_experts(fqn):
