@@ -1,6 +1,6 @@
-"""NVMe offload I/O (torch_impl/offload/aio.py, swapdir.py): aligned buffers, AsyncIO round trips, O_DIRECT and
-its fallback, swap file names and folders, the free-space check, and store.copy_range's
-in-kernel copy."""
+"""NVMe offload I/O (torch_impl/offload/aio.py, swapdir.py): aligned buffers, AsyncIO round
+trips, O_DIRECT and its fallback, swap file names and folders, the free-space check, and
+store.copy_range's in-kernel copy."""
 
 from __future__ import annotations
 

@@ -4,10 +4,10 @@ One swap file per (optimizer group, state) and rank (``offload.SwapDir``), holdi
 rank's padded partition of that group: ``master``/``exp_avg``/``exp_avg_sq`` in fp32 and, at
 stage 3 with ``offload_param.device: nvme``, ``param`` in the compute dtype. The checkpoint
 layout stores the same contiguous ranges, so a save or load copies file to file
-(``moezero.checkpoint``, which receives the swap files' paths as the optimizer's shards). ``SwapState.stepping`` pipelines the tiled step: while group g is
-stepped, group g+1 is being read and group g-1 written back; only those three groups' fp32
-state is in memory. The engine builds these objects (``build``); ``zero.sharded.ShardedOptimizer``
-only calls them.
+(``moezero.checkpoint``, which receives the swap files' paths as the optimizer's shards).
+``SwapState.stepping`` pipelines the tiled step: while group g is stepped, group g+1 is being
+read and group g-1 written back; only those three groups' fp32 state is in memory. The engine
+builds these objects (``build``); ``zero.sharded.ShardedOptimizer`` only calls them.
 Reference counterpart: none (the reference keeps every state in memory).
 """
 

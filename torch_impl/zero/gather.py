@@ -1,13 +1,13 @@
 """ZeRO-3 parameter gathering: params live as shards; a module's params exist only while used.
 
-**Units** (``plan_units``: pure, frozen ``GatherUnit`` records). The model's root, every
-module of an ``nn.ModuleList`` (the decoder's blocks) and every ``MoE`` layer are gather units. A unit owns the params below it that no nested unit
-owns, split by data-parallel kind (dense params; each moe group's experts), so the dense
-part of a MoE layer (its router) and its experts are released independently. A unit needs
-every optimizer group holding one of its params, closed over the groups of those groups'
-members (a param sliced across groups by ``moe.max_group_size`` is gathered whole). Cap the
-groups to make units fine-grained: with one big dense group every dense param is gathered at
-once.
+**Units** (``plan_units``: pure, frozen ``GatherUnit`` records). The model's root, every module
+of an ``nn.ModuleList`` (the decoder's blocks) and every ``MoE`` layer are gather units. A unit
+owns the params below it that no nested unit owns, split by data-parallel kind (dense params;
+each moe group's experts), so the dense part of a MoE layer (its router) and its experts are
+released independently. A unit needs every optimizer group holding one of its params, closed
+over the groups of those groups' members (a param sliced across groups by
+``moe.max_group_size`` is gathered whole). Cap the groups to make units fine-grained: with one
+big dense group every dense param is gathered at once.
 
 **Inputs.** ``ParamGatherer`` receives the model (its modules carry the hooks), the params by
 FQN, the optimizer's slots (each group's members and partition) and a fetch function giving a

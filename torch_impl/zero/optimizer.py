@@ -163,7 +163,10 @@ class Optimizer:
         acc = torch.zeros(2, dtype=torch.float64, device=self._device)
         for i, slot in enumerate(self.slots):
             lo, hi = self._local(slot)
-            g32, held = (upcast[i][0][lo:hi], 0) if upcast is not None else self._upcast(slot, lo, hi)
+            if upcast is not None:
+                g32, held = upcast[i][0][lo:hi], 0
+            else:
+                g32, held = self._upcast(slot, lo, hi)
             sq = g32.square()
             self.meter.hold(nbytes(sq))
             acc[0] += sq.sum(dtype=torch.float64)

@@ -1,22 +1,22 @@
 """Gradient reduction of every stage: buckets of group columns (``moezero.zero.buckets``),
 reduced from gradient hooks while backward runs.
 
-**Reduction.** A bucket's send buffer is [rows, cols] in fp32, filled from the local
-gradients. The sharded optimizer (rows = dp_size) reduce-scatters it: one
-``reduce_scatter_single`` (sum) gives every rank its columns of its shard; the replicated one
-(one row) all-reduces it. The sums are divided by W (DESIGN.md §2: dense grads averaged over W;
-expert grads summed over the EDP group and divided by W, i.e. the gradient of the global mean
-loss) and downcast into ``Slot.grad`` (the shard, or the whole group's range of the flat
-gradients). Sums are taken in fp32 (one rounding for bf16/fp16 grads; on CPU the extra
-bandwidth is not the bottleneck). With ``overlap_comm``, a ``register_post_accumulate_grad_hook`` on
-every parameter counts ready params during the *last* micro-batch's backward (earlier ones
-only accumulate locally) and launches a bucket asynchronously once all its params are ready,
-strictly in a fixed order per process group (groups by the registration order of their first
-param, reversed: roughly when backward finishes them), so every rank issues its collectives
-in the same order. A helper thread waits for them and stores the results, freeing each send
-buffer early; the hooks never block. ``reduce_gradients`` launches the rest (a missing
-gradient counts as zero) and waits. A bucket's readiness needs its columns in every row, so
-overlap is per group: cap groups (``max_group_size``) to overlap a large model well.
+**Reduction.** A bucket's send buffer is [rows, cols] in fp32, filled from the local gradients.
+The sharded optimizer (rows = dp_size) reduce-scatters it: one ``reduce_scatter_single`` (sum)
+gives every rank its columns of its shard; the replicated one (one row) all-reduces it. The
+sums are divided by W (DESIGN.md §2: dense grads averaged over W; expert grads summed over the
+EDP group and divided by W, i.e. the gradient of the global mean loss) and downcast into
+``Slot.grad`` (the shard, or the whole group's range of the flat gradients). Sums are taken in
+fp32 (one rounding for bf16/fp16 grads; on CPU the extra bandwidth is not the bottleneck). With
+``overlap_comm``, a ``register_post_accumulate_grad_hook`` on every parameter counts ready
+params during the *last* micro-batch's backward (earlier ones only accumulate locally) and
+launches a bucket asynchronously once all its params are ready, strictly in a fixed order per
+process group (groups by the registration order of their first param, reversed: roughly when
+backward finishes them), so every rank issues its collectives in the same order. A helper
+thread waits for them and stores the results, freeing each send buffer early; the hooks never
+block. ``reduce_gradients`` launches the rest (a missing gradient counts as zero) and waits. A
+bucket's readiness needs its columns in every row, so overlap is per group: cap groups
+(``max_group_size``) to overlap a large model well.
 Reference counterpart: the ``psum_scatter`` of ``reference/zero.py``.
 """
 
