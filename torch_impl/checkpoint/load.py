@@ -22,12 +22,11 @@ import torch
 from moezero.checkpoint.save import RANK_KEYS
 from moezero.plan import store
 from moezero.plan.bytes_io import CHUNK
-from moezero.plan.layout import STATES, Manifest, rank_ranges, same_group
+from moezero.plan.layout import ITEMSIZE, rank_ranges, same_group
+from moezero.plan.manifest import Manifest
+from moezero.plan.rules import STATES
 from moezero.plan.store import CheckpointError, find_checkpoint
 from moezero.zero.shards import StateShard
-
-ITEMSIZE = 4  # fp32 state
-
 
 def resolve_load(value: str, root: str | os.PathLike) -> Path:
     """``checkpoint.load`` to a checked step directory: ``latest`` is the newest complete one
