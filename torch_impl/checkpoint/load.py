@@ -28,6 +28,7 @@ from moezero.plan.rules import STATES
 from moezero.plan.store import CheckpointError, find_checkpoint
 from moezero.zero.shards import StateShard
 
+
 def resolve_load(value: str, root: str | os.PathLike) -> Path:
     """``checkpoint.load`` to a checked step directory: ``latest`` is the newest complete one
     under ``root``; a relative path is looked up under ``root`` first, then the working dir."""
