@@ -24,6 +24,7 @@ from torch import nn
 from moezero.checkpoint import core as checkpoint
 from moezero.config import Config
 from moezero.distributed.topology import Topology, build_topology
+from moezero.model import determinism
 from moezero.model.moe import expert_tag
 from moezero.offload import state as offload_state
 from moezero.zero.adamw import LossScaler, adamw_, clip_coef, lr_at
@@ -61,6 +62,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, cfg: Config, topology: Topology, device: torch.device):
         self.cfg, self.topology, self.device = cfg, topology, device
+        determinism.configure(cfg.train.deterministic, device)
         self.dtype = resolve_dtype(cfg, device)
         self.model = model.to(device=device, dtype=self.dtype)
         self.params = dict(self.model.named_parameters())
