@@ -238,13 +238,13 @@ def test_view_path_gradients_equal_the_loop():
     assert all(rel_err(a, b) <= GROUPED_RTOL["fp32"] for a, b in zip(grouped, loop, strict=True))
 
 
-def _engine_modes(stage: int) -> list[str]:
+def _engine_modes(stage: int, **moe) -> list[str]:
     from moezero.distributed.topology import build_topology
     from moezero.engine import initialize
     from moezero.train import build_model
     from tests.torch_impl.test_distributed import small_config
 
-    cfg = small_config(ep_size=1)
+    cfg = small_config(ep_size=1, **moe)
     cfg.zero_optimization.stage = stage
     topo = build_topology([1], num_experts=cfg.moe.num_experts)
     engine = initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu")
@@ -255,6 +255,13 @@ def _engine_modes(stage: int) -> list[str]:
 @pytest.mark.parametrize("stage, mode", [(0, "copy"), (1, "view"), (2, "view"), (3, "copy")])
 def test_engine_flat_buffers_give_views_at_stages_1_and_2(stage, mode):
     assert _engine_modes(stage) == [mode, mode]
+
+
+@pytest.mark.parametrize("moe", [{"max_group_size": 1000}, {"split_groups_by_expert": False},
+                                 {"max_group_size": 1000, "split_groups_by_expert": False}])
+def test_views_survive_capped_and_merged_groups(moe):
+    """A weight sliced across groups stays contiguous; merged groups keep the expert order."""
+    assert _engine_modes(2, **moe) == ["view", "view"]
 
 
 # --------------------------------------------------------------------------- generic path
