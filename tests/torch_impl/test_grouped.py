@@ -12,7 +12,13 @@ import torch
 from torch import nn
 
 from moezero.model.dispatch import capacity
-from moezero.model.experts import SwiGLU, grouped_swiglu, stacking_mode, strided_view
+from moezero.model.experts import (
+    SwiGLU,
+    grouped_swiglu,
+    has_grouped_kernel,
+    stacking_mode,
+    strided_view,
+)
 from moezero.model.moe import MoE, aux_losses, route
 from tests.torch_impl.compare import GROUPED_RTOL, RTOL, rel_err
 from tests.torch_impl.distributed import run_world
@@ -26,7 +32,7 @@ CASES = {  # name -> (capacity_factor, starved experts)
 }
 
 
-def make_layer(*, grouped: bool, capacity_factor, starved=(), top_k: int = 2, ep: int = 1,
+def make_layer(*, grouped: bool | None, capacity_factor, starved=(), top_k: int = 2, ep: int = 1,
                rank: int = 0, group=None, dtype=torch.float32) -> MoE:
     """A MoE whose weights depend only on global expert indices (equal for any ep)."""
     def expert(e: int) -> SwiGLU:
@@ -197,7 +203,7 @@ def test_bf16_grouped_runs_forward_and_backward(case):
 def _flat_layout(modules: list[SwiGLU], pad: int = 0) -> torch.Tensor:
     """Params as views of one buffer in ZeRO's kind layout: per expert w1, w2, w3 (plan order)."""
     params = [getattr(m, n).weight for m in modules for n in ("w1", "w2", "w3")]
-    flat = torch.empty(pad + sum(p.numel() for p in params))
+    flat = params[0].new_empty(pad + sum(p.numel() for p in params))
     pos = pad
     for p in params:
         view = flat[pos:pos + p.numel()].view_as(p)
@@ -282,8 +288,50 @@ class _ScaledSwiGLU(SwiGLU):
 
 
 def test_user_modules_keep_the_loop():
-    assert not MoE(D, _Relu(), num_experts=4).grouped
-    assert not MoE(D, _ScaledSwiGLU(D, HIDDEN), num_experts=4).grouped  # subclass: its forward
-    assert MoE(D, SwiGLU(D, HIDDEN), num_experts=4).grouped
+    x = torch.randn(2, D)
+    assert not MoE(D, _Relu(), num_experts=4).uses_grouped(x)
+    assert not MoE(D, _ScaledSwiGLU(D, HIDDEN), num_experts=4).uses_grouped(x)  # its forward
+    assert MoE(D, SwiGLU(D, HIDDEN), num_experts=4).uses_grouped(x)
+    assert not MoE(D, SwiGLU(D, HIDDEN), num_experts=4, grouped=False).uses_grouped(x)
     with pytest.raises(ValueError, match="built-in SwiGLU"):
         MoE(D, _Relu(), num_experts=4, grouped=True)
+
+
+def test_grouped_kernels_are_assumed_only_where_torch_has_them():
+    assert has_grouped_kernel(torch.device("cpu"), torch.float32)
+    assert has_grouped_kernel(torch.device("cpu"), torch.bfloat16)
+    assert not has_grouped_kernel(torch.device("meta"), torch.bfloat16)
+    assert not has_grouped_kernel(torch.device("cuda"), torch.float32)  # torch's fallback syncs
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in (9, 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _SM90, reason="needs a CUDA GPU of compute capability 9.x/10.x "
+                                      "(torch's grouped GEMM kernels)")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cuda_grouped_equals_loop_bf16(case):
+    cf, starved = CASES[case]
+    x, probe = (t.cuda() for t in layer_inputs(0, torch.bfloat16))
+    runs = {}
+    for grouped in (True, False):
+        moe = make_layer(grouped=grouped, capacity_factor=cf, starved=starved,
+                         dtype=torch.bfloat16).cuda()
+        assert moe.uses_grouped(x) == grouped
+        runs[grouped] = forward_backward(moe, x, probe)
+    assert_paths_equal(runs, GROUPED_RTOL["bf16"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _SM90, reason="needs a CUDA GPU of compute capability 9.x/10.x")
+def test_cuda_view_path_meets_the_kernel_layout():
+    mods = [SwiGLU(D, HIDDEN).cuda().bfloat16() for _ in range(4)]
+    _flat_layout(mods)
+    assert stacking_mode(mods) == "view"
+    x = torch.randn(10, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.tensor([3, 3, 8, 10], device="cuda", dtype=torch.int32)
+    grouped_swiglu(x, offs, mods).float().square().sum().backward()
+    assert torch.isfinite(x.grad).all() and all(m.w1.weight.grad is not None for m in mods)

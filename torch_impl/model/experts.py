@@ -2,8 +2,10 @@
 
 ``MoE`` keeps one ``SwiGLU`` module per local expert (FQNs ``experts.<global index>.w1.weight``
 etc., one optimizer group per (layer, expert)); when every local expert is a built-in
-``SwiGLU``, ``grouped_swiglu`` runs them as three ``torch.nn.functional.grouped_mm`` calls
-over the stacked weights instead of three GEMMs per expert.
+``SwiGLU`` and torch has a sync-free grouped kernel for the device and dtype
+(``has_grouped_kernel``), ``grouped_swiglu`` runs them as three
+``torch.nn.functional.grouped_mm`` calls over the stacked weights instead of three GEMMs per
+expert.
 
 **Stacking rule** (docs/model.md): the L local ``w1`` tensors (likewise ``w3``, ``w2``) are
 *viewed* as one [L, F, D] tensor when they lie in one storage at a constant element stride,
@@ -46,6 +48,18 @@ class SwiGLU(nn.Module):
 def is_builtin(modules: Sequence[nn.Module]) -> bool:
     """True when every module is exactly the built-in ``SwiGLU`` (not a subclass)."""
     return len(modules) > 0 and all(type(m) is SwiGLU for m in modules)
+
+
+def has_grouped_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``grouped_mm`` runs without a host sync: on CPU, and on CUDA in bf16 on
+    compute capability 9.x/10.x (torch's CUTLASS kernels). Elsewhere torch falls back to a
+    loop over the groups that copies the offsets to the host on every call (3 syncs per
+    forward, 6 per backward), worse than the generic loop's one."""
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 def strided_view(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -30,7 +30,7 @@ from moezero.model.dispatch import (
     send,
     send_back,
 )
-from moezero.model.experts import SwiGLU, grouped_swiglu, is_builtin
+from moezero.model.experts import SwiGLU, grouped_swiglu, has_grouped_kernel, is_builtin
 
 __all__ = ["MoE", "SwiGLU", "aux_losses", "expert_counts", "expert_tag", "keep_mask", "route"]
 
@@ -97,9 +97,10 @@ class MoE(nn.Module):
         ep_group: the EP process group (``None`` when ep_size == 1).
         expert_group_name: the moe group name used to build optimizer groups.
         aux_loss_coef, z_loss_coef: weights of the aux and z losses in the returned aux loss.
-        grouped: run the local experts as grouped GEMMs (``moezero.model.experts``); ``None``
-            (default) does when every expert is the built-in ``SwiGLU``; other modules run in
-            a loop, one call per expert (this costs one host sync at ep = 1).
+        grouped: run the local experts as grouped GEMMs (``moezero.model.experts``) or, when
+            False, in a loop (one call per expert; one host sync at ep = 1). ``None`` (default):
+            grouped when every expert is the built-in ``SwiGLU`` and torch has a sync-free
+            grouped kernel for the input's device and dtype (``has_grouped_kernel``).
     """
 
     def __init__(self, dim: int, expert: nn.Module | Callable[[int], nn.Module], *,
@@ -123,10 +124,10 @@ class MoE(nn.Module):
         for e, module in self.experts.items():
             for p in module.parameters():
                 p.moe = ExpertTag(self.group_name, ep_size, int(e))
-        builtin = is_builtin(list(self.experts.values()))
-        if grouped and not builtin:
+        self.builtin = is_builtin(list(self.experts.values()))
+        if grouped and not self.builtin:
             raise ValueError("moe: grouped experts need the built-in SwiGLU experts")
-        self.grouped = builtin if grouped is None else grouped
+        self.grouped = grouped
         self.last_stats: dict[str, torch.Tensor] = {}
 
     @property
@@ -169,12 +170,18 @@ class MoE(nn.Module):
                                  ex.recv_L)
         return send_back(permute_rows(y_ND, inverse_N, order_N), ex, self.ep_group)
 
+    def uses_grouped(self, x: torch.Tensor) -> bool:
+        """Whether the experts run as grouped GEMMs on inputs like ``x``."""
+        if self.grouped is not None:
+            return self.grouped
+        return self.builtin and has_grouped_kernel(x.device, x.dtype)
+
     def _apply_local(self, rows_ND: torch.Tensor, counts_L: torch.Tensor,
                      host_counts: list[int] | None) -> torch.Tensor:
         """Local expert l on its block of rows (empty blocks included). Rows after the blocks
         (dropped assignments at ep = 1) get undefined outputs, masked by ``combine``."""
         modules = [self.experts[str(e)] for e in self.local_experts]
-        if self.grouped:
+        if self.uses_grouped(rows_ND):
             return grouped_swiglu(rows_ND, counts_L.cumsum(0).to(torch.int32), modules)
         counts = counts_L.tolist() if host_counts is None else host_counts  # the loop's sync
         *chunks, rest = rows_ND.split([*counts, rows_ND.shape[0] - sum(counts)])
