@@ -57,12 +57,18 @@ def _step_s(moe: MoE, x: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def _copy_s(moe: MoE) -> float:
-    mods = list(moe.experts.values())
+def _copy_s(moe: MoE) -> tuple[float, float]:
+    """Seconds to stack the three projections into new tensors (what the copy path does) and
+    into reused ones (the same bytes without allocating)."""
+    weights = [[getattr(m, n).weight.detach() for m in moe.experts.values()]
+               for n in ("w1", "w3", "w2")]
     start = time.perf_counter()
-    for name in ("w1", "w3", "w2"):
-        stack_weights([getattr(m, name).weight.detach() for m in mods])
-    return time.perf_counter() - start
+    stacks = [stack_weights(ws) for ws in weights]
+    fresh = time.perf_counter() - start
+    start = time.perf_counter()
+    for ws, out in zip(weights, stacks, strict=True):
+        torch.stack(ws, out=out)
+    return fresh, time.perf_counter() - start
 
 
 def _one_count(cfg: dict, experts: int) -> list[dict]:
@@ -75,9 +81,11 @@ def _one_count(cfg: dict, experts: int) -> list[dict]:
             _step_s(moe, x)  # warm-up
             times[name].append(statistics.median(_step_s(moe, x) for _ in range(cfg["steps"])))
         copies.append(_copy_s(layers[PATHS[1][0]]))
+    copied = PATHS[1][0]
     return [{"experts": experts, "path": name, "step_s": statistics.median(ts),
              "tokens_per_s": cfg["tokens"] / statistics.median(ts),
-             "copy_s": statistics.median(copies) if name == PATHS[1][0] else None}
+             "copy_s": statistics.median(c[0] for c in copies) if name == copied else None,
+             "copy_reused_s": statistics.median(c[1] for c in copies) if name == copied else None}
             for name, ts in times.items()]
 
 
@@ -101,8 +109,9 @@ def section(results: dict) -> list[str]:
     loop = {r["experts"]: r["tokens_per_s"] for r in rows if r["path"] == PATHS[0][0]}
     body = []
     for r in rows:
-        copy = (f"{1e3 * r['copy_s']:.1f} ms (twice per step: "
-                f"{200 * r['copy_s'] / r['step_s']:.0f}% of it)" if r["copy_s"] is not None else "–")
+        copy = (f"{1e3 * r['copy_s']:.1f} ms (twice per step: {200 * r['copy_s'] / r['step_s']:.0f}% "
+                f"of it); into a reused buffer {1e3 * r['copy_reused_s']:.1f} ms"
+                if r.get("copy_s") is not None else "–")
         body.append([r["experts"], r["path"], f"{r['tokens_per_s']:,.0f}",
                      f"{r['tokens_per_s'] / loop[r['experts']]:.2f}×", f"{1e3 * r['step_s']:.1f}",
                      copy])
@@ -110,13 +119,16 @@ def section(results: dict) -> list[str]:
             f"One MoE layer, forward + backward, fp32, one thread, ep = 1, dropless: "
             f"{cfg['tokens']:,} tokens, dim {cfg['dim']}, SwiGLU experts of width "
             f"{cfg['ffn_dim']}, top-{cfg['top_k']}; median over {cfg['rounds']} interleaved "
-            f"rounds of the median of {cfg['steps']} steps. Command: "
-            "`nox -s bench -- --series grouped` (this section only).", "",
+            f"rounds of the median of {cfg['steps']} steps. Run: `{results.get('command', '')}` "
+            f"({results['machine']['date']}; `nox -s bench -- --series grouped` reruns this "
+            "section only).", "",
             *table(["experts", "path", "tokens/s", "vs loop", "step ms",
                     "stacking copy of the weights"], body), "",
             "- The copy is what the grouped path pays where the weights cannot be viewed "
             "(docs/model.md, stacking rule); at ZeRO stages 1-2 the weights are views and it "
-            "is zero.",
+            "is zero. The same stack into a reused buffer (last column) shows how much of the "
+            "copy is the fresh allocation: glibc maps blocks over 32 MiB anew, so their pages "
+            "fault in on first touch; a GPU's caching allocator reuses blocks.",
             "- This CPU has no grouped-GEMM kernel faster than its GEMM loop (PEERS.md); the "
             "point of the grouped path is fewer kernel launches and no host syncs on a GPU, "
             "measured by `benchmarks/gpu.py` when one is available."]
