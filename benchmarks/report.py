@@ -300,8 +300,9 @@ def splice(text: str, section: list[str]) -> str:
 
 
 def update_sections(results: dict, out: Path, series: list[str]) -> str:
-    """Rewrite only the given series' sections of the report at ``out``; returns the text."""
-    text = out.read_text()
+    """Rewrite only the given series' sections of the report at ``out`` (created if missing);
+    returns the text."""
+    text = out.read_text() if out.exists() else "# Benchmarks\n"
     for name in series:
         text = splice(text, SERIES_SECTIONS[name](results))
     out.write_text(text)

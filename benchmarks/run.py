@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run_all(args, size, repeats, work)
         results["elapsed_s"] = time.perf_counter() - start
         (work / "results.json").write_text(json.dumps(results, indent=1))
-    if report.sections_only(args.series) and Path(args.out).exists():
+    if report.sections_only(args.series):
         report.update_sections(results, Path(args.out), args.series)
         print(f"updated the {', '.join(args.series)} section(s) of {args.out} "
               f"({time.perf_counter() - start:.0f} s)")

@@ -36,6 +36,12 @@ def test_splice_inserts_a_missing_section_before_the_failures():
     assert "old results" in new and "- nothing" in new
 
 
+def test_update_sections_creates_a_missing_report(tmp_path):
+    out = tmp_path / "B.md"
+    report.update_sections({}, out, ["grouped"])
+    assert out.read_text().startswith("# Benchmarks") and "## Grouped-GEMM" in out.read_text()
+
+
 def test_only_self_contained_series_update_sections():
     assert report.sections_only(["grouped"])
     assert not report.sections_only([]) and not report.sections_only(["grouped", "main"])
