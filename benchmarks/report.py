@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from benchmarks import plots, tables_io, tables_memory
+from benchmarks import grouped, plots, tables_io, tables_memory
 from benchmarks.fmt import mbs, mib, ok, table, verdict
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
 from benchmarks.stats import by_name, limits, param_count
@@ -190,6 +190,7 @@ def render(results: dict, plot_links: dict[str, str]) -> str:
         _sweep_section(results, plot_links),
         tables_memory.slots_section(results),
         tables_io.swap_section(results),
+        grouped.section(results),
         _failure_section(results),
     ]
     return "\n\n".join("\n".join(section) for section in sections) + "\n"
@@ -273,6 +274,41 @@ NOTES_RESULTS = [
     "- FSDP2 has no expert parallelism: it shards every parameter over both ranks and runs all "
     "experts on each; moezero and DeepSpeed use expert parallelism ep = 2.",
 ]
+SERIES_SECTIONS = {"grouped": grouped.section}
+"""Series whose results fill sections of their own: a run of only these series rewrites only
+those sections of an existing report (``update_sections``), keeping every other section."""
+
+
+def sections_only(series: list[str]) -> bool:
+    """True when every requested series owns its sections (and at least one was requested)."""
+    return bool(series) and all(name in SERIES_SECTIONS for name in series)
+
+
+def splice(text: str, section: list[str]) -> str:
+    """``text`` with the ``## `` section headed like ``section[0]`` replaced by ``section``
+    (inserted before the failures section, or appended, when absent)."""
+    lines, head = text.rstrip("\n").split("\n"), section[0]
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("## ")]
+    if head in lines:
+        begin = lines.index(head)
+        end = next((i for i in starts if i > begin), len(lines))
+        lines[begin:end] = [*section, ""] if end < len(lines) else section
+    else:
+        at = next((i for i in starts if lines[i].startswith("## Not run")), len(lines))
+        lines[at:at] = [*section, ""] if at < len(lines) else ["", *section]
+    return "\n".join(lines) + "\n"
+
+
+def update_sections(results: dict, out: Path, series: list[str]) -> str:
+    """Rewrite only the given series' sections of the report at ``out`` (created if missing);
+    returns the text."""
+    text = out.read_text() if out.exists() else "# Benchmarks\n"
+    for name in series:
+        text = splice(text, SERIES_SECTIONS[name](results))
+    out.write_text(text)
+    return text
+
+
 def write(results: dict, out: Path, plots_dir: Path) -> str:
     """Plots then BENCHMARKS.md; returns the text."""
     plots_dir.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import report
+from benchmarks import grouped, report
 from benchmarks.machine import dd_bandwidth, machine_info, memcpy_bandwidth, swap_bandwidth
 from benchmarks.specs import SIZES, extra_specs, main_specs
 from benchmarks.stats import run_stats
@@ -65,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="append", default=[], metavar="TEXT",
                    help="run only configurations whose name contains TEXT (repeatable)")
     p.add_argument("--series", action="append", default=[], metavar="NAME",
-                   help="run only this series: main, sweep, tiled, world, ckpt (repeatable)")
+                   help="run only this series: main, sweep, tiled, state, ckpt, grouped "
+                        "(repeatable); a run of series that own their sections "
+                        "(grouped) updates only those sections of --out")
     p.add_argument("--from-json", help="render the report from this results.json; run nothing")
     return p
 
@@ -163,13 +165,20 @@ def _extra_tag(spec: dict) -> str:
 
 
 def run_all(args: argparse.Namespace, size: dict, repeats: int, work: Path) -> dict:
-    """Limits and main configurations round by round, then the sweeps and series run once."""
-    results = {"machine": machine_info(), "peer": peer_probe(args.peer_python, args.peer_note),
-               "command": command_line(), "mode": "quick" if args.quick else "full",
-               "size": size, "repeats": repeats, "limits": [], "runs": [],
-               "swap": swap_bandwidth(work, size["swap_mib"])}
+    """Limits and main configurations round by round, then the sweeps and series run once;
+    the in-process ``grouped`` series last. Disk limits, the swap figures and the DeepSpeed
+    probe are measured only when a selected run needs them."""
     main, extra = _selected(main_specs(size), args), _selected(extra_specs(size), args)
+    needs_peer = any(s["system"] == "deepspeed" for s in main + extra)
+    results = {"machine": machine_info(), "command": command_line(),
+               "peer": peer_probe(args.peer_python, args.peer_note) if needs_peer
+               else {"error": "not probed: no DeepSpeed run selected"},
+               "mode": "quick" if args.quick else "full",
+               "size": size, "repeats": repeats, "limits": [], "runs": [],
+               "swap": swap_bandwidth(work, size["swap_mib"]) if main or extra
+               else {"error": "not measured in this run"}}
     rounds = [[s for s in main if rnd <= s.get("rounds", repeats)] for rnd in range(1, repeats + 1)]
+    rounds = [specs for specs in rounds if specs]
     total, done, dropped = sum(map(len, rounds)) + len(extra), 0, set()
     for rnd, specs in enumerate(rounds, start=1):
         results["limits"].append({"dd": dd_bandwidth(work, size["dd_mib"]),
@@ -188,6 +197,9 @@ def run_all(args: argparse.Namespace, size: dict, repeats: int, work: Path) -> d
         run = run_one(spec, _extra_tag(spec), args, work)
         _progress(run, done, total)
         results["runs"].append(run)
+    if not args.only and (not args.series or "grouped" in args.series):
+        results["grouped"] = grouped.measure(size)
+        print("\n".join(grouped.section(results)), flush=True)
     return results
 
 
@@ -208,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         results = run_all(args, size, repeats, work)
         results["elapsed_s"] = time.perf_counter() - start
         (work / "results.json").write_text(json.dumps(results, indent=1))
+    if report.sections_only(args.series):
+        report.update_sections(results, Path(args.out), args.series)
+        print(f"updated the {', '.join(args.series)} section(s) of {args.out} "
+              f"({time.perf_counter() - start:.0f} s)")
+        return 0
     text = report.write(results, Path(args.out), Path(args.plots_dir))
     print(report.console_summary(text))
     print(f"wrote {args.out} ({time.perf_counter() - start:.0f} s)")

@@ -7,7 +7,8 @@ A string option may name ``{work}``: the run's work directory (e.g. an NVMe swap
 Series (each run's ``series``): ``main`` (the compared configurations, round by round),
 ``sweep`` (per-rank memory vs experts), ``tiled`` (tiled vs untiled step) and ``state``
 (stages vs FSDP2, and per-rank memory vs W) on a model whose optimizer state dominates,
-``ckpt`` (checkpoint save/load of a few-hundred-MB model).
+``ckpt`` (checkpoint save/load of a few-hundred-MB model), ``grouped`` (grouped-GEMM experts
+vs the per-expert loop on one MoE layer, in this process: ``benchmarks.grouped``).
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ SIZES = {
               "ckpt_model": {"vocab_size": 256, "dim": 256, "n_layers": 2, "n_heads": 4,
                              "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
               "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
-              "swap_mib": 256},
+              "swap_mib": 256,
+              "grouped": {"dim": 256, "ffn_dim": 512, "top_k": 2, "tokens": 1024,
+                          "experts": (8, 64), "rounds": 3, "steps": 2}},
     "full": {"model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
                        "ffn_dim": 512, "num_experts": 8, "top_k": 2, "ep_size": 2},
              "train": {"micro_batch_size": 8, "seq_len": 128, "lr": 3e-3, "seed": 0,
@@ -114,12 +117,15 @@ SIZES = {
              "ckpt_model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
                             "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
              "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
-             "swap_mib": 1024},
+             "swap_mib": 1024,
+             "grouped": {"dim": 256, "ffn_dim": 512, "top_k": 2, "tokens": 2048,
+                         "experts": (8, 64), "rounds": 5, "steps": 3}},
 }
 """Shared model and loop per mode. ``ep_size`` applies to moezero and DeepSpeed (expert
 parallel); FSDP2 shards every parameter instead and runs all experts on each rank.
 ``tiled_model`` (>= 16 experts, tiny batch: optimizer state dominates memory) serves the
-``tiled`` and ``state`` series; ``short`` is the loop of the memory-only ``state`` series.
+``tiled`` and ``state`` series; ``short`` is the loop of the memory-only ``state`` series;
+``grouped`` is the one-layer model of the ``grouped`` series.
 Quick mode runs 2 rounds of the compared configurations (3 before the tiled/state/ckpt series
 were added) so that ``nox -s bench -- --quick`` stays under 10 minutes on 2 cores."""
 

@@ -1,6 +1,8 @@
 """Mixture-of-Experts layer: top-k router, capacity with drop order, SwiGLU experts, aux losses.
 
-Torch counterpart: ``torch_impl/model/moe.py``. Semantics: ``docs/model.md`` ("MoE layer").
+Torch counterpart: ``torch_impl/model/moe.py`` (router, layer), ``dispatch.py`` (slots,
+dispatch, combine as a permutation) and ``experts.py`` (grouped SwiGLU). Semantics:
+``docs/model.md`` ("MoE layer").
 
 Every function is pure in (params, inputs). Experts are stacked along a leading global expert
 axis (``w1_EFD``); ``moezero.reference.weights`` unstacks them into per-expert FQNs. The same dispatch

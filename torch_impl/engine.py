@@ -28,6 +28,7 @@ from moezero.checkpoint.core import Checkpointer, model_shapes
 from moezero.checkpoint.options import CheckpointOptions
 from moezero.config import Config
 from moezero.distributed.topology import Topology, build_topology
+from moezero.model import determinism
 from moezero.model.moe import expert_tag
 from moezero.offload import state as offload_state
 from moezero.offload.options import IOOptions
@@ -63,6 +64,7 @@ class Engine:
     def __init__(self, model: nn.Module, cfg: Config, topology: Topology, device: torch.device,
                  io: IOOptions | None = None):
         self.cfg, self.topology, self.device = cfg, topology, device
+        determinism.configure(cfg.train.deterministic, device)
         self.io = io or IOOptions()
         self.dtype = resolve_dtype(cfg, device)
         self.model = model.to(device=device, dtype=self.dtype)

@@ -49,6 +49,9 @@ class TrainConfig(_Section):
     seq_len: int = Field(128, ge=1, description="Tokens per sequence.")
     log_every: int = Field(10, ge=1, description="Print progress every this many steps.")
     out_dir: str | None = Field(None, description="Run directory; None lets the CLI pick one (--out sets it).")
+    deterministic: bool = Field(
+        False, description="CUDA: deterministic kernels (torch.use_deterministic_algorithms, "
+                           "cuDNN, cuBLAS workspace); slower. No effect on CPU (docs/model.md).")
 
 
 class ModelConfig(_Section):

@@ -1,6 +1,9 @@
-"""The MoE layer: top-k router, capacity or dropless dispatch over the EP group, aux losses.
+"""The MoE layer: top-k router and aux losses, then dispatch to the experts and combine.
 
-Semantics are docs/model.md; the JAX counterpart is ``reference/moe.py``.
+The router (``route``, ``aux_losses``) only produces (experts_Tk, gates_Tk); ``MoE.dispatch``
+takes them from there: the permutation plan and the EP exchange are ``moezero.model.dispatch``,
+the grouped SwiGLU experts ``moezero.model.experts``. Semantics are docs/model.md; the JAX
+counterpart is ``reference/moe.py``.
 Legend: T tokens on this rank, D model dim, E experts (global), k top-k, L local experts,
 N rows received by this rank's experts, P EP size.
 """
@@ -8,16 +11,29 @@ N rows received by this rank's experts, P EP size.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moezero.model.dispatch import (
+    DispatchPlan,
+    by_local_expert,
+    capacity,
+    combine,
+    exchange_sizes,
+    gather_tokens,
+    permute_rows,
+    plan_dispatch,
+    send,
+    send_back,
+)
+from moezero.model.experts import SwiGLU, grouped_swiglu, has_grouped_kernel, is_builtin
 from moezero.plan import rules
+
+__all__ = ["MoE", "SwiGLU", "aux_losses", "expert_counts", "expert_tag", "keep_mask", "route"]
 
 
 @dataclass(frozen=True)
@@ -34,35 +50,6 @@ def expert_tag(param: torch.Tensor) -> ExpertTag | None:
     return getattr(param, "moe", None)
 
 
-class SwiGLU(nn.Module):
-    """The default expert: ``w2(silu(w1 x) * w3 x)``."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_ND)) * self.w3(x_ND))
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with unequal splits; its backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
-        ctx.splits, ctx.group = (in_splits, out_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        back_out, back_in = ctx.splits
-        return _AllToAll.apply(grad, back_out, back_in, ctx.group), None, None, None
-
-
 def route(logits_TE: torch.Tensor, top_k: int):
     """Softmax router: returns (probs_TE, gates_Tk renormalised, experts_Tk)."""
     probs_TE = logits_TE.softmax(dim=-1)
@@ -75,23 +62,25 @@ def route(logits_TE: torch.Tensor, top_k: int):
 def aux_losses(logits_TE, probs_TE, experts_Tk, num_experts: int):
     """(load-balancing aux, router z-loss), both per docs/model.md; counts before drops."""
     num_tokens, top_k = experts_Tk.shape
-    counts_E = torch.bincount(experts_Tk.reshape(-1), minlength=num_experts)
+    counts_E = expert_counts(experts_Tk, num_experts)
     frac_E = counts_E.to(probs_TE.dtype) / (num_tokens * top_k)
     aux = num_experts * (frac_E * probs_TE.mean(dim=0)).sum()
     z = torch.logsumexp(logits_TE, dim=-1).square().mean()
     return aux, z
 
 
+def expert_counts(experts_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert (int64) with a static shape: no host sync, unlike ``bincount``."""
+    flat = experts_Tk.reshape(-1)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts_E.scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def keep_mask(experts_Tk: torch.Tensor, num_experts: int, capacity_factor: float | None):
     """Which assignments survive capacity: choice-major, then token order (docs/model.md)."""
     num_tokens, top_k = experts_Tk.shape
-    if capacity_factor is None:
-        return torch.ones_like(experts_Tk, dtype=torch.bool)
-    capacity = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
-    order_A = experts_Tk.t().reshape(-1)  # assignment a = j*T + t
-    onehot_AE = F.one_hot(order_A, num_experts)
-    position_A = (onehot_AE.cumsum(dim=0) * onehot_AE).sum(dim=-1) - 1
-    return (position_A < capacity).reshape(top_k, num_tokens).t()
+    cap = capacity(num_tokens, num_experts, top_k, capacity_factor)
+    return plan_dispatch(experts_Tk, num_experts, cap).keep_A.view(top_k, num_tokens).t()
 
 
 class MoE(nn.Module):
@@ -109,13 +98,18 @@ class MoE(nn.Module):
         ep_group: the EP process group (``None`` when ep_size == 1).
         expert_group_name: the moe group name used to build optimizer groups.
         aux_loss_coef, z_loss_coef: weights of the aux and z losses in the returned aux loss.
+        grouped: run the local experts as grouped GEMMs (``moezero.model.experts``) or, when
+            False, in a loop (one call per expert; one host sync at ep = 1). ``None`` (default):
+            grouped when every expert is the built-in ``SwiGLU`` and torch has a sync-free
+            grouped kernel for the input's device and dtype (``has_grouped_kernel``).
     """
 
     def __init__(self, dim: int, expert: nn.Module | Callable[[int], nn.Module], *,
                  num_experts: int, top_k: int = 2, capacity_factor: float | None = None,
                  ep_size: int = 1, ep_rank: int = 0, ep_group=None,
                  expert_group_name: str | None = None,
-                 aux_loss_coef: float = 0.01, z_loss_coef: float = 0.001):
+                 aux_loss_coef: float = 0.01, z_loss_coef: float = 0.001,
+                 grouped: bool | None = None):
         super().__init__()
         problem = rules.ep_size_problem(ep_size, num_experts=num_experts)
         if problem is not None:
@@ -132,6 +126,10 @@ class MoE(nn.Module):
         for e, module in self.experts.items():
             for p in module.parameters():
                 p.moe = ExpertTag(self.group_name, ep_size, int(e))
+        self.builtin = is_builtin(list(self.experts.values()))
+        if grouped and not self.builtin:
+            raise ValueError("moe: grouped experts need the built-in SwiGLU experts")
+        self.grouped = grouped
         self.last_stats: dict[str, torch.Tensor] = {}
 
     @property
@@ -145,45 +143,52 @@ class MoE(nn.Module):
         logits_TE = F.linear(x_TD.float(), self.router.weight.float())
         probs_TE, gates_Tk, experts_Tk = route(logits_TE, self.top_k)
         aux, z = aux_losses(logits_TE, probs_TE, experts_Tk, self.num_experts)
-        keep_Tk = keep_mask(experts_Tk, self.num_experts, self.capacity_factor)
-        # Kept assignments in drop order (choice-major), then stably sorted by expert.
-        token_A = torch.arange(x_TD.shape[0], device=x.device).repeat(self.top_k)
-        expert_A, gate_A, kept_A = (t.t().reshape(-1) for t in (experts_Tk, gates_Tk, keep_Tk))
-        token_A, expert_A, gate_A = token_A[kept_A], expert_A[kept_A], gate_A[kept_A]
-        order = torch.argsort(expert_A, stable=True)
-        token_A, expert_A, gate_A = token_A[order], expert_A[order], gate_A[order]
-        counts_E = torch.bincount(expert_A, minlength=self.num_experts)
-        y_AD = self._run_experts(x_TD[token_A], counts_E)
-        out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x.device)
-        out_TD.index_add_(0, token_A, y_AD.float() * gate_A.unsqueeze(-1))
-        self.last_stats = {"dropped": (~keep_Tk).sum().detach(), "tokens_per_expert": counts_E}
+        out_TD = self.dispatch(x_TD, experts_Tk, gates_Tk)
         aux_loss = self.aux_loss_coef * aux + self.z_loss_coef * z
         return out_TD.to(x.dtype).reshape(x.shape), aux_loss
 
-    def _run_experts(self, rows_AD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """Send rows (sorted by expert) to their owners, run local experts, bring results back."""
+    def dispatch(self, x_TD: torch.Tensor, experts_Tk: torch.Tensor,
+                 gates_Tk: torch.Tensor) -> torch.Tensor:
+        """Each token through its top-k experts, capacity drops applied, outputs weighted by
+        the gates and summed in fp32 [T, D]. No host sync at ep = 1 with the grouped experts;
+        one (the all-to-all sizes) at ep > 1; none in the backward."""
+        num_tokens = x_TD.shape[0]
+        cap = capacity(num_tokens, self.num_experts, self.top_k, self.capacity_factor)
+        plan = plan_dispatch(experts_Tk, self.num_experts, cap)
+        self.last_stats = {"dropped": plan.dropped, "tokens_per_expert": plan.kept_E}
         if self.ep_size == 1:
-            return self._apply_local(rows_AD, counts_E.tolist())
-        counts_PL = counts_E.reshape(self.ep_size, self.num_local)
-        recv_PL = torch.empty_like(counts_PL)
-        dist.all_to_all_single(recv_PL, counts_PL.contiguous(), group=self.ep_group)
-        send_splits, recv_splits = counts_PL.sum(1).tolist(), recv_PL.sum(1).tolist()
-        recv_ND = _AllToAll.apply(rows_AD, recv_splits, send_splits, self.ep_group)
-        # Received rows are grouped by source rank, then local expert: regroup by expert.
-        expert_N = torch.repeat_interleave(
-            torch.arange(self.num_local, device=rows_AD.device).repeat(self.ep_size),
-            recv_PL.reshape(-1))
-        by_expert = torch.argsort(expert_N, stable=True)
-        y_ND = torch.empty_like(recv_ND)
-        y_ND = y_ND.index_copy(0, by_expert,
-                               self._apply_local(recv_ND[by_expert], recv_PL.sum(0).tolist()))
-        return _AllToAll.apply(y_ND, send_splits, recv_splits, self.ep_group)
+            rows_AD = gather_tokens(x_TD, plan, num_tokens * self.top_k)
+            y_RD = self._apply_local(rows_AD, plan.kept_E, None)
+        else:
+            y_RD = self._exchange(x_TD, plan)
+        return combine(y_RD, gates_Tk.t().reshape(-1), plan)
 
-    def _apply_local(self, rows_ND: torch.Tensor, counts_L: list[int]) -> torch.Tensor:
-        """Run each local expert on its contiguous block of rows (empty blocks included)."""
-        chunks = rows_ND.split(counts_L)
-        outs = [self.experts[str(e)](chunk) for e, chunk in zip(self.local_experts, chunks, strict=True)]
-        return torch.cat(outs, dim=0)
+    def _exchange(self, x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+        """Kept rows to their experts' EP ranks, through the local experts, and back."""
+        ex = exchange_sizes(plan.kept_E, self.ep_size, self.ep_group)
+        recv_ND = send(gather_tokens(x_TD, plan, ex.kept), ex, self.ep_group)
+        order_N, inverse_N = by_local_expert(ex)
+        y_ND = self._apply_local(permute_rows(recv_ND, order_N, inverse_N), ex.recv_PL.sum(0),
+                                 ex.recv_L)
+        return send_back(permute_rows(y_ND, inverse_N, order_N), ex, self.ep_group)
+
+    def uses_grouped(self, x: torch.Tensor) -> bool:
+        """Whether the experts run as grouped GEMMs on inputs like ``x``."""
+        if self.grouped is not None:
+            return self.grouped
+        return self.builtin and has_grouped_kernel(x.device, x.dtype)
+
+    def _apply_local(self, rows_ND: torch.Tensor, counts_L: torch.Tensor,
+                     host_counts: list[int] | None) -> torch.Tensor:
+        """Local expert l on its block of rows (empty blocks included). Rows after the blocks
+        (dropped assignments at ep = 1) get undefined outputs, masked by ``combine``."""
+        modules = [self.experts[str(e)] for e in self.local_experts]
+        if self.uses_grouped(rows_ND):
+            return grouped_swiglu(rows_ND, counts_L.cumsum(0).to(torch.int32), modules)
+        counts = counts_L.tolist() if host_counts is None else host_counts  # the loop's sync
+        *chunks, rest = rows_ND.split([*counts, rows_ND.shape[0] - sum(counts)])
+        return torch.cat([*(m(c) for m, c in zip(modules, chunks, strict=True)),
+                          rest.new_zeros(rest.shape)])
 
 
 def _make_expert(expert, index: int) -> nn.Module:

@@ -1,0 +1,169 @@
+"""GPU benchmark (issue 19): a ~1B-parameter bf16 MoE at W = 1, moezero beside plain FSDP2.
+
+``python -m benchmarks.gpu [--out BENCHMARKS.md] [--only TEXT] [--peak-tflops X]``
+``python -m benchmarks.gpu --smoke``: a tiny fp32 model on CPU (gloo) through every row, to
+check the code without a GPU; prints the section and writes nothing.
+
+Each row trains in a fresh process (``benchmarks.gpu_worker``) on one GPU: moezero at ZeRO-2
+(no offload; with the grouped experts, with the per-expert loop, with ``train.deterministic``),
+moezero at ZeRO-3 with optimizer state and params offloaded to CPU and to NVMe, and FSDP2
+(``fully_shard`` per block, bf16 params, fp32 reduction, fused AdamW) on the same ``Decoder``,
+whose experts run on torch's grouped GEMM. Figures: tokens/s (median step), MFU and CUDA peak
+allocated memory. The section, headed with the device name, replaces its own section of
+``--out`` (``benchmarks.report.splice``); nothing else in the file changes. Not run in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.fmt import mib, table
+from benchmarks.report import splice
+from benchmarks.run import error_line
+from benchmarks.stats import param_count
+
+REPO = Path(__file__).resolve().parent.parent
+SECTION = "## GPU: ~1B-parameter bf16 MoE at W = 1 (issue 19)"
+MODEL = {"vocab_size": 32000, "dim": 1024, "n_layers": 12, "n_heads": 16, "ffn_dim": 1536,
+         "num_experts": 16, "top_k": 2}
+TRAIN = {"micro_batch_size": 8, "seq_len": 2048, "lr": 3e-4, "seed": 0, "warmup": 3, "timed": 10}
+SMOKE_MODEL = {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 2, "ffn_dim": 48,
+               "num_experts": 4, "top_k": 2}
+SMOKE_TRAIN = {"micro_batch_size": 2, "seq_len": 16, "lr": 3e-4, "seed": 0, "warmup": 1, "timed": 2}
+_NVME = {"zero_optimization.offload_optimizer.device": "nvme",
+         "zero_optimization.offload_optimizer.nvme_path": "{work}/nvme",
+         "zero_optimization.offload_param.device": "nvme",
+         "zero_optimization.offload_param.nvme_path": "{work}/nvme"}
+ROWS: list[tuple[str, str, dict, bool]] = [  # (name, system, config overrides, grouped experts)
+    ("moezero stage 2", "moezero", {"zero_optimization.stage": 2}, True),
+    ("moezero stage 2, per-expert loop", "moezero", {"zero_optimization.stage": 2}, False),
+    ("moezero stage 2, train.deterministic", "moezero",
+     {"zero_optimization.stage": 2, "train.deterministic": True}, True),
+    ("moezero stage 3 + cpu offload", "moezero",
+     {"zero_optimization.stage": 3, "zero_optimization.offload_optimizer.device": "cpu",
+      "zero_optimization.offload_param.device": "cpu"}, True),
+    ("moezero stage 3 + nvme offload", "moezero", {"zero_optimization.stage": 3, **_NVME}, True),
+    ("FSDP2 (fully_shard, bf16 params, fp32 reduce)", "fsdp2", {}, True),
+]
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
+                    ("H20", 148.0), ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0))
+"""Dense bf16 peak (no sparsity) by device-name substring, first match wins."""
+
+
+def active_params(m: dict) -> int:
+    """Parameters a token's FLOPs use: lm_head, attention, router and its top-k experts
+    (the embedding is a lookup; norms are negligible)."""
+    per_layer = 4 * m["dim"] ** 2 + m["num_experts"] * m["dim"] + m["top_k"] * 3 * m["dim"] * m["ffn_dim"]
+    return m["vocab_size"] * m["dim"] + m["n_layers"] * per_layer
+
+
+def flops_per_token(m: dict, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x active params + causal attention (6 L S D)."""
+    return 6 * active_params(m) + 6 * m["n_layers"] * seq_len * m["dim"]
+
+
+def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
+    if override_tflops:
+        return override_tflops * 1e12
+    return next((t * 1e12 for key, t in PEAK_BF16_TFLOPS if key in device_name), None)
+
+
+def run_row(name: str, system: str, options: dict, grouped: bool, args, work: Path) -> dict:
+    spec = {"name": name, "system": system, "grouped": grouped,
+            "options": {k: v.replace("{work}", str(work)) if isinstance(v, str) else v
+                        for k, v in options.items()},
+            "model": SMOKE_MODEL if args.smoke else MODEL, "train": SMOKE_TRAIN if args.smoke else TRAIN,
+            "device": "cpu" if args.smoke else "cuda", "dtype": "fp32" if args.smoke else "bf16"}
+    (work / "nvme").mkdir(parents=True, exist_ok=True)
+    tag = "".join(c if c.isalnum() else "-" for c in name.lower())
+    spec_path, result_path, log_path = (work / f"{tag}.{ext}" for ext in ("json", "result.json", "log"))
+    spec_path.write_text(json.dumps(spec))
+    result_path.unlink(missing_ok=True)
+    with open(log_path, "w") as log:
+        try:
+            rc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_worker", str(spec_path),
+                                 str(result_path)], stdout=log, stderr=subprocess.STDOUT,
+                                cwd=REPO, timeout=args.timeout, check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = f"timed out after {args.timeout:.0f} s"
+    if rc == 0 and result_path.exists():
+        return {"name": name, **json.loads(result_path.read_text())}
+    return {"name": name, "status": "failed",
+            "error": rc if isinstance(rc, str) else error_line(log_path.read_text())}
+
+
+def section(results: dict) -> list[str]:
+    """The BENCHMARKS.md section: device, setup, one row per configuration."""
+    m, t, peak = results["model"], results["train"], results["peak_flops"]
+    fpt = flops_per_token(m, t["seq_len"])
+    rows = []
+    for r in results["rows"]:
+        if r["status"] != "ok":
+            rows.append([r["name"], f"failed: {r['error']}", "–", "–", "–", "–", "–"])
+            continue
+        mfu = f"{100 * fpt * r['tokens_per_s'] / peak:.1f}%" if peak else "n/a (unknown peak)"
+        rows.append([r["name"], "ok", f"{r['tokens_per_s']:,.0f}", mfu, mib(r["cuda_peak_bytes"]),
+                     mib(r["host_peak_rss"]), f"{r['losses'][0]:.2f} → {r['losses'][-1]:.2f}"])
+    return [SECTION, "",
+            f"Device: **{results['device']}**; torch {results['torch']}; {results['date']}. "
+            f"Model: {param_count(m):,} parameters ({active_params(m):,} active per token), "
+            f"dim {m['dim']}, {m['n_layers']} layers, {m['num_experts']} SwiGLU experts of width "
+            f"{m['ffn_dim']}, top-{m['top_k']}, vocab {m['vocab_size']}; {results['dtype']}; "
+            f"micro-batch {t['micro_batch_size']} × {t['seq_len']} tokens; {t['warmup']} warm-up "
+            f"+ {t['timed']} timed steps, each row in a fresh process. Command: "
+            f"`{results['command']}`.", "",
+            *table(["configuration", "status", "tokens/s", "MFU", "CUDA peak allocated",
+                    "host peak RSS", "loss first → last"], rows), "",
+            f"- MFU: {fpt / 1e9:.2f} GFLOP per token (6 × active parameters + causal attention "
+            f"6·L·S·D) × tokens/s over the device's dense bf16 peak "
+            f"({peak / 1e12:.0f} TFLOP/s)." if peak else "- MFU: peak unknown for this device "
+            "(pass --peak-tflops).",
+            "- FSDP2 runs the same `Decoder` (experts on `torch.nn.functional.grouped_mm`, "
+            "weights stacked by copy since FSDP2 owns their storage) with torch's fused AdamW."]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="BENCHMARKS.md", help="report whose GPU section is replaced")
+    p.add_argument("--work-dir", default=str(REPO / "bench_out" / "gpu"), help="specs, logs, NVMe swap")
+    p.add_argument("--only", action="append", default=[], metavar="TEXT", help="rows whose name contains TEXT")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per row")
+    p.add_argument("--peak-tflops", type=float, help="dense bf16 peak, when the device is not in the table")
+    p.add_argument("--smoke", action="store_true", help="tiny fp32 model on CPU; print, write nothing")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("benchmarks.gpu: no CUDA GPU here (use --smoke to check the code on CPU)")
+        return 2
+    work = Path(args.work_dir)
+    rows = [r for r in ROWS if not args.only or any(t in r[0] for t in args.only)]
+    device = "CPU (smoke run)" if args.smoke else torch.cuda.get_device_name(0)
+    results = {"device": device, "torch": torch.__version__, "model": SMOKE_MODEL if args.smoke else MODEL,
+               "train": SMOKE_TRAIN if args.smoke else TRAIN, "dtype": "fp32" if args.smoke else "bf16",
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "command": "python -m benchmarks.gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "peak_flops": None if args.smoke else peak_flops(device, args.peak_tflops), "rows": []}
+    for name, system, options, grouped in rows:
+        results["rows"].append(run_row(name, system, options, grouped, args, work))
+        print(results["rows"][-1], flush=True)
+    (work / "results.json").write_text(json.dumps(results, indent=1))
+    text = "\n".join(section(results))
+    if not args.smoke:
+        out = Path(args.out)
+        out.write_text(splice(out.read_text() if out.exists() else "# Benchmarks\n", section(results)))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Benchmark plumbing of issue 19: a single-series run rewrites only its own BENCHMARKS.md
+section (``benchmarks.report.splice``), and the GPU benchmark's code runs end to end on CPU
+(``python -m benchmarks.gpu --smoke``, two of its rows)."""
+
+from __future__ import annotations
+
+from benchmarks import gpu, report
+
+OLD = """# Benchmarks
+
+## Results
+
+old results
+
+## Grouped-GEMM experts vs the per-expert loop (issue 19)
+
+old grouped table
+
+## Not run, rejected or failed
+
+- nothing
+"""
+
+
+def test_splice_replaces_only_its_section():
+    new = report.splice(OLD, ["## Grouped-GEMM experts vs the per-expert loop (issue 19)", "",
+                              "new grouped table"])
+    assert "old grouped table" not in new and "new grouped table" in new
+    assert "old results" in new and new.index("new grouped table") < new.index("## Not run")
+    assert new.count("## ") == OLD.count("## ")
+
+
+def test_splice_inserts_a_missing_section_before_the_failures():
+    new = report.splice(OLD, ["## GPU: x", "", "gpu rows"])
+    assert new.index("old grouped table") < new.index("gpu rows") < new.index("## Not run")
+    assert "old results" in new and "- nothing" in new
+
+
+def test_update_sections_creates_a_missing_report(tmp_path):
+    out = tmp_path / "B.md"
+    report.update_sections({}, out, ["grouped"])
+    assert out.read_text().startswith("# Benchmarks") and "## Grouped-GEMM" in out.read_text()
+
+
+def test_only_self_contained_series_update_sections():
+    assert report.sections_only(["grouped"])
+    assert not report.sections_only([]) and not report.sections_only(["grouped", "main"])
+
+
+def test_mfu_counts_active_parameters():
+    m = {"vocab_size": 10, "dim": 4, "n_layers": 1, "n_heads": 1, "ffn_dim": 8,
+         "num_experts": 3, "top_k": 2}
+    assert gpu.active_params(m) == 10 * 4 + (4 * 16 + 3 * 4 + 2 * 3 * 4 * 8)
+    assert gpu.flops_per_token(m, 5) == 6 * gpu.active_params(m) + 6 * 1 * 5 * 4
+    assert gpu.peak_flops("NVIDIA H100 80GB HBM3", None) == 989e12
+    assert gpu.peak_flops("NVIDIA H100 PCIe", None) == 756e12
+    assert gpu.peak_flops("mystery", None) is None and gpu.peak_flops("mystery", 100) == 100e12
+
+
+def test_gpu_benchmark_smoke_rows_run_on_cpu(tmp_path, capsys):
+    code = gpu.main(["--smoke", "--work-dir", str(tmp_path), "--only", "per-expert loop",
+                     "--only", "FSDP2", "--out", str(tmp_path / "never.md")])
+    out = capsys.readouterr().out
+    assert code == 0 and not (tmp_path / "never.md").exists()
+    assert out.count("| ok |") == 2, out

@@ -1,0 +1,134 @@
+"""The built-in SwiGLU expert and the grouped-GEMM path that runs all local experts at once.
+
+``MoE`` keeps one ``SwiGLU`` module per local expert (FQNs ``experts.<global index>.w1.weight``
+etc., one optimizer group per (layer, expert)); when every local expert is a built-in
+``SwiGLU`` and torch has a sync-free grouped kernel for the device and dtype
+(``has_grouped_kernel``), ``grouped_swiglu`` runs them as three
+``torch.nn.functional.grouped_mm`` calls over the stacked weights instead of three GEMMs per
+expert.
+
+**Stacking rule** (docs/model.md): the L local ``w1`` tensors (likewise ``w3``, ``w2``) are
+*viewed* as one [L, F, D] tensor when they lie in one storage at a constant element stride,
+16-byte aligned (what ZeRO stages 1-2 make: a kind's flat buffer holds a layer's local experts
+back to back, each expert's w1, w2, w3 consecutive); otherwise (stage 0, stage 3, a bare model)
+they are copied by ``torch.stack``. The autograd function saves the per-expert parameters, not
+the stack, so a copy lives only during the forward and is made again in the backward (stage 3
+keeps releasing the gathered weights); the weight gradients come back per expert.
+
+Rows past ``offs[-1]`` (dropped assignments at ep = 1) are not computed: their outputs and
+input gradients are undefined and must be masked by the caller (``moezero.model.dispatch``).
+Legend: N rows, D model dim, F expert hidden dim, L local experts.
+Reference counterpart: ``reference/moe.py`` (``swiglu``, ``apply_experts``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ALIGN_BYTES = 16  # grouped GEMM kernels on CUDA need 16-byte aligned bases and strides
+
+
+class SwiGLU(nn.Module):
+    """The default expert: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_ND)) * self.w3(x_ND))
+
+
+def is_builtin(modules: Sequence[nn.Module]) -> bool:
+    """True when every module is exactly the built-in ``SwiGLU`` (not a subclass)."""
+    return len(modules) > 0 and all(type(m) is SwiGLU for m in modules)
+
+
+def has_grouped_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``grouped_mm`` runs without a host sync: on CPU, and on CUDA in bf16 on
+    compute capability 9.x/10.x (torch's CUTLASS kernels). Elsewhere torch falls back to a
+    loop over the groups that copies the offsets to the host on every call (3 syncs per
+    forward, 6 per backward), worse than the generic loop's one."""
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def strided_view(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """[L, *shape] view of L same-shaped tensors at a constant stride in one storage, or None."""
+    first = weights[0]
+    if not all(w.shape == first.shape and w.dtype == first.dtype and w.device == first.device
+               and w.is_contiguous() for w in weights):
+        return None
+    base = first.untyped_storage().data_ptr()
+    if any(w.untyped_storage().data_ptr() != base for w in weights):
+        return None
+    step = weights[1].storage_offset() - first.storage_offset() if len(weights) > 1 else first.numel()
+    if step < first.numel() or any(w.storage_offset() != first.storage_offset() + i * step
+                                   for i, w in enumerate(weights)):
+        return None
+    if first.data_ptr() % ALIGN_BYTES or (step * first.element_size()) % ALIGN_BYTES:
+        return None
+    return first.as_strided((len(weights), *first.shape), (step, *first.stride()))
+
+
+def stack_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The stacking rule: a view where ``strided_view`` allows it, else a copy."""
+    view = strided_view(weights)
+    return view if view is not None else torch.stack(list(weights))
+
+
+def _projections(modules: Sequence[SwiGLU]) -> tuple[list[torch.Tensor], ...]:
+    return tuple([getattr(m, name).weight for m in modules] for name in ("w1", "w3", "w2"))
+
+
+def stacking_mode(modules: Sequence[SwiGLU]) -> str:
+    """``view`` when all three projections are viewed (no copy), else ``copy``."""
+    return "view" if all(strided_view(ws) is not None for ws in _projections(modules)) else "copy"
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """SwiGLU over row groups; inputs (x, offs, L, w1 x L, w3 x L, w2 x L)."""
+
+    @staticmethod
+    def forward(ctx, x_ND, offs_L, num_local: int, *weights):
+        w1, w3, w2 = (stack_weights(weights[i * num_local:(i + 1) * num_local]) for i in range(3))
+        h1_NF = F.grouped_mm(x_ND, w1.transpose(-2, -1), offs=offs_L)
+        h3_NF = F.grouped_mm(x_ND, w3.transpose(-2, -1), offs=offs_L)
+        y_ND = F.grouped_mm(F.silu(h1_NF) * h3_NF, w2.transpose(-2, -1), offs=offs_L)
+        ctx.num_local = num_local
+        ctx.save_for_backward(x_ND, offs_L, h1_NF, h3_NF, *weights)
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, dy_ND):
+        x_ND, offs_L, h1_NF, h3_NF, *weights = ctx.saved_tensors
+        n = ctx.num_local
+        w1, w3, w2 = (stack_weights(weights[i * n:(i + 1) * n]) for i in range(3))
+        dy_ND = dy_ND.contiguous()  # grouped_mm rejects expanded (stride-0) gradients
+        a_NF = F.silu(h1_NF)
+        dg_NF = F.grouped_mm(dy_ND, w2, offs=offs_L)
+        dw2 = F.grouped_mm(dy_ND.t(), a_NF * h3_NF, offs=offs_L)
+        dh3_NF = dg_NF * a_NF
+        dh1_NF = torch.ops.aten.silu_backward(dg_NF * h3_NF, h1_NF)
+        dx_ND = None
+        if ctx.needs_input_grad[0]:
+            dx_ND = F.grouped_mm(dh1_NF, w1, offs=offs_L) + F.grouped_mm(dh3_NF, w3, offs=offs_L)
+        dw1 = F.grouped_mm(dh1_NF.t(), x_ND, offs=offs_L)
+        dw3 = F.grouped_mm(dh3_NF.t(), x_ND, offs=offs_L)
+        return dx_ND, None, None, *dw1.unbind(0), *dw3.unbind(0), *dw2.unbind(0)
+
+
+def grouped_swiglu(x_ND: torch.Tensor, offs_L: torch.Tensor,
+                   modules: Sequence[SwiGLU]) -> torch.Tensor:
+    """Run expert i of ``modules`` on rows [offs[i-1], offs[i]) of ``x_ND`` (int32 ends)."""
+    w1s, w3s, w2s = _projections(modules)
+    return _GroupedSwiGLU.apply(x_ND, offs_L, len(modules), *w1s, *w3s, *w2s)
