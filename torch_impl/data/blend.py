@@ -4,9 +4,9 @@ Dataset ``d`` (weight ``w_d``, the weights normalised) owns the sample times
 ``(j + 1/2) / w_d`` for ``j = 0, 1, ...``; merging every dataset's times (ties: lower ``d``
 first) gives the blend's order: global sample ``k`` is the ``k``-th time, and it is sample
 ``j`` of dataset ``d``. Among the first ``n`` samples dataset ``d`` has ``w_d n`` of them to
-within one (the same low-discrepancy interleaving as Megatron's blended index, without its
-sequential loop), and any range ``[start, stop)`` is computed on its own — so a resumed run
-picks up the same order from any global position.
+within ``1/2 + w_d D/2`` (D datasets; a low-discrepancy interleaving like Megatron's blended
+index, without its sequential loop), and any range ``[start, stop)`` is computed on its own —
+so a resumed run picks up the same order from any global position.
 """
 
 from __future__ import annotations
