@@ -19,6 +19,10 @@ from moezero.data.indexed import PackedSplit, TokenDataset, is_prepared, open_sp
 from moezero.data.sampler import BlendCorpus, TokenBatches, TokenBlend
 from moezero.data.text import TextCorpus
 
+DataStream = Batches | TokenBatches
+"""A rank's data: ``next()``, ``val_batch(j)``, ``state_dict()``/``accepts``/``load_state_dict``,
+``corpus`` (``describe()``, ``unigram_entropy``, ``entropy_floor``)."""
+
 
 def _is_byte_text(cfg: Config) -> bool:
     paths = cfg.data.paths
@@ -84,7 +88,7 @@ def _prepared(cfg: Config, *, dp_rank: int, dp_size: int) -> TokenBatches:
                         dp_rank=dp_rank, dp_size=dp_size)
 
 
-def build_batches(cfg: Config, *, dp_rank: int, dp_size: int) -> Batches | TokenBatches:
+def build_batches(cfg: Config, *, dp_rank: int, dp_size: int) -> DataStream:
     """This rank's data stream for ``cfg`` (every rank calls it; no collective)."""
     if cfg.data.path is None or _is_byte_text(cfg):
         return _generated(cfg, dp_rank=dp_rank, dp_size=dp_size)
