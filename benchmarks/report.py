@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from benchmarks import plots, tables_io, tables_memory
+from benchmarks import plots, tables_data, tables_io, tables_memory
 from benchmarks.fmt import mbs, mib, ok, table, verdict
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
 from benchmarks.stats import by_name, limits, param_count
@@ -190,6 +190,7 @@ def render(results: dict, plot_links: dict[str, str]) -> str:
         _sweep_section(results, plot_links),
         tables_memory.slots_section(results),
         tables_io.swap_section(results),
+        tables_data.data_section(results),
         _failure_section(results),
     ]
     return "\n\n".join("\n".join(section) for section in sections) + "\n"
@@ -283,6 +284,9 @@ def write(results: dict, out: Path, plots_dir: Path) -> str:
     base = out.resolve().parent
     links = {k: Path(os.path.relpath(v.resolve(), base)).as_posix() for k, v in files.items()}
     text = render(results, links)
+    if "data_prep" not in results and out.exists():  # keep the last data series measured
+        kept = tables_data.existing_section(out.read_text())
+        text = tables_data.splice(text, kept) if kept else text
     out.write_text(text)
     return text
 

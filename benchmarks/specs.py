@@ -7,7 +7,9 @@ A string option may name ``{work}``: the run's work directory (e.g. an NVMe swap
 Series (each run's ``series``): ``main`` (the compared configurations, round by round),
 ``sweep`` (per-rank memory vs experts), ``tiled`` (tiled vs untiled step) and ``state``
 (stages vs FSDP2, and per-rank memory vs W) on a model whose optimizer state dominates,
-``ckpt`` (checkpoint save/load of a few-hundred-MB model).
+``ckpt`` (checkpoint save/load of a few-hundred-MB model), ``data`` (``prepare-data`` vs the
+tokenizer's own batch encoding on a generated jsonl corpus of ``size["data_mb"]`` MB;
+``benchmarks.data_prep``; full mode or ``--series data`` only).
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ SIZES = {
               "ckpt_model": {"vocab_size": 256, "dim": 256, "n_layers": 2, "n_heads": 4,
                              "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
               "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
-              "swap_mib": 256},
+              "swap_mib": 256, "data_mb": 210},
     "full": {"model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
                        "ffn_dim": 512, "num_experts": 8, "top_k": 2, "ep_size": 2},
              "train": {"micro_batch_size": 8, "seq_len": 128, "lr": 3e-3, "seed": 0,
@@ -114,7 +116,7 @@ SIZES = {
              "ckpt_model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
                             "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
              "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
-             "swap_mib": 1024},
+             "swap_mib": 1024, "data_mb": 210},
 }
 """Shared model and loop per mode. ``ep_size`` applies to moezero and DeepSpeed (expert
 parallel); FSDP2 shards every parameter instead and runs all experts on each rank.

@@ -25,7 +25,6 @@ from pathlib import Path
 
 from moezero.config import ConfigError, load_config
 from moezero.data import DataError
-from moezero.distributed.topology import validate
 from moezero.plan.store import CheckpointError, read_manifest
 
 
@@ -169,6 +168,8 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = check_data(cfg)  # every data check of the ranks; records the datasets' tokenizer
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    from moezero.distributed.topology import validate  # torch: prepare-data never loads it
+
     try:
         validate(world, cfg.moe.ep_size, cfg.moe.num_experts)
     except ValueError as exc:

@@ -1,8 +1,8 @@
 """``moezero prepare-data``: documents -> token shards, a document index and a manifest.
 
-Worker processes each take a :class:`~moezero.data.readers.WorkItem` (whole documents of one
-input), tokenize its documents in batches with the tokenizer's own ``encode_batch_fast`` (or
-``encode_batch``), append the end-of-document id to each and write one shard of raw
+Worker processes (spawned; one tokenizer thread each) each take a
+:class:`~moezero.data.readers.WorkItem` (whole documents of one input), tokenize its documents
+in batches with the tokenizer's own ``encode_batch_fast`` (or ``encode_batch``), append the end-of-document id to each and write one shard of raw
 little-endian token ids (uint16 when every id fits, else uint32). The parent shows a progress
 bar over input bytes, then writes ``documents.npy`` (int64 offsets of every document in the
 concatenated token stream, ``num_documents + 1`` entries), ``unigram.npy`` (token counts) and
@@ -13,6 +13,7 @@ end: a failure leaves nothing behind.
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -28,7 +29,7 @@ from moezero.data import readers, tokenizer
 from moezero.data.common import DataError
 from moezero.data.indexed import DOCUMENTS, FORMAT, MANIFEST, UNIGRAM, shard_name, token_dtype
 
-_BATCH_CHARS = 1 << 20  # text per encode call: bounds a worker's memory for the encodings
+_BATCH_CHARS = 4 << 20  # text per encode call: bounds a worker's memory for the encodings
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,14 @@ def _init_worker(job: _Job) -> None:
     _WORKER["job"], _WORKER["tokenizer"] = job, tokenizer.load_tokenizer(Path(job.tokenizer_json))
 
 
+def _init_pool_worker(job: _Job) -> None:
+    """A pool worker tokenizes on one thread: the pool gives the parallelism, and one thread
+    per process scaled better than the tokenizer's thread pool here (BENCHMARKS.md). The
+    variable is read by the Rust side when it first encodes, in this fresh process only."""
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    _init_worker(job)
+
+
 def _encoder(tok):
     return getattr(tok, "encode_batch_fast", None) or tok.encode_batch
 
@@ -75,10 +84,12 @@ def _encoder(tok):
 def tokenize_documents(tok, texts: list[str], eod_id: int, dtype) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of ``texts`` (with the tokenizer's own special tokens), each followed by
     ``eod_id`` unless it already ends with it; and each document's length."""
-    encodings = _encoder(tok)(texts, add_special_tokens=True)
-    ids = [e.ids if e.ids[-1:] == [eod_id] else [*e.ids, eod_id] for e in encodings]
+    ids = [e.ids for e in _encoder(tok)(texts, add_special_tokens=True)]  # fresh lists
+    for doc in ids:
+        if doc[-1:] != [eod_id]:
+            doc.append(eod_id)
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter((t for doc in ids for t in doc), dtype=dtype, count=int(lengths.sum()))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
     return flat, lengths
 
 
@@ -139,7 +150,7 @@ def _results(items: list[readers.WorkItem], job: _Job, options: PrepareOptions) 
             results = map(_run_item, items)
             pool = None
         else:
-            pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (job,))
+            pool = multiprocessing.get_context("spawn").Pool(workers, _init_pool_worker, (job,))
             results = pool.imap_unordered(_run_item, items)
         try:
             for result in results:
