@@ -81,7 +81,8 @@ def bench(session: nox.Session) -> None:
     """Benchmarks side by side with peers; writes BENCHMARKS.md (``-- --quick`` for a short run).
 
     ``-- --quick`` takes under 10 minutes on 2 cores; ``-- --series NAME`` reruns one table's
-    series (main, sweep, tiled, state, ckpt; see ``benchmarks/specs.py``).
+    series (main, sweep, tiled, state, ckpt, data; see ``benchmarks/specs.py``; ``data`` alone
+    rewrites only its section of BENCHMARKS.md).
 
     moezero (and FSDP2, part of torch) run in this session's venv. DeepSpeed gets its own venv,
     ``MOEZERO_PEER_VENV`` (default ``.nox/bench-peers``), so its dependencies never change the
@@ -91,6 +92,11 @@ def bench(session: nox.Session) -> None:
     from pathlib import Path
 
     _install(session, "dev")
+    args = session.posargs
+    series = [b for a, b in zip(args[:-1], args[1:], strict=True) if a == "--series"]
+    if series == ["data"]:  # moezero and the tokenizer only: no peer venv needed
+        session.run("python", "-m", "benchmarks.run", *session.posargs)
+        return
     venv = Path(os.environ.get("MOEZERO_PEER_VENV", ".nox/bench-peers")).resolve()
     log_path = Path("bench_out", "peer-install.log")
     log_path.parent.mkdir(exist_ok=True)

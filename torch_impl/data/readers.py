@@ -109,7 +109,8 @@ def _parquet_file(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+        raise DataError(f"{path}: reading parquet needs pyarrow "
+                        "(pip install 'moezero[data]')") from None
     try:
         return pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises ArrowInvalid and friends

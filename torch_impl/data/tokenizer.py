@@ -64,7 +64,7 @@ def load_tokenizer(path: Path):
         from tokenizers import Tokenizer
     except ImportError:
         raise DataError("the tokenizers package is needed to read a tokenizer "
-                        "(pip install tokenizers)") from None
+                        "(pip install 'moezero[data]')") from None
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # the Rust side raises a bare Exception
