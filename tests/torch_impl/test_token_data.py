@@ -184,3 +184,15 @@ def test_bad_data_is_one_line(data, case):
     with pytest.raises(DataError) as info:
         check_data(cfg)
     assert want in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_cli_refuses_bad_data_in_one_line_before_any_rank_starts(data, tmp_path, capsys):
+    from moezero.cli import main
+
+    capsys.readouterr()
+    code = main(["train", "--data", str(data["b"]), "--set", "model.vocab_size=320",
+                 "--set", "train.seq_len=4096", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("moezero: error: dataset ") and "shorter than one sequence" in err[0]
+    assert not (tmp_path / "run").exists()
