@@ -196,3 +196,17 @@ def test_cli_refuses_bad_data_in_one_line_before_any_rank_starts(data, tmp_path,
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("moezero: error: dataset ") and "shorter than one sequence" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("sets,key", [
+    (["data.path=[a, b]", "data.weights=[1]"], "data.weights: 1 weights for 2 data.path"),
+    (["data.path=[a, b]", "data.weights=[1, 0]"], "data.weights: must all be > 0"),
+    (["data.path=[]"], "data.path: an empty list"),
+    (["tokenizer.vocab_size=300", "model.vocab_size=256"], "tokenizer.vocab_size: must be <="),
+])
+def test_bad_data_keys_are_one_line_config_errors(sets, key):
+    from moezero.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        load_config(None, sets)
+    assert str(info.value).startswith(key) and "\n" not in str(info.value), str(info.value)

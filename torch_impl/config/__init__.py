@@ -28,7 +28,8 @@ from pydantic.fields import FieldInfo
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistConfig", "ModelConfig",
     "MoEConfig", "OffloadConfig", "OptimizerConfig", "PrecisionConfig", "TokenizerConfig",
-    "TrainConfig", "ZeroConfig", "DEFAULT_RECIPE", "dump_config", "load_config", "parse_override", "to_yaml",
+    "TrainConfig", "ZeroConfig", "DEFAULT_RECIPE", "dump_config", "load_config", "parse_override",
+    "to_yaml",
 ]
 
 DEFAULT_RECIPE = Path(__file__).parent.parent / "recipes" / "default.yaml"
