@@ -74,6 +74,7 @@ def test_import_train_export_with_a_tokenizer(imported, tmp_path, capsys):
     assert "blend of 2 prepared datasets" in res.stdout and "| val loss " in res.stdout
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    print(f"validation loss by step: {evals}")
     assert [s for s, _ in evals] == [5, 10, 15, 16]
     assert evals[-1][1] < evals[0][1] - 0.3, evals  # the validation loss falls
     tokens = 2 * 4 * 32 * 2  # W x micro-batch x seq_len x top-k assignments per layer and step
