@@ -81,9 +81,9 @@ def bench(session: nox.Session) -> None:
     """Benchmarks side by side with peers; writes BENCHMARKS.md (``-- --quick`` for a short run).
 
     ``-- --quick`` takes under 10 minutes on 2 cores; ``-- --series NAME`` reruns one table's
-    series (main, sweep, tiled, state, ckpt, grouped; see ``benchmarks/specs.py``); a run of
-    only ``grouped`` rewrites only its own section of BENCHMARKS.md. The GPU benchmark is
-    ``python -m benchmarks.gpu`` on a GPU machine (not part of this session).
+    series (main, sweep, tiled, state, ckpt, grouped, data; see ``benchmarks/specs.py``); a run
+    of only ``grouped`` or ``data`` rewrites only its own section of BENCHMARKS.md. The GPU
+    benchmark is ``python -m benchmarks.gpu`` on a GPU machine (not part of this session).
 
     moezero (and FSDP2, part of torch) run in this session's venv. DeepSpeed gets its own venv,
     ``MOEZERO_PEER_VENV`` (default ``.nox/bench-peers``), so its dependencies never change the
@@ -93,6 +93,11 @@ def bench(session: nox.Session) -> None:
     from pathlib import Path
 
     _install(session, "dev")
+    args = session.posargs
+    series = [b for a, b in zip(args[:-1], args[1:], strict=True) if a == "--series"]
+    if series == ["data"]:  # moezero and the tokenizer only: no peer venv needed
+        session.run("python", "-m", "benchmarks.run", *session.posargs)
+        return
     venv = Path(os.environ.get("MOEZERO_PEER_VENV", ".nox/bench-peers")).resolve()
     log_path = Path("bench_out", "peer-install.log")
     log_path.parent.mkdir(exist_ok=True)

@@ -74,3 +74,18 @@ def commands(results: dict, series: str | tuple[str, ...], spec: dict | None = N
         lines += ["", f"Same configuration through the CLI{vary}:", "", "```",
                   cli_command(spec), "```"]
     return lines
+
+
+def splice(text: str, section: list[str]) -> str:
+    """``text`` with the ``## `` section headed like ``section[0]`` replaced by ``section``
+    (inserted before the failures section, or appended, when absent)."""
+    lines, head = text.rstrip("\n").split("\n"), section[0]
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("## ")]
+    if head in lines:
+        begin = lines.index(head)
+        end = next((i for i in starts if i > begin), len(lines))
+        lines[begin:end] = [*section, ""] if end < len(lines) else section
+    else:
+        at = next((i for i in starts if lines[i].startswith("## Not run")), len(lines))
+        lines[at:at] = [*section, ""] if at < len(lines) else ["", *section]
+    return "\n".join(lines) + "\n"

@@ -10,7 +10,7 @@ moezero at ZeRO-3 with optimizer state and params offloaded to CPU and to NVMe, 
 (``fully_shard`` per block, bf16 params, fp32 reduction, fused AdamW) on the same ``Decoder``,
 whose experts run on torch's grouped GEMM. Figures: tokens/s (median step), MFU and CUDA peak
 allocated memory. The section, headed with the device name, replaces its own section of
-``--out`` (``benchmarks.report.splice``); nothing else in the file changes. Not run in CI.
+``--out`` (``benchmarks.fmt.splice``); nothing else in the file changes. Not run in CI.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.fmt import mib, table
-from benchmarks.report import splice
+from benchmarks.fmt import mib, splice, table
 from benchmarks.run import error_line
 from benchmarks.stats import param_count
 

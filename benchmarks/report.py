@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from benchmarks import grouped, plots, tables_io, tables_memory
-from benchmarks.fmt import mbs, mib, ok, table, verdict
+from benchmarks import grouped, plots, tables_data, tables_io, tables_memory
+from benchmarks.fmt import mbs, mib, ok, splice, table, verdict
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
 from benchmarks.stats import by_name, limits, param_count
 
@@ -191,6 +191,7 @@ def render(results: dict, plot_links: dict[str, str]) -> str:
         tables_memory.slots_section(results),
         tables_io.swap_section(results),
         grouped.section(results),
+        tables_data.data_section(results),
         _failure_section(results),
     ]
     return "\n\n".join("\n".join(section) for section in sections) + "\n"
@@ -284,21 +285,6 @@ def sections_only(series: list[str]) -> bool:
     return bool(series) and all(name in SERIES_SECTIONS for name in series)
 
 
-def splice(text: str, section: list[str]) -> str:
-    """``text`` with the ``## `` section headed like ``section[0]`` replaced by ``section``
-    (inserted before the failures section, or appended, when absent)."""
-    lines, head = text.rstrip("\n").split("\n"), section[0]
-    starts = [i for i, ln in enumerate(lines) if ln.startswith("## ")]
-    if head in lines:
-        begin = lines.index(head)
-        end = next((i for i in starts if i > begin), len(lines))
-        lines[begin:end] = [*section, ""] if end < len(lines) else section
-    else:
-        at = next((i for i in starts if lines[i].startswith("## Not run")), len(lines))
-        lines[at:at] = [*section, ""] if at < len(lines) else ["", *section]
-    return "\n".join(lines) + "\n"
-
-
 def update_sections(results: dict, out: Path, series: list[str]) -> str:
     """Rewrite only the given series' sections of the report at ``out`` (created if missing);
     returns the text."""
@@ -319,6 +305,9 @@ def write(results: dict, out: Path, plots_dir: Path) -> str:
     base = out.resolve().parent
     links = {k: Path(os.path.relpath(v.resolve(), base)).as_posix() for k, v in files.items()}
     text = render(results, links)
+    if "data_prep" not in results and out.exists():  # keep the last data series measured
+        kept = tables_data.existing_section(out.read_text())
+        text = splice(text, kept) if kept else text
     out.write_text(text)
     return text
 

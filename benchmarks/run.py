@@ -26,7 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import grouped, report
+from benchmarks import grouped, report, tables_data
+from benchmarks.data_prep import data_prep
+from benchmarks.fmt import splice
 from benchmarks.machine import dd_bandwidth, machine_info, memcpy_bandwidth, swap_bandwidth
 from benchmarks.specs import SIZES, extra_specs, main_specs
 from benchmarks.stats import run_stats
@@ -65,9 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="append", default=[], metavar="TEXT",
                    help="run only configurations whose name contains TEXT (repeatable)")
     p.add_argument("--series", action="append", default=[], metavar="NAME",
-                   help="run only this series: main, sweep, tiled, state, ckpt, grouped "
-                        "(repeatable); a run of series that own their sections "
-                        "(grouped) updates only those sections of --out")
+                   help="run only this series: main, sweep, tiled, state, ckpt, grouped, "
+                        "data (repeatable); a run of series that own their sections "
+                        "(grouped, data) updates only those sections of --out")
     p.add_argument("--from-json", help="render the report from this results.json; run nothing")
     return p
 
@@ -200,7 +202,24 @@ def run_all(args: argparse.Namespace, size: dict, repeats: int, work: Path) -> d
     if not args.only and (not args.series or "grouped" in args.series):
         results["grouped"] = grouped.measure(size)
         print("\n".join(grouped.section(results)), flush=True)
+    if "data" in args.series or not (args.series or args.only or args.quick):
+        results["data_prep"] = data_prep(work, size["data_mb"])
     return results
+
+
+def run_data_only(args: argparse.Namespace, size: dict, work: Path) -> int:
+    """``--series data`` alone: measure, then rewrite only that section of the report."""
+    start = time.perf_counter()
+    results = {"machine": machine_info(), "command": command_line(),
+               "data_prep": data_prep(work, size["data_mb"])}
+    (work / "results-data.json").write_text(json.dumps(results, indent=1))
+    section = tables_data.data_section(results)
+    out = Path(args.out)
+    old = out.read_text() if out.exists() else "# Benchmarks\n"
+    out.write_text(splice(old, section))
+    print("\n".join(section))
+    print(f"updated the data section of {out} ({time.perf_counter() - start:.0f} s)")
+    return 0
 
 
 def command_line() -> str:
@@ -212,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    if args.series == ["data"] and not args.from_json:
+        return run_data_only(args, SIZES["quick" if args.quick else "full"], work)
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:

@@ -8,7 +8,9 @@ Series (each run's ``series``): ``main`` (the compared configurations, round by 
 ``sweep`` (per-rank memory vs experts), ``tiled`` (tiled vs untiled step) and ``state``
 (stages vs FSDP2, and per-rank memory vs W) on a model whose optimizer state dominates,
 ``ckpt`` (checkpoint save/load of a few-hundred-MB model), ``grouped`` (grouped-GEMM experts
-vs the per-expert loop on one MoE layer, in this process: ``benchmarks.grouped``).
+vs the per-expert loop on one MoE layer, in this process: ``benchmarks.grouped``), ``data``
+(``prepare-data`` vs the tokenizer's own batch encoding on a generated jsonl corpus of
+``size["data_mb"]`` MB; ``benchmarks.data_prep``; full mode or ``--series data`` only).
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ SIZES = {
               "ckpt_model": {"vocab_size": 256, "dim": 256, "n_layers": 2, "n_heads": 4,
                              "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
               "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
-              "swap_mib": 256,
+              "swap_mib": 256, "data_mb": 210,
               "grouped": {"dim": 256, "ffn_dim": 512, "top_k": 2, "tokens": 1024,
                           "experts": (8, 64), "rounds": 3, "steps": 2}},
     "full": {"model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
@@ -117,7 +119,7 @@ SIZES = {
              "ckpt_model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
                             "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
              "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
-             "swap_mib": 1024,
+             "swap_mib": 1024, "data_mb": 210,
              "grouped": {"dim": 256, "ffn_dim": 512, "top_k": 2, "tokens": 2048,
                          "experts": (8, 64), "rounds": 5, "steps": 3}},
 }

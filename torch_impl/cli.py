@@ -10,6 +10,9 @@ the first bad file and byte range), or consolidated model weights as Hugging Fac
 
 ``moezero import-hf PATH --out DIR`` turns a local Hugging Face Mixtral directory into a
 weights-only moezero checkpoint that ``moezero train --set checkpoint.load=DIR`` fine-tunes.
+
+``moezero prepare-data INPUT... --tokenizer PATH --out DIR`` tokenizes .txt/.jsonl/.parquet
+files into a prepared dataset that ``--set data.path=DIR`` trains on (docs/data.md).
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ import time
 from pathlib import Path
 
 from moezero.config import ConfigError, load_config
-from moezero.data import DataError, make_corpus
-from moezero.distributed.topology import validate
+from moezero.data import DataError
 from moezero.offload.options import IOOptions
 from moezero.plan.store import CheckpointError, read_manifest
 
@@ -42,8 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--nproc", type=int, default=2,
                        help="local ranks to spawn (ignored under torchrun; default 2)")
     train.add_argument("--out", help="run directory (default runs/<timestamp>)")
-    train.add_argument("--data", help="train on this text file (byte-level) instead of the "
-                                      "synthetic corpus")
+    train.add_argument("--data", help="train on this prepared dataset (prepare-data) or text "
+                                      "file (byte-level) instead of the synthetic corpus")
     ckpt = sub.add_parser("checkpoint", help="inspect, verify or export a checkpoint")
     action = ckpt.add_subparsers(dest="action", required=True)
     for name, text in (("inspect", "groups, tensors and bytes of a checkpoint"),
@@ -65,7 +67,48 @@ def _parser() -> argparse.ArgumentParser:
     hf.add_argument("path", metavar="PATH", help="directory with config.json and safetensors")
     hf.add_argument("--out", required=True, metavar="DIR",
                     help="checkpoint root to create (new or empty)")
+    _prepare_parser(sub)
     return parser
+
+
+def _prepare_parser(sub) -> None:
+    from moezero.data.readers import ReadOptions
+
+    prep = sub.add_parser("prepare-data", help="tokenize .txt/.jsonl/.parquet files into a "
+                                               "prepared dataset (docs/data.md)")
+    prep.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt, .jsonl or .parquet")
+    prep.add_argument("--tokenizer", required=True, metavar="PATH",
+                      help="tokenizer.json, a model folder holding one, or a moezero "
+                           "checkpoint made by import-hf")
+    prep.add_argument("--out", required=True, metavar="DIR", help="dataset folder to create")
+    prep.add_argument("--text-field", default=ReadOptions.text_field, metavar="NAME",
+                      help="jsonl field (dotted for nested) / parquet column of the text")
+    prep.add_argument("--txt-split", choices=("paragraph", "line", "file"),
+                      default=ReadOptions.txt_split, help="a .txt file's documents")
+    prep.add_argument("--eod-token", metavar="TOKEN",
+                      help="appended after each document (default: the model's EOS token)")
+    prep.add_argument("--workers", type=int, metavar="N",
+                      help="tokenizer processes (default: the usable cores)")
+    prep.add_argument("--chunk-mb", type=float, default=ReadOptions.chunk_bytes / 2**20,
+                      metavar="MB", help="input per work item and shard (default 16)")
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from moezero.data import prepare, readers
+
+    workers = prepare.default_workers() if args.workers is None else args.workers
+    if workers < 1 or not args.chunk_mb > 0:
+        raise DataError(f"--workers must be >= 1 and --chunk-mb > 0, got {workers} and "
+                        f"{args.chunk_mb}")
+    read = readers.ReadOptions(args.text_field, args.txt_split,
+                               max(1, int(args.chunk_mb * 2**20)))
+    options = prepare.PrepareOptions(read, args.eod_token, workers, prepare.progress_default())
+    try:
+        manifest = prepare.prepare(args.inputs, args.out, args.tokenizer, options)
+    except OSError as exc:
+        raise DataError(f"prepare-data to {args.out}: {exc.strerror or exc}") from None
+    print(prepare.summary_line(manifest, Path(args.out)))
+    return 0
 
 
 def _import_hf(args: argparse.Namespace) -> int:
@@ -127,10 +170,12 @@ def _train(args: argparse.Namespace) -> int:
         if adopted:
             print(f"moezero: architecture from checkpoint {cfg.checkpoint.load}: "
                   f"{', '.join(adopted)} (set a key to override)", flush=True)
-    d = cfg.data
-    make_corpus(d.path, vocab=d.synthetic_vocab, sources=d.synthetic_sources,
-                seed=d.synthetic_seed).check_seq_len(cfg.train.seq_len)
+    from moezero.data.build import check_data
+
+    cfg = check_data(cfg)  # every data check of the ranks; records the datasets' tokenizer
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    from moezero.distributed.topology import validate  # torch: prepare-data never loads it
+
     try:
         validate(world, cfg.moe.ep_size, cfg.moe.num_experts)
     except ValueError as exc:
@@ -156,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             return _checkpoint(args)
         if args.command == "import-hf":
             return _import_hf(args)
+        if args.command == "prepare-data":
+            return _prepare_data(args)
     except (ConfigError, DataError, CheckpointError) as exc:
         print(f"moezero: error: {exc}", file=sys.stderr)
         return 2

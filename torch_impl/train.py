@@ -2,13 +2,15 @@
 
 Runs inside an initialised process group (or alone with W = 1); the launcher decides how the
 ranks are started. Rank 0 writes the run directory: ``config.yaml``, ``param_groups.json``,
-``metrics.jsonl`` (one object per optimizer step) and ``loss.png``; every rank writes its part
-of the checkpoints under ``checkpoint.dir`` (default ``<run dir>/checkpoints``): every
-``checkpoint.every`` steps and at the end. ``checkpoint.load`` resumes at the saved step with
-the saved data position, so the run continues the same token stream. With ``checkpoint.load``,
-the architecture keys the user did not set (``ARCH_KEYS``) are taken from the checkpoint's
-manifest (``adopt_architecture``), so ``--set checkpoint.load=DIR`` alone fine-tunes an
-imported Hugging Face model (docs/hf.md).
+``metrics.jsonl`` (one object per optimizer step, with the validation loss every
+``train.eval_every`` steps and the telemetry of ``moezero.telemetry``), ``loss.png`` and
+``tensorboard/`` (when installed); every rank writes its part of the checkpoints under
+``checkpoint.dir`` (default ``<run dir>/checkpoints``): every ``checkpoint.every`` steps and at
+the end. ``checkpoint.load`` resumes at the saved step with the saved data position (global
+samples for prepared data), so the run continues the same token stream at any W. With
+``checkpoint.load``, the architecture and tokenizer keys the user did not set
+(``ADOPTED_KEYS``) are taken from the checkpoint's manifest (``adopt_architecture``), so
+``--set checkpoint.load=DIR`` alone fine-tunes an imported Hugging Face model (docs/hf.md).
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ from tqdm import tqdm
 
 from moezero.checkpoint.core import CheckpointError, check_shapes, model_shapes, resolve_load
 from moezero.config import Config, ConfigError, dump_config
-from moezero.data import Batches, make_corpus
+from moezero.data.build import DataStream, build_batches
 from moezero.distributed.launcher import launch
 from moezero.distributed.topology import Topology, build_topology
 from moezero.engine import Engine, initialize
 from moezero.model.decoder import Decoder, ModelArgs, init_weights
 from moezero.offload.options import IOOptions
 from moezero.plan import store
+from moezero.telemetry import StepTelemetry
+from moezero.validation import evaluate
 from moezero.zero.groups import OptimizerGroups
 
 ARCH_KEYS = {"model": ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "rope_theta",
@@ -38,8 +42,17 @@ ARCH_KEYS = {"model": ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "r
              "moe": ("num_experts", "top_k")}
 """Config keys that define the model a checkpoint holds (shapes and forward numerics)."""
 
+ADOPTED_KEYS = {**ARCH_KEYS, "tokenizer": ("path", "sha256", "vocab_size", "bos_token_id",
+                                           "eos_token_id", "pad_token_id")}
+"""``ARCH_KEYS`` and the model's tokenizer: what a run resuming a checkpoint takes from it."""
+
 METRIC_KEYS = ("step", "loss", "ce", "aux_loss", "lr", "grad_norm", "loss_scale", "skipped",
-               "tokens_per_s", "step_time_s", "peak_mem_bytes", "step_peak_engine_bytes")
+               "tokens_per_s", "step_time_s", "peak_mem_bytes", "step_peak_engine_bytes", "mfu",
+               "moe_imbalance_max", "moe_dropped_frac", "moe")
+"""Keys of every ``metrics.jsonl`` row; ``val_loss`` and ``val_ppl`` join them on evaluation
+steps. ``peak_mem_bytes`` is the peak of that step alone; ``mfu`` is None where the device's
+peak is unknown; ``moe`` lists every MoE layer's load (moezero.telemetry)."""
+EVAL_KEYS = ("val_loss", "val_ppl")
 
 
 def model_args(cfg: Config) -> ModelArgs:
@@ -61,23 +74,18 @@ def build_model(cfg: Config, topology: Topology) -> Decoder:
 
 
 def setup(cfg: Config, device: torch.device,
-          io: IOOptions | None = None) -> tuple[Engine, Batches]:
+          io: IOOptions | None = None) -> tuple[Engine, DataStream]:
     """Topology, model, engine (with ``io``) and this rank's data stream (collective: every
     rank calls it)."""
     topology = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
     torch.manual_seed(cfg.train.seed)
     engine = initialize(build_model(cfg, topology), cfg, topology=topology, device=device, io=io)
-    d = cfg.data
-    corpus = make_corpus(d.path, vocab=d.synthetic_vocab, sources=d.synthetic_sources,
-                         seed=d.synthetic_seed)
-    batches = Batches(corpus, global_batch=cfg.train.micro_batch_size * topology.world_size,
-                      seq_len=cfg.train.seq_len, seed=cfg.train.seed,
-                      dp_rank=topology.rank, dp_size=topology.world_size)
+    batches = build_batches(cfg, dp_rank=topology.rank, dp_size=topology.world_size)
     return engine, batches
 
 
 def adopt_architecture(cfg: Config, run_dir: str | Path) -> tuple[Config, list[str]]:
-    """``cfg`` with each ``ARCH_KEYS`` key the user did not set (in a file or with ``--set``)
+    """``cfg`` with each ``ADOPTED_KEYS`` key the user did not set (in a file or with ``--set``)
     taken from the config in the manifest of the checkpoint ``checkpoint.load`` names.
 
     Returns:
@@ -90,7 +98,7 @@ def adopt_architecture(cfg: Config, run_dir: str | Path) -> tuple[Config, list[s
     ckpt = resolve_load(cfg.checkpoint.load, cfg.checkpoint.resolve_dir(run_dir))
     saved = store.read_manifest(ckpt).config
     data, adopted = cfg.model_dump(by_alias=True), []
-    for section, keys in ARCH_KEYS.items():
+    for section, keys in ADOPTED_KEYS.items():
         theirs = saved.get(section) if isinstance(saved, dict) else None
         explicit = getattr(cfg, section).model_fields_set
         for key in keys:
@@ -136,14 +144,17 @@ def model_numel(cfg: Config) -> int:
         return sum(math.prod(shape) for shape in model_shapes(Decoder(model_args(cfg))).values())
 
 
-def resume(cfg: Config, engine: Engine, batches: Batches, root: Path) -> Path | None:
+def resume(cfg: Config, engine: Engine, batches: DataStream, root: Path) -> Path | None:
     """Load ``checkpoint.load`` (collective) into the engine and the data stream."""
     if not cfg.checkpoint.load:
         return None
     ckpt = resolve_load(cfg.checkpoint.load, root)
-    client = engine.load_checkpoint(ckpt)
-    if "data" in client:
-        batches.load_state_dict(client["data"])
+    state = engine.load_checkpoint(ckpt).get("data")
+    if state is not None and batches.accepts(state):
+        batches.load_state_dict(state)
+    elif state is not None and engine.topology.rank == 0:
+        print("moezero: the checkpoint's data position is of another kind of data; this data "
+              "starts from its beginning", flush=True)
     return ckpt
 
 
@@ -196,8 +207,13 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
         print_group_table(engine.groups)
         if resumed is not None:
             print(f"moezero: resumed from {resumed} at step {engine.global_steps}", flush=True)
-    history = _loop(cfg, engine, batches, run_dir if lead else None, root,
-                    saved=engine.global_steps if resumed is not None else None)
+    tele = StepTelemetry(engine, model_args(cfg), cfg.train.seq_len,
+                         run_dir / "tensorboard" if lead else None)
+    try:
+        history = _loop(cfg, engine, batches, run_dir if lead else None, root, tele,
+                        saved=engine.global_steps if resumed is not None else None)
+    finally:
+        tele.close()
     engine.close()  # a clean exit: swap files are removed
     summary = summarize(history, batches.corpus)
     if lead:
@@ -209,31 +225,31 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
     return summary
 
 
-def _loop(cfg: Config, engine: Engine, batches: Batches, run_dir: Path | None, root: Path, *,
-          saved: int | None) -> list[dict]:
-    """Train from ``engine.global_steps`` to ``train.steps``; save every ``checkpoint.every``
-    steps and at the end (unless step ``saved`` is already on disk)."""
-    every, start = cfg.checkpoint.every, engine.global_steps
+def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None, root: Path,
+          tele: StepTelemetry, *, saved: int | None) -> list[dict]:
+    """Train from ``engine.global_steps`` to ``train.steps``; evaluate every
+    ``train.eval_every`` steps and at the end; save every ``checkpoint.every`` steps and at the
+    end (unless step ``saved`` is already on disk)."""
+    every, start, steps = cfg.checkpoint.every, engine.global_steps, cfg.train.steps
     history = _previous_metrics(run_dir, start) if run_dir else []
     # A bar on a terminal; in logs (no tty) one line every ``train.log_every`` steps instead.
     log_lines = run_dir is not None and not sys.stderr.isatty()
-    bar = tqdm(total=cfg.train.steps, initial=start, disable=run_dir is None or log_lines,
+    bar = tqdm(total=steps, initial=start, disable=run_dir is None or log_lines,
                dynamic_ncols=True, mininterval=1.0, desc="train")
     metrics_file = open(run_dir / "metrics.jsonl", "a") if run_dir else None  # noqa: SIM115
     try:
-        for step in range(start, cfg.train.steps):
-            micro = [torch.from_numpy(batches.next()) for _ in range(cfg.train.grad_accum_steps)]
-            row = {"step": step + 1, **engine.train_step(micro)}
-            history.append(row)
+        for step in range(start + 1, steps + 1):
+            history.append(row := _step(cfg, engine, batches, tele, step))
             if metrics_file:
-                metrics_file.write(json.dumps({k: row[k] for k in METRIC_KEYS}) + "\n")
+                metrics_file.write(json.dumps({k: row[k] for k in METRIC_KEYS + EVAL_KEYS
+                                               if k in row}) + "\n")
                 metrics_file.flush()
+                tele.tensorboard.write(row)
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['ce']:.3f}", lr=f"{row['lr']:.1e}", refresh=False)
-            if log_lines and ((step + 1) % cfg.train.log_every == 0 or step + 1 == cfg.train.steps):
-                print(f"step {step + 1}/{cfg.train.steps} loss {row['ce']:.3f} lr {row['lr']:.1e} "
-                      f"{row['tokens_per_s']:.0f} tokens/s", flush=True)
-            if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
+            if log_lines and (step % cfg.train.log_every == 0 or step == steps or "val_loss" in row):
+                print(log_line(history, steps, cfg.train.log_every), flush=True)
+            if every and step % every == 0 and step < steps:
                 saved = _save(engine, batches, root)
         if saved != engine.global_steps:
             _save(engine, batches, root)
@@ -245,7 +261,32 @@ def _loop(cfg: Config, engine: Engine, batches: Batches, run_dir: Path | None, r
     return history
 
 
-def _save(engine: Engine, batches: Batches, root: Path) -> int:
+def _step(cfg: Config, engine: Engine, batches: DataStream, tele: StepTelemetry,
+          step: int) -> dict:
+    """One optimizer step's metrics row (and the validation loss when one is due)."""
+    tele.begin_step()
+    micro = [torch.from_numpy(batches.next()) for _ in range(cfg.train.grad_accum_steps)]
+    row = tele.end_step({"step": step, **engine.train_step(micro)})
+    every = cfg.train.eval_every
+    if every and (step % every == 0 or step == cfg.train.steps):
+        row.update(evaluate(engine, batches, cfg.train.eval_batches, tele.load))
+    return row
+
+
+def log_line(history: list[dict], steps: int, window: int) -> str:
+    """The progress line of a log: the last step, and the peak memory of the last ``window``
+    steps (the logging window)."""
+    row = history[-1]
+    peak = max(r.get("peak_mem_bytes") or 0 for r in history[-window:])
+    val = f" val {row['val_loss']:.3f}" if "val_loss" in row else ""
+    mfu = f" mfu {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
+    load = row.get("moe_imbalance_max")
+    return (f"step {row['step']}/{steps} loss {row['ce']:.3f}{val} lr {row['lr']:.1e} "
+            f"{row['tokens_per_s']:.0f} tokens/s{mfu} peak {_mib(peak)}"
+            + (f" expert imbalance {load:.2f}" if load is not None else ""))
+
+
+def _save(engine: Engine, batches: DataStream, root: Path) -> int:
     engine.save_checkpoint(root, state={"data": batches.state_dict()})
     return engine.global_steps
 
@@ -268,10 +309,13 @@ def _previous_metrics(run_dir: Path, start: int) -> list[dict]:
 
 
 def summarize(history: list[dict], corpus) -> dict:
-    """Final loss (mean cross-entropy of the last 10 steps) beside the corpus's references."""
+    """Final loss (mean cross-entropy of the last 10 steps) and the last validation loss,
+    beside the corpus's references."""
     tail = history[-10:]
     final = sum(r["ce"] for r in tail) / max(len(tail), 1)
+    evals = [r for r in history if "val_loss" in r]
     return {"steps": len(history), "final_loss": final,
+            "val_loss": evals[-1]["val_loss"] if evals else None,
             "unigram_baseline": corpus.unigram_entropy, "entropy_floor": corpus.entropy_floor,
             "median_tokens_per_s": sorted(r["tokens_per_s"] for r in history)[len(history) // 2]
             if history else 0.0}
@@ -279,9 +323,12 @@ def summarize(history: list[dict], corpus) -> dict:
 
 def format_summary(s: dict, run_dir: Path) -> str:
     floor = f"{s['entropy_floor']:.3f}" if s["entropy_floor"] is not None else "n/a (text data)"
+    val = "n/a" if s.get("val_loss") is None else \
+        f"{s['val_loss']:.3f} (perplexity {math.exp(min(s['val_loss'], 700.0)):.2f})"
     return (f"done: {s['steps']} steps | final loss {s['final_loss']:.3f} nats/token | "
-            f"unigram baseline {s['unigram_baseline']:.3f} | entropy floor {floor} | "
-            f"{s['median_tokens_per_s']:.0f} tokens/s per rank | run dir {run_dir}")
+            f"val loss {val} | unigram baseline {s['unigram_baseline']:.3f} | "
+            f"entropy floor {floor} | {s['median_tokens_per_s']:.0f} tokens/s per rank | "
+            f"run dir {run_dir}")
 
 
 def plot_loss(history: list[dict], summary: dict, path: Path) -> None:
@@ -292,6 +339,10 @@ def plot_loss(history: list[dict], summary: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in history], [r["ce"] for r in history], label="train loss (CE)")
+    evals = [r for r in history if "val_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-",
+                color="tab:orange", label="validation loss")
     ax.axhline(summary["unigram_baseline"], color="gray", ls="--", label="unigram baseline")
     if summary["entropy_floor"] is not None:
         ax.axhline(summary["entropy_floor"], color="green", ls=":", label="entropy floor")

@@ -1,10 +1,11 @@
 """Benchmark plumbing of issue 19: a single-series run rewrites only its own BENCHMARKS.md
-section (``benchmarks.report.splice``), and the GPU benchmark's code runs end to end on CPU
+section (``benchmarks.fmt.splice``), and the GPU benchmark's code runs end to end on CPU
 (``python -m benchmarks.gpu --smoke``, two of its rows)."""
 
 from __future__ import annotations
 
 from benchmarks import gpu, report
+from benchmarks.fmt import splice
 
 OLD = """# Benchmarks
 
@@ -23,7 +24,7 @@ old grouped table
 
 
 def test_splice_replaces_only_its_section():
-    new = report.splice(OLD, ["## Grouped-GEMM experts vs the per-expert loop (issue 19)", "",
+    new = splice(OLD, ["## Grouped-GEMM experts vs the per-expert loop (issue 19)", "",
                               "new grouped table"])
     assert "old grouped table" not in new and "new grouped table" in new
     assert "old results" in new and new.index("new grouped table") < new.index("## Not run")
@@ -31,7 +32,7 @@ def test_splice_replaces_only_its_section():
 
 
 def test_splice_inserts_a_missing_section_before_the_failures():
-    new = report.splice(OLD, ["## GPU: x", "", "gpu rows"])
+    new = splice(OLD, ["## GPU: x", "", "gpu rows"])
     assert new.index("old grouped table") < new.index("gpu rows") < new.index("## Not run")
     assert "old results" in new and "- nothing" in new
 

@@ -24,6 +24,7 @@ import torch
 from pydantic import ValidationError
 from safetensors import safe_open
 
+from moezero.checkpoint import tokenizer as hf_tokenizer
 from moezero.checkpoint.tools import write_weights
 from moezero.config import Config, dump_config
 from moezero.model.decoder import Decoder, ModelArgs
@@ -284,13 +285,14 @@ def read_hf_config(src: Path) -> tuple[Arch, dict]:
     return arch_from_hf(raw, str(path)), raw
 
 
-def import_config(arch: Arch, out: Path, where: str) -> Config:
-    """The default recipe with ``arch`` and ``checkpoint.load: out`` (``out/config.yaml``)."""
+def import_config(arch: Arch, out: Path, where: str, tokenizer: dict | None = None) -> Config:
+    """The default recipe with ``arch``, ``checkpoint.load: out`` and the ``tokenizer`` section
+    (``out/config.yaml``)."""
     sections = arch.sections()
     ep = 2 if arch.num_experts % 2 == 0 else 1
     data = {**sections, "moe": {**sections["moe"], "ep_size": ep},
             "checkpoint": {"load": str(out.resolve())},
-            "data": {"synthetic_vocab": min(32, arch.vocab_size)}}
+            "data": {"synthetic_vocab": min(32, arch.vocab_size)}, "tokenizer": tokenizer or {}}
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
@@ -315,11 +317,12 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     arch, raw = read_hf_config(src)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"--out {out}: exists and is not an empty directory")
-    cfg = import_config(arch, out, str(src / HF_CONFIG))
+    cfg = import_config(arch, out, str(src / HF_CONFIG), hf_tokenizer.describe_import(src, out))
     tensors = _Tensors(src)
     layout = _layout(arch, cfg)
     sources = {fqn: _source(tensors, fqn, shape, arch, src) for fqn, shape in layout.shapes}
     _check_all_used(tensors, {key for key, _ in sources.values()}, arch, src)
+    hf_tokenizer.copy_import(src, out)
     partial = store.begin_save(out, 0)
     records = store.write_headers(layout, partial)
     for f in layout.model_files:
@@ -392,11 +395,13 @@ def export_hf(ckpt: Path, out: Path, dtype: str = "fp32",
     ``MixtralForCausalLM.from_pretrained(out)`` loads; one tensor in memory at a time."""
     manifest = store.read_manifest(ckpt)
     arch = arch_of(manifest)
+    tokenizer_files = hf_tokenizer.files_to_export(manifest.config)
     items = [(hf_name(fqn), fqn, shape) for fqn, shape in manifest.layout.shapes]
     files = write_weights(ckpt, manifest, out, items, dtype, shard_bytes=shard_bytes,
                           meta={"format": "pt", "moezero.step": str(manifest.step)})
-    (out / HF_CONFIG).write_text(json.dumps(hf_config(arch, dtype), indent=2))
-    return [out / HF_CONFIG, *files]
+    config = {**hf_config(arch, dtype), **hf_tokenizer.config_ids(manifest.config)}
+    (out / HF_CONFIG).write_text(json.dumps(config, indent=2))
+    return [out / HF_CONFIG, *files, *hf_tokenizer.copy_export(tokenizer_files, out)]
 
 
 def num_params(manifest) -> int:

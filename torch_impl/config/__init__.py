@@ -26,12 +26,13 @@ from moezero.config.schema import (
     OffloadConfig,
     OptimizerConfig,
     PrecisionConfig,
+    TokenizerConfig,
     TrainConfig,
     ZeroConfig,
 )
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistConfig", "ModelConfig",
-    "MoEConfig", "OffloadConfig", "OptimizerConfig", "PrecisionConfig", "TrainConfig",
+    "MoEConfig", "OffloadConfig", "OptimizerConfig", "PrecisionConfig", "TokenizerConfig", "TrainConfig",
     "ZeroConfig", "DEFAULT_RECIPE", "dump_config", "load_config", "parse_override", "to_yaml",
 ]

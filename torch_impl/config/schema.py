@@ -48,6 +48,10 @@ class TrainConfig(_Section):
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches averaged per optimizer step.")
     seq_len: int = Field(128, ge=1, description="Tokens per sequence.")
     log_every: int = Field(10, ge=1, description="Print progress every this many steps.")
+    eval_every: int = Field(
+        50, ge=0, description="Validation loss every this many steps and at the end; 0 = never.")
+    eval_batches: int = Field(
+        4, ge=1, description="Global validation batches per evaluation (micro_batch_size per rank).")
     out_dir: str | None = Field(None, description="Run directory; None lets the CLI pick one (--out sets it).")
     deterministic: bool = Field(
         False, description="CUDA: deterministic kernels (torch.use_deterministic_algorithms, "
@@ -214,12 +218,51 @@ class CheckpointConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Training data: a byte-level text file or the built-in synthetic corpus."""
+    """Training data: prepared token datasets, a byte-level text file, or the synthetic corpus."""
 
-    path: str | None = Field(None, description="Text file (byte-level); None = synthetic corpus.")
+    path: str | list[str] | None = Field(
+        None, description="Prepared dataset folder(s) (moezero prepare-data), blended; or one "
+                          "text file read as bytes; None = synthetic corpus.")
+    weights: list[float] | None = Field(
+        None, description="Blend weights of the datasets in path (normalised); None = by their "
+                          "training tokens.")
+    val_fraction: float = Field(
+        0.01, ge=0, lt=1, description="Held out for validation: this fraction of each prepared "
+                                      "dataset's documents (of a text file's bytes, its tail).")
     synthetic_vocab: int = Field(32, ge=2, description="Synthetic corpus: token alphabet size.")
     synthetic_sources: int = Field(4, ge=1, description="Synthetic corpus: seeded Markov sources mixed.")
     synthetic_seed: int = Field(1234, ge=0, description="Synthetic corpus: seed of the sources.")
+
+    @property
+    def paths(self) -> list[str]:
+        """``path`` as a list (empty for the synthetic corpus)."""
+        return [] if self.path is None else [self.path] if isinstance(self.path, str) else self.path
+
+    @model_validator(mode="after")
+    def _blend(self) -> DataConfig:
+        if isinstance(self.path, list) and not self.path:
+            raise FieldError("path", "an empty list; give at least one dataset or null")
+        if self.weights is not None:
+            if len(self.weights) != len(self.paths):
+                raise FieldError("weights", f"{len(self.weights)} weights for "
+                                             f"{len(self.paths)} data.path entries")
+            if any(not w > 0 for w in self.weights):
+                raise FieldError("weights", f"must all be > 0, got {self.weights}")
+        return self
+
+
+class TokenizerConfig(_Section):
+    """The model's tokenizer (recorded by import-hf or taken from a prepared dataset), so
+    checkpoints carry it, datasets are matched to it and export writes it back."""
+
+    path: str | None = Field(None, description="Folder holding tokenizer.json and its "
+                                               "Hugging Face companion files.")
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
+                               description="SHA-256 of tokenizer.json; datasets must match it.")
+    vocab_size: int | None = Field(None, ge=1, description="Tokens in its vocabulary.")
+    bos_token_id: int | None = Field(None, ge=0, description="Beginning-of-sequence id.")
+    eos_token_id: int | None = Field(None, ge=0, description="End-of-sequence id.")
+    pad_token_id: int | None = Field(None, ge=0, description="Padding id.")
 
 
 class DistConfig(_Section):
@@ -246,6 +289,7 @@ class Config(_Section):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO sharding/offload.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
     dist: DistConfig = Field(default_factory=DistConfig, description="torch.distributed.")
 
     @model_validator(mode="after")
@@ -254,7 +298,8 @@ class Config(_Section):
             raise FieldError("data.synthetic_vocab",
                               f"must be <= model.vocab_size ({self.model.vocab_size}), "
                               f"got {self.data.synthetic_vocab}")
-        if self.data.path is not None and self.model.vocab_size < 256:
-            raise FieldError("model.vocab_size",
-                              f"byte-level data.path needs >= 256, got {self.model.vocab_size}")
+        if (self.tokenizer.vocab_size or 0) > self.model.vocab_size:
+            raise FieldError("tokenizer.vocab_size",
+                             f"must be <= model.vocab_size ({self.model.vocab_size}), "
+                             f"got {self.tokenizer.vocab_size}")
         return self

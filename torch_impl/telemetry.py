@@ -1,0 +1,204 @@
+"""Training telemetry: MoE expert load, peak memory per step, model FLOPs utilisation, and
+TensorBoard event files.
+
+- ``ExpertLoad`` reads every MoE layer's ``last_stats`` after each forward (a forward hook;
+  ``MoE.last_stats`` holds ``tokens_per_expert``, int64 [E]: the assignments this rank's
+  tokens made to each global expert and that were kept, and ``dropped``: the assignments
+  capacity dropped), sums them over a step's micro-batches and, once per step, over all
+  ranks (one small all-reduce). Per layer it reports tokens per expert, the dropped fraction
+  (dropped / all assignments) and the load imbalance (max / mean tokens per expert; 1 is
+  perfect balance, E means one expert took everything).
+- ``PeakMemory`` is the peak of one step, not since start: CUDA's peak-allocated counter is
+  reset before each step; on Linux CPUs the process's peak RSS is reset through
+  ``/proc/self/clear_refs`` (elsewhere the peak since start is all there is).
+- ``flops_per_token`` and ``peak_flops`` give MFU = achieved model FLOPs / the device's dense
+  peak, for devices in ``PEAK_TFLOPS`` (None elsewhere, e.g. CPUs).
+- ``TensorBoard`` writes rank 0's scalars under ``<run dir>/tensorboard`` when the
+  ``tensorboard`` package is installed (the ``tensorboard`` extra); otherwise nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moezero.model.decoder import ModelArgs
+from moezero.model.moe import MoE
+
+PEAK_TFLOPS = {  # dense tensor-core peaks from the vendors' data sheets
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 30.3},
+}
+"""TFLOP/s by a substring of ``torch.cuda.get_device_name`` (first match wins) and dtype."""
+
+
+class ExpertLoad:
+    """Tokens per expert and dropped assignments of every MoE layer, per optimizer step."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.names = [name for name, m in model.named_modules() if isinstance(m, MoE)]
+        layers = [m for m in model.modules() if isinstance(m, MoE)]
+        experts = layers[0].num_experts if layers else 0
+        self.acc = torch.zeros(len(layers), experts + 1, dtype=torch.int64, device=device)
+        self.active = True
+        for i, layer in enumerate(layers):
+            layer.register_forward_hook(lambda m, a, out, i=i: self._add(i, m))
+
+    def _add(self, i: int, layer: MoE) -> None:
+        stats = layer.last_stats
+        if self.active and stats:
+            self.acc[i, :-1] += stats["tokens_per_expert"].to(self.acc.device)
+            self.acc[i, -1] += stats["dropped"].to(self.acc.device)
+
+    @contextmanager
+    def paused(self):
+        """Forwards inside (validation) are not counted."""
+        self.active = False
+        try:
+            yield
+        finally:
+            self.active = True
+
+    def collect(self, distributed: bool) -> list[dict]:
+        """This step's per-layer load summed over all ranks (collective when distributed);
+        the counters start again from zero."""
+        total = self.acc.clone()
+        self.acc.zero_()
+        if distributed and total.numel():
+            dist.all_reduce(total)
+        return [layer_load(name, row[:-1].tolist(), int(row[-1]))
+                for name, row in zip(self.names, total.cpu(), strict=True)]
+
+
+def layer_load(name: str, tokens_E: list[int], dropped: int) -> dict:
+    """One layer's row: tokens per expert, dropped fraction, imbalance (max / mean)."""
+    kept = sum(tokens_E)
+    mean = kept / len(tokens_E) if tokens_E else 0.0
+    return {"layer": name, "tokens_per_expert": tokens_E,
+            "dropped_frac": dropped / (kept + dropped) if kept + dropped else 0.0,
+            "imbalance": max(tokens_E) / mean if mean else None}
+
+
+class PeakMemory:
+    """Peak memory of a window (one step): reset, run, read."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.proc = Path("/proc/self/status")
+        self.resettable = device.type == "cuda"
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:  # "5": reset the peak RSS to the current RSS (Linux >= 4.0, proc(5))
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.resettable = True
+        except OSError:
+            self.resettable = False
+
+    def peak(self) -> int:
+        """Bytes: CUDA max allocated since the reset; CPU peak RSS since the reset (or since
+        start where it cannot be reset)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        try:
+            status = self.proc.read_text()
+            return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+        except (OSError, AttributeError):
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x the parameters a token uses (attention, its top-k
+    experts, router, output head; not the embedding lookup) plus the attention-score term
+    12 x layers x dim x seq_len (PaLM's appendix B accounting, causal mask not discounted)."""
+    d, f = args.dim, args.ffn_dim
+    per_layer = 4 * d * d + args.top_k * 3 * d * f + d * args.num_experts
+    active = args.n_layers * per_layer + args.vocab_size * d
+    return 6.0 * active + 12.0 * args.n_layers * d * seq_len
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's dense peak FLOP/s for ``dtype``, or None when unknown (CPUs, unlisted GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in name:
+            return peaks[kind] * 1e12
+    return None
+
+
+class TensorBoard:
+    """Rank 0's scalars as TensorBoard event files, when ``tensorboard`` is installed."""
+
+    def __init__(self, folder: Path | None):
+        self.writer = None
+        if folder is None:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # the optional extra is not installed: nothing to write
+            return
+        self.writer = SummaryWriter(log_dir=str(folder))
+
+    def write(self, row: dict) -> None:
+        if self.writer is None:
+            return
+        step = row["step"]
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(f"train/{key}" if not key.startswith("val") else
+                                       f"val/{key}", value, step)
+        for layer in row.get("moe") or []:
+            for key in ("dropped_frac", "imbalance"):
+                if layer[key] is not None:
+                    self.writer.add_scalar(f"moe/{layer['layer']}/{key}", layer[key], step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class StepTelemetry:
+    """What the trainer adds to each step's metrics row: expert load, this step's peak memory,
+    MFU; and the TensorBoard writer (rank 0 only)."""
+
+    def __init__(self, engine, args: ModelArgs, seq_len: int, tensorboard: Path | None):
+        self.load = ExpertLoad(engine.model, engine.device)
+        self.memory = PeakMemory(engine.device)
+        self.flops_per_token = flops_per_token(args, seq_len)
+        self.peak_flops = peak_flops(engine.device, engine.dtype)
+        self.distributed = engine.topology.distributed
+        self.tensorboard = TensorBoard(tensorboard)
+
+    def begin_step(self) -> None:
+        self.memory.reset()
+
+    def end_step(self, row: dict) -> dict:
+        """``row`` with ``peak_mem_bytes`` of this step, ``mfu`` and the MoE load
+        (collective: every rank calls it once per step)."""
+        layers = self.load.collect(self.distributed)
+        imbalance = [x["imbalance"] for x in layers if x["imbalance"] is not None]
+        achieved = row["tokens_per_s"] * self.flops_per_token
+        return {**row, "peak_mem_bytes": self.memory.peak(),
+                "mfu": achieved / self.peak_flops if self.peak_flops else None,
+                "moe_imbalance_max": max(imbalance) if imbalance else None,
+                "moe_dropped_frac": sum(x["dropped_frac"] for x in layers) / max(1, len(layers)),
+                "moe": layers}
+
+    def close(self) -> None:
+        self.tensorboard.close()
