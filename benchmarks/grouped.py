@@ -2,8 +2,8 @@
 
 One process, one thread, ep = 1, fp32, dropless: tokens/s of one MoE layer's forward +
 backward (the experts' GEMMs dominate) for three paths — the loop (one call per expert), the
-grouped GEMMs with the weights copied into a stack (stage 0, stage 3, a bare model) and with
-the weights viewed from a flat buffer laid out as ZeRO stages 1-2 lay it out — at each expert
+grouped GEMMs with the weights copied into a stack (stage 3, a bare model) and with
+the weights viewed from a flat buffer laid out as ZeRO stages 0-2 lay it out — at each expert
 count of ``size["grouped"]["experts"]``, interleaved over rounds. The copy's own cost (stacking
 the three projections once) is timed alone. ``measure`` returns plain data for
 ``results["grouped"]``; ``section`` renders it for BENCHMARKS.md.

@@ -25,6 +25,10 @@ def _numpy(named) -> dict[str, np.ndarray]:
 def one_step(cfg_data: dict, global_batch: np.ndarray) -> dict:
     """Forward, backward and one optimizer step of this rank's slice (collective)."""
     cfg = Config.model_validate(cfg_data)
+    # The raw per-rank gradients are only there to read after backward when the reduction
+    # does not overlap it (with overlap_comm, gradient hooks reduce buckets in place during
+    # backward, at every stage); the step itself is the same either way.
+    cfg.zero_optimization.overlap_comm = False
     topo = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
     model = build_model(cfg, topo)
     engine = initialize(model, cfg, topology=topo, device="cpu")
