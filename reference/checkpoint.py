@@ -35,7 +35,7 @@ import optax
 from moezero.plan import Manifest, partition_group, plan_groups, plan_layout, store
 from moezero.plan.store import CheckpointError, find_checkpoint
 from moezero.reference.optim import TrainConfig, TrainState, lr_at, make_optimizer
-from moezero.reference.weights import from_fqn_dict, param_shapes, to_fqn_dict
+from moezero.reference.weights import buffer_shapes, from_fqn_dict, param_shapes, to_fqn_dict
 from moezero.reference.zero_layout import ZeroConfig, param_specs
 
 __all__ = ["CheckpointError", "find_checkpoint", "load_train_state", "read_fqn_state",
@@ -52,6 +52,15 @@ def read_fqn_state(ckpt_dir: str | os.PathLike, manifest: Manifest,
         return {fqn: np.zeros(shape, np.float32) for fqn, shape in manifest.layout.shapes}
     return {fqn: store.read_param(ckpt_dir, manifest, fqn, state=state).reshape(shape)
             for fqn, shape in manifest.layout.shapes}
+
+
+def _buffers(ckpt_dir, manifest: Manifest, cfg: TrainConfig, state: str) -> dict:
+    """The buffers (expert biases) as saved, zero where not saved (an imported model); their
+    Adam moments are zeros (the optimizer never touches them)."""
+    saved = dict(manifest.layout.buffers)
+    return {fqn: store.read_param(ckpt_dir, manifest, fqn).reshape(shape)
+            if state == "master" and fqn in saved else np.zeros(shape, np.float32)
+            for fqn, shape in buffer_shapes(cfg.model).items()}
 
 
 def step_count(manifest: Manifest) -> int:
@@ -82,7 +91,9 @@ def load_train_state(ckpt_dir: str | os.PathLike, cfg: TrainConfig) -> tuple[Tra
     where = find_checkpoint(ckpt_dir)
     manifest = store.read_manifest(where)
     store.check_shapes(manifest, param_shapes(cfg.model), where)
-    params, mu, nu = (from_fqn_dict(read_fqn_state(where, manifest, s), cfg.model)
+    store.check_buffers(manifest, buffer_shapes(cfg.model), where)
+    params, mu, nu = (from_fqn_dict({**read_fqn_state(where, manifest, s),
+                                     **_buffers(where, manifest, cfg, s)}, cfg.model)
                       for s in ("master", "exp_avg", "exp_avg_sq"))
     steps = step_count(manifest)
     count = jnp.asarray(steps, jnp.int32)
@@ -118,12 +129,14 @@ def save_train_state(root: str | os.PathLike, cfg: TrainConfig, state: TrainStat
                       max_group_size=max_group_size, split_by_expert=split_by_expert)
     specs = param_specs(zcfg)
     groups = plan_groups(specs, max_group_size=max_group_size, split_by_expert=split_by_expert)
-    layout = plan_layout(groups, {s.fqn: s.shape for s in specs}, step=step)
+    layout = plan_layout(groups, {s.fqn: s.shape for s in specs}, step=step,
+                         buffers=buffer_shapes(cfg.model))
     flat = {"master": to_fqn_dict(state.params),
             "exp_avg": to_fqn_dict(optax.tree.get(state.opt_state, "mu")),
             "exp_avg_sq": to_fqn_dict(optax.tree.get(state.opt_state, "nu"))}
     partial = store.begin_save(root, step)
     records = store.write_headers(layout, partial)
+    records += store.write_buffers(partial, layout, flat["master"])
     for group in groups:  # each group whole: the only DP rank of a dp_size = 1 partition
         part = partition_group(group, world_size=group.ep_size)
         shards = {s: np.concatenate([_flat32(values[m.fqn])[m.start:m.stop]

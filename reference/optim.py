@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from moezero.plan.buffers import is_buffer
 from moezero.reference.model import ModelConfig, oracle_loss
+from moezero.reference.moe import update_expert_bias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +68,17 @@ def lr_at(cfg: OptimConfig, step) -> jax.Array:
     return jnp.where(step < cfg.warmup_steps, warm, decayed)
 
 
+def _fqn(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
 def decay_mask(params: dict) -> dict:
-    """True where weight decay applies: every param except RMSNorm gains (``*norm.weight``)."""
+    """True where weight decay applies: every param except RMSNorm gains (``*norm.weight``,
+    QK-norm gains included) and biases (``*.bias``), as torch's no decay on ``ndim < 2``;
+    never on buffers (the expert bias), which the optimizer leaves alone."""
     def decays(path, _):
-        return not ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path) \
-            .endswith("norm.weight")
+        fqn = _fqn(path)
+        return not (fqn.endswith(("norm.weight", ".bias")) or is_buffer(fqn))
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
@@ -110,15 +118,32 @@ def loss_and_grads(cfg: TrainConfig, params: dict, batch: jax.Array):
 
     zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(micro_loss, params, micro[0])[1])
     total, _ = jax.lax.scan(accumulate, (zero, jax.tree.map(jnp.zeros_like, params)), micro)
-    return jax.tree.map(lambda t: t / micro.shape[0], total)
+
+    def mean(t):  # integer counts (the expert load) are summed over micro-batches
+        return t if jnp.issubdtype(t.dtype, jnp.integer) else t / micro.shape[0]
+    return jax.tree.map(mean, total)
+
+
+def update_buffers(cfg: TrainConfig, params: dict, load_LE: jax.Array | None) -> dict:
+    """After the optimizer: each layer's expert bias steps on its global load (summed over
+    ranks and micro-batches), ``moezero.reference.moe.update_expert_bias``."""
+    if load_LE is None:
+        return params
+    layers = [{**layer, "moe": {**layer["moe"], "router": {
+        **layer["moe"]["router"], "expert_bias": update_expert_bias(
+            layer["moe"]["router"]["expert_bias"], load_E, cfg.model.bias_update_rate)}}}
+        for layer, load_E in zip(params["layers"], load_LE, strict=True)]
+    return {**params, "layers": layers}
 
 
 def train_step(cfg: TrainConfig, state: TrainState, batch: jax.Array):
-    """One optimizer step: grads (micro-batches averaged) → clip → AdamW. Pure."""
+    """One optimizer step: grads (micro-batches averaged) → clip → AdamW → expert-bias
+    update (buffers: no gradient, no decay, so AdamW leaves them unchanged). Pure."""
     metrics, grads = loss_and_grads(cfg, state.params, batch)
+    load_LE = metrics.pop("expert_load", None)
     grads, norm, coef = clip_by_global_norm(grads, cfg.optim.gradient_clipping)
     updates, opt_state = make_optimizer(cfg.optim).update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    params = update_buffers(cfg, optax.apply_updates(state.params, updates), load_LE)
     metrics = {**metrics, "grad_norm": norm, "clip_coef": coef,
                "lr": lr_at(cfg.optim, state.step)}
     return TrainState(state.step + 1, params, opt_state), metrics

@@ -82,7 +82,7 @@ def param_specs(cfg: ZeroConfig) -> list[ParamSpec]:
     """The plan's specs of the model, with the user groups torch builds (decay / no_decay)."""
     specs = []
     for fqn, shape in param_shapes(cfg.model).items():
-        user = "no_decay" if fqn.endswith("norm.weight") else "decay"  # = optim.decay_mask
+        user = "no_decay" if fqn.endswith(("norm.weight", ".bias")) else "decay"  # = decay_mask
         match = EXPERT_FQN.match(fqn)
         if match is None:
             specs.append(ParamSpec(fqn, tuple(shape), user_group=user))
@@ -103,6 +103,8 @@ def user_groups(cfg: ZeroConfig) -> tuple[UserGroup, ...]:
 @functools.cache
 def plan_stacks(cfg: ZeroConfig) -> tuple[Stack, ...]:
     """The plan's groups and partitions, as stacks (see ``Stack``), in plan order."""
+    if cfg.model.expert_bias:  # its update outside the optimizer is not modelled here
+        raise ValueError("the sharded reference does not model moe.expert_bias")
     groups = plan_groups(param_specs(cfg), max_group_size=cfg.max_group_size,
                          split_by_expert=cfg.split_by_expert)
     parts = plan_partitions(groups, world_size=cfg.world_size)

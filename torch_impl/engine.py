@@ -25,6 +25,7 @@ from moezero.checkpoint import core as checkpoint
 from moezero.config import Config
 from moezero.distributed.topology import Topology, build_topology
 from moezero.model.moe import expert_tag
+from moezero.model.router import update_expert_biases
 from moezero.offload import state as offload_state
 from moezero.zero.adamw import LossScaler, adamw_, clip_coef, lr_at
 from moezero.zero.groups import OptimizerGroups, build_groups
@@ -137,6 +138,8 @@ class Engine:
                 p.grad = None
         if not overflow:
             self.step_count += 1
+        # The aux-loss-free expert biases (if any) step outside the optimizer, on global loads.
+        update_expert_biases(self.model, distributed=self.topology.distributed, skip=overflow)
         self.global_steps += 1
         self.scaler.update(overflow)
         self.micro_steps = 0

@@ -18,7 +18,6 @@ from moezero.plan.layout import (
     ByteRange,
     FileLayout,
     Layout,
-    Manifest,
     RangeRecord,
     RankRanges,
     TensorEntry,
@@ -29,6 +28,7 @@ from moezero.plan.layout import (
     rank_ranges,
     shapes_of,
 )
+from moezero.plan.manifest import Manifest
 from moezero.plan.partition import (
     Partition,
     check_ep_size,

@@ -4,7 +4,9 @@ A pure function of (groups, parameter shapes, step). Optimizer group ``i`` of ``
 one ``model-{i+1:05d}-of-{G:05d}.safetensors`` file (fp32 master) and one ``optim-…`` file
 (all members' ``exp_avg``, then all members' ``exp_avg_sq``), tensors in group order. A
 file's data is therefore the group's unpadded flat buffer (one buffer per state), so a
-rank's ZeRO partition is one contiguous byte range per state (``rank_ranges``).
+rank's ZeRO partition is one contiguous byte range per state (``rank_ranges``). Buffers
+(checkpointed, never optimized: ``moezero.plan.buffers``) are in no group; they lie whole in
+one more file, ``buffers.safetensors``, when the model has any.
 
 Keys: a member that is a whole parameter is stored under its name (``fqn``,
 ``fqn.exp_avg``, ``fqn.exp_avg_sq``) with its shape. A member the group cap cut is stored
@@ -12,8 +14,8 @@ Keys: a member that is a whole parameter is stored under its name (``fqn``,
 docs/checkpoint.md for reassembly. Headers are built byte-for-byte from the layout, so any
 rank knows every data offset without reading a file.
 
-The manifest's pure half (``Manifest``, ``manifest_to_json``/``manifest_from_json``) lives
-here too; file I/O is in ``moezero.plan.store``. Torch counterpart:
+The manifest's pure half (``Manifest``, ``manifest_to_json``/``manifest_from_json``) is
+``moezero.plan.manifest``; file I/O is in ``moezero.plan.store``. Torch counterpart:
 ``moezero.checkpoint.core`` (calls ``plan_layout``, ``rank_ranges`` and the store).
 """
 
@@ -27,9 +29,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
+from moezero.plan.buffers import BUFFERS_FILE
 from moezero.plan.grouping import GroupPlan, locate_params
 from moezero.plan.partition import Partition
-from moezero.plan.specs import ParamSpec, Slice
+from moezero.plan.specs import ParamSpec, Slice, natural_key
 
 FORMAT_VERSION = 1
 ITEMSIZE = 4  # every tensor is fp32 ("F32")
@@ -125,11 +128,14 @@ class Layout:
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     model_files: tuple[FileLayout, ...]
     optim_files: tuple[FileLayout, ...]
+    buffers: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    buffer_file: FileLayout | None = None
 
     @property
     def files(self) -> tuple[FileLayout, ...]:
-        """All files: model files, then optim files."""
-        return self.model_files + self.optim_files
+        """All files: model files, optim files, then the buffer file (if any)."""
+        extra = () if self.buffer_file is None else (self.buffer_file,)
+        return self.model_files + self.optim_files + extra
 
     @property
     def weights_only(self) -> bool:
@@ -155,10 +161,11 @@ class Layout:
 
     @cached_property
     def _shapes(self) -> dict[str, tuple[int, ...]]:
-        return dict(self.shapes)
+        return dict(self.shapes + self.buffers)
 
     def shape(self, fqn: str) -> tuple[int, ...]:
-        """The full shape of parameter ``fqn``; KeyError if it is not in the checkpoint."""
+        """The full shape of parameter or buffer ``fqn``; KeyError if it is not in the
+        checkpoint."""
         return self._shapes[fqn]
 
     def pieces(self, fqn: str, state: str = "master") -> tuple[tuple[FileLayout, TensorEntry], ...]:
@@ -203,7 +210,8 @@ def shapes_of(specs: Iterable[ParamSpec]) -> dict[str, tuple[int, ...]]:
 
 
 def plan_layout(groups: Sequence[GroupPlan], shapes: Mapping[str, Sequence[int]], *,
-                step: int, weights_only: bool = False) -> Layout:
+                step: int, weights_only: bool = False,
+                buffers: Mapping[str, Sequence[int]] | None = None) -> Layout:
     """The checkpoint layout of a plan at ``step``.
 
     Args:
@@ -211,9 +219,12 @@ def plan_layout(groups: Sequence[GroupPlan], shapes: Mapping[str, Sequence[int]]
         shapes: Full shape of every parameter in ``groups`` (``shapes_of(specs)``).
         step: Optimizer step, recorded in each header's metadata.
         weights_only: Model files only (fp32 masters), no optim files.
+        buffers: Full shape of every buffer (``moezero.plan.buffers``): stored whole, in
+            natural FQN order, in ``buffers.safetensors``; none: no such file.
 
     Raises:
-        ValueError: (one line) if shapes and groups disagree or an FQN contains ``@``.
+        ValueError: (one line) if shapes and groups disagree, a buffer is also a parameter,
+            or an FQN contains ``@``.
     """
     shapes = {fqn: tuple(int(d) for d in shape) for fqn, shape in shapes.items()}
     _check_coverage(groups, shapes)
@@ -221,7 +232,30 @@ def plan_layout(groups: Sequence[GroupPlan], shapes: Mapping[str, Sequence[int]]
     model = tuple(_file("model", g, num, shapes, step) for g in groups)
     optim = () if weights_only else tuple(_file("optim", g, num, shapes, step) for g in groups)
     order = [m.fqn for g in groups for m in g.members if m.start == 0]
-    return Layout(step, tuple(groups), tuple((f, shapes[f]) for f in order), model, optim)
+    kept = _buffer_shapes(buffers or {}, shapes)
+    return Layout(step, tuple(groups), tuple((f, shapes[f]) for f in order), model, optim,
+                  kept, _buffer_file(kept, step) if kept else None)
+
+
+def _buffer_shapes(buffers: Mapping[str, Sequence[int]], params: Mapping) -> tuple:
+    both = sorted(set(buffers) & set(params))
+    if both:
+        raise ValueError(f"{both[0]!r} is both a parameter and a buffer")
+    if any("@" in fqn for fqn in buffers):
+        raise ValueError(f"buffer {next(f for f in buffers if '@' in f)!r}: '@' is reserved")
+    return tuple((fqn, tuple(int(d) for d in buffers[fqn]))
+                 for fqn in sorted(buffers, key=natural_key))
+
+
+def _buffer_file(buffers: tuple, step: int) -> FileLayout:
+    tensors, cursor = [], 0
+    for fqn, shape in buffers:
+        tensors.append(TensorEntry(fqn, fqn, "master", 0, math.prod(shape), shape, cursor))
+        cursor = tensors[-1].end
+    metadata = {"format": "pt", "moezero.format_version": str(FORMAT_VERSION),
+                "moezero.kind": "buffers", "moezero.step": str(step)}
+    return FileLayout(BUFFERS_FILE, "buffers", "buffers", tuple(tensors),
+                      _header(metadata, tensors))
 
 
 def _check_coverage(groups: Sequence[GroupPlan], shapes: dict[str, tuple[int, ...]]) -> None:
@@ -319,107 +353,11 @@ def same_group(layout: Layout, partition: Partition) -> bool:
 
 def index_json(layout: Layout) -> dict:
     """``model.safetensors.index.json``: ``weight_map`` {key: file} and ``total_size``."""
-    weight_map = {t.key: f.name for f in layout.model_files for t in f.tensors}
-    total = sum(f.data_size for f in layout.model_files)
+    files = layout.model_files + ((layout.buffer_file,) if layout.buffer_file else ())
+    weight_map = {t.key: f.name for f in files for t in f.tensors}
+    total = sum(f.data_size for f in files)
     return {"metadata": {"total_size": total, "format": "moezero", "step": layout.step},
             "weight_map": weight_map}
-
-
-def group_to_json(group: GroupPlan) -> dict:
-    """A group as a JSON object (members as ``[fqn, start, stop]``)."""
-    return {"name": group.name, "index": group.index, "user_group": group.user_group,
-            "moe_group": group.moe_group, "ep_size": group.ep_size, "ep_rank": group.ep_rank,
-            "layer": group.layer, "expert": group.expert,
-            "members": [[m.fqn, m.start, m.stop] for m in group.members]}
-
-
-def group_from_json(obj: Mapping) -> GroupPlan:
-    """Inverse of ``group_to_json``."""
-    members = tuple(Slice(fqn, start, stop) for fqn, start, stop in obj["members"])
-    return GroupPlan(obj["name"], obj["index"], obj["user_group"], obj["moe_group"],
-                     obj["ep_size"], obj["ep_rank"], obj["layer"], obj["expert"], members)
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What ``manifest.json`` holds, with the layout recomputed from its groups and shapes.
-
-    ``config``, ``topology`` and ``state`` are opaque JSON objects owned by the caller
-    (resolved config; world size, ep sizes, stage at save; RNG, data position, loss
-    scaler, lr step).
-    """
-
-    layout: Layout
-    checksums: tuple[RangeRecord, ...]
-    config: dict = field(default_factory=dict)
-    topology: dict = field(default_factory=dict)
-    state: dict = field(default_factory=dict)
-
-    @property
-    def step(self) -> int:
-        """The optimizer step saved."""
-        return self.layout.step
-
-
-def manifest_to_json(manifest: Manifest) -> dict:
-    """The manifest as a JSON object (the layout as groups, shapes and file sizes)."""
-    layout = manifest.layout
-    obj = {"format": "moezero-checkpoint", "format_version": FORMAT_VERSION,
-           "step": layout.step, "dtype": "F32", "config": manifest.config,
-           "topology": manifest.topology,
-           "groups": [group_to_json(g) for g in layout.groups],
-           "shapes": {fqn: list(shape) for fqn, shape in layout.shapes},
-           "files": [{"name": f.name, "kind": f.kind, "group": f.group, "size": f.size}
-                     for f in layout.files],
-           "checksums": [list(r) for r in manifest.checksums], "state": manifest.state}
-    if layout.weights_only:  # only then: older manifests stay byte-identical
-        obj["weights_only"] = True
-    return obj
-
-
-def manifest_from_json(obj: Any) -> Manifest:
-    """Parse and cross-check a manifest object; ValueError (one line) on any mismatch."""
-    if not isinstance(obj, dict) or obj.get("format") != "moezero-checkpoint":
-        raise ValueError("not a moezero checkpoint manifest")
-    if obj.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"unsupported format_version {obj.get('format_version')!r} "
-                         f"(this reader knows {FORMAT_VERSION})")
-    try:
-        layout = plan_layout([group_from_json(g) for g in obj["groups"]], obj["shapes"],
-                             step=int(obj["step"]), weights_only=obj.get("weights_only") is True)
-        files = [(f["name"], f["kind"], f["group"], f["size"]) for f in obj["files"]]
-        checksums = tuple(RangeRecord(str(f), int(o), int(n), int(c))
-                          for f, o, n, c in obj["checksums"])
-        extra = {k: obj.get(k, {}) for k in ("config", "topology", "state")}
-    except (AttributeError, KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"malformed manifest: {type(err).__name__}: {err}") from None
-    if files != [(f.name, f.kind, f.group, f.size) for f in layout.files]:
-        raise ValueError("manifest files do not match the layout of its groups and shapes")
-    check_tiling(layout, checksums)
-    return Manifest(layout, checksums, **extra)
-
-
-def check_tiling(layout: Layout, records: Iterable[RangeRecord]) -> None:
-    """Raise ValueError unless ``records`` cover every byte of every file exactly once."""
-    by_file: dict[str, list[tuple[int, int]]] = {f.name: [] for f in layout.files}
-    for file, offset, length, _ in records:
-        if file not in by_file:
-            raise ValueError(f"checksum names unknown file {file!r}")
-        if offset < 0 or length < 0:
-            raise ValueError(f"{file}: negative checksum range ({offset}, {length})")
-        if length:
-            by_file[file].append((offset, offset + length))
-    for f in layout.files:
-        cursor = 0
-        for begin, end in sorted(by_file[f.name]):
-            if begin != cursor:
-                raise ValueError(f"{f.name}: bytes [{min(begin, cursor)}, {max(begin, cursor)}) "
-                                 f"are {'not covered' if begin > cursor else 'covered twice'}")
-            cursor = end
-        if cursor < f.size:
-            raise ValueError(f"{f.name}: bytes [{cursor}, {f.size}) are not covered")
-        if cursor > f.size:
-            raise ValueError(f"{f.name}: checksummed ranges run to byte {cursor}, past its end")
 
 
 def _check_state(state: str) -> None:

@@ -24,7 +24,7 @@ import re
 import shutil
 import stat
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -35,15 +35,12 @@ from moezero.plan.layout import (
     MANIFEST_NAME,
     STATES,
     Layout,
-    Manifest,
     RangeRecord,
-    check_tiling,
     index_json,
-    manifest_from_json,
-    manifest_to_json,
     rank_ranges,
     same_group,
 )
+from moezero.plan.manifest import Manifest, check_tiling, manifest_from_json, manifest_to_json
 from moezero.plan.partition import Partition
 
 CHUNK = 8 << 20  # bytes per pwrite/pread call
@@ -123,6 +120,21 @@ def _create(path: Path, size: int, header: bytes = b"") -> int:
     finally:
         os.close(fd)
     return zlib.crc32(header)
+
+
+def write_buffers(ckpt_dir: str | os.PathLike, layout: Layout,
+                  values: Mapping[str, np.ndarray]) -> list[RangeRecord]:
+    """Write every buffer of the layout (``moezero.plan.buffers``) whole into its file, from
+    ``values`` ({fqn: array of its shape}, cast to fp32); one checksum record per buffer.
+    One writer (rank 0) calls it: buffers are replicated, never sharded."""
+    f, records = layout.buffer_file, []
+    for t in f.tensors if f is not None else ():
+        flat = np.ascontiguousarray(values[t.fqn], np.float32).reshape(-1)
+        if flat.size != t.stop:
+            raise ValueError(f"buffer {t.fqn!r}: {flat.size} elements, the layout has {t.stop}")
+        crc = write_range(Path(ckpt_dir) / f.name, f.data_start + t.begin, flat)
+        records.append(RangeRecord(f.name, f.data_start + t.begin, flat.nbytes, crc))
+    return records
 
 
 def write_partition(ckpt_dir: str | os.PathLike, layout: Layout, partition: Partition,
@@ -399,9 +411,11 @@ def read_shard(ckpt_dir: str | os.PathLike, manifest: Manifest, partition: Parti
 
 def read_tensors(ckpt_dir: str | os.PathLike, manifest: Manifest,
                  state: str = "master") -> dict[str, np.ndarray]:
-    """Every parameter's ``state`` reassembled to its full shape, fragments joined (export)."""
+    """Every parameter's ``state`` reassembled to its full shape, fragments joined (export),
+    and, for the master, every buffer."""
+    buffers = manifest.layout.buffers if state == "master" else ()
     return {fqn: read_param(ckpt_dir, manifest, fqn, state=state).reshape(shape)
-            for fqn, shape in manifest.layout.shapes}
+            for fqn, shape in manifest.layout.shapes + buffers}
 
 
 def _output(out: np.ndarray | None, numel: int) -> np.ndarray:
@@ -626,3 +640,16 @@ def check_shapes(manifest, shapes: dict[str, tuple[int, ...]], where: Path) -> N
     if extra:
         raise CheckpointError(f"{where}: the checkpoint has parameter {extra[0]} that the "
                               "model does not")
+
+
+def check_buffers(manifest, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
+    """CheckpointError (one line) if the checkpoint has a buffer the model lacks or of another
+    shape. A buffer the checkpoint lacks is fine (e.g. an imported model): the loader starts
+    it at its initial value."""
+    for fqn, shape in manifest.layout.buffers:
+        if fqn not in shapes:
+            raise CheckpointError(f"{where}: the checkpoint has buffer {fqn} that the model "
+                                  "does not")
+        if tuple(shapes[fqn]) != tuple(shape):
+            raise CheckpointError(f"{where}: buffer {fqn} has shape {tuple(shape)} in the "
+                                  f"checkpoint, {tuple(shapes[fqn])} in the model")

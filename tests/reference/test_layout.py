@@ -28,7 +28,7 @@ from moezero.plan import (
     rank_ranges,
     shapes_of,
 )
-from moezero.plan.layout import Manifest, check_tiling, manifest_from_json, manifest_to_json
+from moezero.plan.manifest import Manifest, check_tiling, manifest_from_json, manifest_to_json
 
 from .test_plan_grouping import caps, example_model, models
 

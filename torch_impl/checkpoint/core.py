@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from moezero.checkpoint import writer as ckpt_write
+from moezero.checkpoint.buffers import buffer_shapes, buffer_values, read_buffers
 from moezero.plan import plan_layout, store
 from moezero.plan.layout import STATES, Layout, RangeRecord, rank_ranges
 from moezero.plan.partition import Partition
@@ -160,6 +161,7 @@ class _SaveJob:
     shards: list[_Shard]
     rng: dict  # this rank's generator states
     meta: dict  # config, topology, state (rank 0's is written)
+    buffers: dict  # {fqn: fp32 copy} of the buffers (rank 0 writes them)
 
 
 def _host(t: torch.Tensor, copy: bool) -> np.ndarray:
@@ -251,13 +253,15 @@ def save(engine, root: str | os.PathLike, *, step: int, state: dict | None = Non
     if engine.zero is not None and engine.zero.optim_swap is not None:
         background = False  # the next step rewrites the swap files that the save copies
     ckpt = engine.checkpointer
-    layout = plan_layout(engine.groups.plan, ckpt.shapes(engine.model), step=step)
+    buffers = buffer_values(engine.model) if ckpt.rank == 0 else {}
+    layout = plan_layout(engine.groups.plan, ckpt.shapes(engine.model), step=step,
+                         buffers=buffer_shapes(engine.model))
     meta = {"config": engine.cfg.model_dump(by_alias=True, mode="json"),
             "topology": topology_of(engine),
             "state": {"engine": engine_state(engine), "client": state or {}}}
     json.dumps(meta, allow_nan=False)  # fail now, on the caller's thread, if not strict JSON
     job = _SaveJob(os.fspath(root), step, engine.cfg.checkpoint.keep_last, layout,
-                   snapshot(engine, copy=background), _rng_state(), meta)
+                   snapshot(engine, copy=background), _rng_state(), meta, buffers)
     return ckpt.start(job, background=background)
 
 
@@ -271,6 +275,7 @@ def _write(ckpt: Checkpointer, job: _SaveJob) -> Path:
             partial = store.begin_save(job.root, job.step)
             flush = ckpt_write.FolderFlush(partial)  # before the first write (error mark)
             headers = store.write_headers(job.layout, partial)
+            headers += store.write_buffers(partial, job.layout, job.buffers)
         except Exception as exc:
             error = _one_line(exc)
     try:
@@ -400,7 +405,9 @@ def load(engine, path: str | os.PathLike) -> dict:
         where = find_checkpoint(path)
         manifest = store.read_manifest(where)
         check_shapes(manifest, ckpt.shapes(engine.model), where)
+        store.check_buffers(manifest, buffer_shapes(engine.model), where)
         _read_state(engine, where, manifest)
+        read_buffers(engine.model, where, manifest)
     except (CheckpointError, OSError, ValueError) as exc:
         error = f"rank {engine.topology.rank}: {_one_line(exc)}"
     ckpt.agree(error, f"checkpoint load from {path}")

@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moezero.model.router import Router, RouterOptions, route  # noqa: F401 (route: re-exported)
+
 
 @dataclass(frozen=True)
 class ExpertTag:
@@ -61,15 +63,6 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, back_out, back_in, ctx.group), None, None, None
 
 
-def route(logits_TE: torch.Tensor, top_k: int):
-    """Softmax router: returns (probs_TE, gates_Tk renormalised, experts_Tk)."""
-    probs_TE = logits_TE.softmax(dim=-1)
-    sorted_TE, order_TE = probs_TE.sort(dim=-1, descending=True, stable=True)  # ties: low index
-    top_Tk, experts_Tk = sorted_TE[:, :top_k], order_TE[:, :top_k]
-    gates_Tk = top_Tk / top_Tk.sum(dim=-1, keepdim=True)
-    return probs_TE, gates_Tk, experts_Tk
-
-
 def aux_losses(logits_TE, probs_TE, experts_Tk, num_experts: int):
     """(load-balancing aux, router z-loss), both per docs/model.md; counts before drops."""
     num_tokens, top_k = experts_Tk.shape
@@ -107,13 +100,16 @@ class MoE(nn.Module):
         ep_group: the EP process group (``None`` when ep_size == 1).
         expert_group_name: the moe group name used to build optimizer groups.
         aux_loss_coef, z_loss_coef: weights of the aux and z losses in the returned aux loss.
+        router: scoring, top-k renormalisation and expert bias (``model/router.py``);
+            default: softmax, renormalised, no bias (Mixtral).
     """
 
     def __init__(self, dim: int, expert: nn.Module | Callable[[int], nn.Module], *,
                  num_experts: int, top_k: int = 2, capacity_factor: float | None = None,
                  ep_size: int = 1, ep_rank: int = 0, ep_group=None,
                  expert_group_name: str | None = None,
-                 aux_loss_coef: float = 0.01, z_loss_coef: float = 0.001):
+                 aux_loss_coef: float = 0.01, z_loss_coef: float = 0.001,
+                 router: RouterOptions | None = None):
         super().__init__()
         if num_experts % ep_size:
             raise ValueError(f"moe.ep_size: {ep_size} does not divide num_experts={num_experts}")
@@ -124,7 +120,7 @@ class MoE(nn.Module):
         self.num_local = num_experts // ep_size
         self.group_name = expert_group_name or f"ep_size_{ep_size}"
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.router = Router(dim, num_experts, top_k, router or RouterOptions())
         self.experts = nn.ModuleDict({str(e): _make_expert(expert, e) for e in self.local_experts})
         for e, module in self.experts.items():
             for p in module.parameters():
@@ -139,8 +135,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output shaped like x, weighted aux loss = aux_coef*aux + z_coef*z)."""
         x_TD = x.reshape(-1, x.shape[-1])
-        logits_TE = F.linear(x_TD.float(), self.router.weight.float())
-        probs_TE, gates_Tk, experts_Tk = route(logits_TE, self.top_k)
+        logits_TE, probs_TE, gates_Tk, experts_Tk = self.router(x_TD)
         aux, z = aux_losses(logits_TE, probs_TE, experts_Tk, self.num_experts)
         keep_Tk = keep_mask(experts_Tk, self.num_experts, self.capacity_factor)
         # Kept assignments in drop order (choice-major), then stably sorted by expert.
