@@ -14,8 +14,9 @@ from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
 from moezero.model.decoder import Decoder, ModelArgs
 from moezero.model.router import Router, RouterOptions, route, update_expert_biases
-from moezero.plan import store
-from moezero.train import build_model
+from moezero.plan import plan_groups, store
+from moezero.train import build_model, model_args
+from moezero.zero.groups import config_user_group, param_specs
 from tests.torch_impl.compare import RTOL, assert_close_by_fqn, rel_err
 from tests.torch_impl.distributed import run_world
 
@@ -177,3 +178,24 @@ def test_expert_bias_is_checkpointed_and_resumed(tmp_path):
     with pytest.raises(store.CheckpointError, match="has buffer layers.0.moe.router.expert_bias "
                                                     "that the model does not"):
         engine_of(cfg).load_checkpoint(tmp_path)
+
+
+# ------------------------------------------------------------------------------- grouping
+
+
+def test_groups_of_the_new_parameters():
+    """Shared experts are dense (every rank holds them); QK-norm gains and attention biases
+    get no weight decay, as norm gains; the expert bias is in no optimizer group."""
+    cfg = options_config(2)
+    with torch.device("meta"):
+        specs, user_groups = param_specs(Decoder(model_args(cfg)), config_user_group(cfg))
+    groups = plan_groups(specs)
+    group_of = {m.fqn: g for g in groups for m in g.members}
+    assert not any(k.endswith("expert_bias") for k in group_of)
+    shared = [k for k in group_of if ".shared." in k]
+    assert len(shared) == 2 * 4 and all(not group_of[k].is_expert for k in shared)
+    decay = {ug.name: ug.as_dict()["weight_decay"] for ug in user_groups}
+    for k, g in group_of.items():
+        no_decay = k.endswith(("norm.weight", ".bias"))
+        assert (decay[g.user_group] == 0.0) == no_decay, k
+    assert {"layers.0.attn.q_norm.weight", "layers.0.attn.wk.bias"} <= set(group_of)
