@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from moezero.plan import Manifest, partition_group, plan_groups, plan_layout, store
+from moezero.plan.buffer_io import check_buffers, write_buffers
 from moezero.plan.store import CheckpointError, find_checkpoint
 from moezero.reference.optim import TrainConfig, TrainState, lr_at, make_optimizer
 from moezero.reference.weights import buffer_shapes, from_fqn_dict, param_shapes, to_fqn_dict
@@ -91,7 +92,7 @@ def load_train_state(ckpt_dir: str | os.PathLike, cfg: TrainConfig) -> tuple[Tra
     where = find_checkpoint(ckpt_dir)
     manifest = store.read_manifest(where)
     store.check_shapes(manifest, param_shapes(cfg.model), where)
-    store.check_buffers(manifest, buffer_shapes(cfg.model), where)
+    check_buffers(manifest, buffer_shapes(cfg.model), where)
     params, mu, nu = (from_fqn_dict({**read_fqn_state(where, manifest, s),
                                      **_buffers(where, manifest, cfg, s)}, cfg.model)
                       for s in ("master", "exp_avg", "exp_avg_sq"))
@@ -135,16 +136,7 @@ def save_train_state(root: str | os.PathLike, cfg: TrainConfig, state: TrainStat
             "exp_avg": to_fqn_dict(optax.tree.get(state.opt_state, "mu")),
             "exp_avg_sq": to_fqn_dict(optax.tree.get(state.opt_state, "nu"))}
     partial = store.begin_save(root, step)
-    records = store.write_headers(layout, partial)
-    records += store.write_buffers(partial, layout, flat["master"])
-    for group in groups:  # each group whole: the only DP rank of a dp_size = 1 partition
-        part = partition_group(group, world_size=group.ep_size)
-        shards = {s: np.concatenate([_flat32(values[m.fqn])[m.start:m.stop]
-                                     for m in group.members])
-                  for s, values in flat.items()}
-        records += store.write_partition(partial, layout, part, 0, **shards, fsync=False)
-    for f in layout.files:
-        store.fsync_file(partial / f.name)
+    records = _write_files(partial, layout, flat)
     engine = {"step_count": steps, "global_steps": step, "lr_step": steps,
               "lr": float(lr_at(cfg.optim, steps))}
     store.write_manifest(
@@ -158,6 +150,22 @@ def save_train_state(root: str | os.PathLike, cfg: TrainConfig, state: TrainStat
     if keep_last is not None:
         store.apply_retention(root, keep_last)
     return final
+
+
+def _write_files(partial: Path, layout, flat: dict) -> list:
+    """Headers, buffers and every group whole (the only DP rank of a dp_size = 1 partition),
+    fsynced; the checksum records."""
+    records = store.write_headers(layout, partial)
+    records += write_buffers(partial, layout, flat["master"])
+    for group in layout.groups:
+        part = partition_group(group, world_size=group.ep_size)
+        shards = {s: np.concatenate([_flat32(values[m.fqn])[m.start:m.stop]
+                                     for m in group.members])
+                  for s, values in flat.items()}
+        records += store.write_partition(partial, layout, part, 0, **shards, fsync=False)
+    for f in layout.files:
+        store.fsync_file(partial / f.name)
+    return records
 
 
 def _flat32(value) -> np.ndarray:

@@ -24,7 +24,7 @@ import re
 import shutil
 import stat
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -120,21 +120,6 @@ def _create(path: Path, size: int, header: bytes = b"") -> int:
     finally:
         os.close(fd)
     return zlib.crc32(header)
-
-
-def write_buffers(ckpt_dir: str | os.PathLike, layout: Layout,
-                  values: Mapping[str, np.ndarray]) -> list[RangeRecord]:
-    """Write every buffer of the layout (``moezero.plan.buffers``) whole into its file, from
-    ``values`` ({fqn: array of its shape}, cast to fp32); one checksum record per buffer.
-    One writer (rank 0) calls it: buffers are replicated, never sharded."""
-    f, records = layout.buffer_file, []
-    for t in f.tensors if f is not None else ():
-        flat = np.ascontiguousarray(values[t.fqn], np.float32).reshape(-1)
-        if flat.size != t.stop:
-            raise ValueError(f"buffer {t.fqn!r}: {flat.size} elements, the layout has {t.stop}")
-        crc = write_range(Path(ckpt_dir) / f.name, f.data_start + t.begin, flat)
-        records.append(RangeRecord(f.name, f.data_start + t.begin, flat.nbytes, crc))
-    return records
 
 
 def write_partition(ckpt_dir: str | os.PathLike, layout: Layout, partition: Partition,
@@ -640,16 +625,3 @@ def check_shapes(manifest, shapes: dict[str, tuple[int, ...]], where: Path) -> N
     if extra:
         raise CheckpointError(f"{where}: the checkpoint has parameter {extra[0]} that the "
                               "model does not")
-
-
-def check_buffers(manifest, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
-    """CheckpointError (one line) if the checkpoint has a buffer the model lacks or of another
-    shape. A buffer the checkpoint lacks is fine (e.g. an imported model): the loader starts
-    it at its initial value."""
-    for fqn, shape in manifest.layout.buffers:
-        if fqn not in shapes:
-            raise CheckpointError(f"{where}: the checkpoint has buffer {fqn} that the model "
-                                  "does not")
-        if tuple(shapes[fqn]) != tuple(shape):
-            raise CheckpointError(f"{where}: buffer {fqn} has shape {tuple(shape)} in the "
-                                  f"checkpoint, {tuple(shapes[fqn])} in the model")

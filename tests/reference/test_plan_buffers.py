@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from moezero.plan import ParamSpec, plan_groups, plan_layout, store
+from moezero.plan.buffer_io import check_buffers, write_buffers
 from moezero.plan.buffers import BUFFERS_FILE, is_buffer, split_buffers
 from moezero.plan.manifest import manifest_from_json, manifest_to_json
 
@@ -54,7 +55,7 @@ def test_written_checksummed_and_read_back(tmp_path):
     lay = layout(buffers=BUFFERS)
     values = {k: np.arange(4, dtype=np.float32) + i for i, k in enumerate(BUFFERS)}
     partial = store.begin_save(tmp_path, 3)
-    records = store.write_headers(lay, partial) + store.write_buffers(partial, lay, values)
+    records = store.write_headers(lay, partial) + write_buffers(partial, lay, values)
     for f in lay.model_files + lay.optim_files:  # the params' bytes, any values
         records.append(store.RangeRecord(f.name, f.data_start, f.data_size,
                                          store.write_range(partial / f.name, f.data_start,
@@ -69,8 +70,8 @@ def test_written_checksummed_and_read_back(tmp_path):
     for k, v in values.items():
         np.testing.assert_array_equal(store.read_param(step, manifest, k), v)
     assert set(store.read_tensors(step, manifest)) == {s.fqn for s in SPECS} | set(BUFFERS)
-    store.check_buffers(manifest, {**BUFFERS, "other.expert_bias": (2,)}, step)  # fewer: fine
+    check_buffers(manifest, {**BUFFERS, "other.expert_bias": (2,)}, step)  # fewer: fine
     with pytest.raises(store.CheckpointError, match="has buffer layers.10"):
-        store.check_buffers(manifest, {"layers.2.moe.router.expert_bias": (4,)}, step)
+        check_buffers(manifest, {"layers.2.moe.router.expert_bias": (4,)}, step)
     with pytest.raises(store.CheckpointError, match=r"shape \(4,\) in the checkpoint, \(5,\)"):
-        store.check_buffers(manifest, {k: (5,) for k in BUFFERS}, step)
+        check_buffers(manifest, {k: (5,) for k in BUFFERS}, step)

@@ -1,8 +1,8 @@
 """Checkpointed buffers of a model (``moezero.plan.buffers``: the routers' expert biases).
 
 They are replicated, identical on every rank, and in no optimizer group: rank 0 writes them
-whole into the layout's ``buffers.safetensors`` (``store.write_buffers``); every rank reads
-them back on load. Reference counterpart: ``reference/checkpoint.py`` (the same file, the
+whole into the layout's ``buffers.safetensors`` (``plan.buffer_io.write_buffers``); every
+rank reads them back on load. Reference counterpart: ``reference/checkpoint.py`` (the same file, the
 biases in its params tree).
 """
 
@@ -35,7 +35,7 @@ def buffer_values(model: torch.nn.Module) -> dict[str, np.ndarray]:
 def read_buffers(model: torch.nn.Module, where: Path, manifest) -> None:
     """Each checkpointed buffer from the checkpoint, or zero (its initial value, e.g. the
     expert bias of an imported model) where the checkpoint has none. Check the shapes first
-    (``store.check_buffers``)."""
+    (``plan.buffer_io.check_buffers``)."""
     saved = dict(manifest.layout.buffers)
     for fqn, buf in model.named_buffers():
         if not is_buffer(fqn):

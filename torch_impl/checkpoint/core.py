@@ -40,6 +40,7 @@ import torch.distributed as dist
 from moezero.checkpoint import writer as ckpt_write
 from moezero.checkpoint.buffers import buffer_shapes, buffer_values, read_buffers
 from moezero.plan import plan_layout, store
+from moezero.plan.buffer_io import check_buffers, write_buffers
 from moezero.plan.layout import STATES, Layout, RangeRecord, rank_ranges
 from moezero.plan.partition import Partition
 from moezero.plan.specs import UserGroup
@@ -275,7 +276,7 @@ def _write(ckpt: Checkpointer, job: _SaveJob) -> Path:
             partial = store.begin_save(job.root, job.step)
             flush = ckpt_write.FolderFlush(partial)  # before the first write (error mark)
             headers = store.write_headers(job.layout, partial)
-            headers += store.write_buffers(partial, job.layout, job.buffers)
+            headers += write_buffers(partial, job.layout, job.buffers)
         except Exception as exc:
             error = _one_line(exc)
     try:
@@ -405,7 +406,7 @@ def load(engine, path: str | os.PathLike) -> dict:
         where = find_checkpoint(path)
         manifest = store.read_manifest(where)
         check_shapes(manifest, ckpt.shapes(engine.model), where)
-        store.check_buffers(manifest, buffer_shapes(engine.model), where)
+        check_buffers(manifest, buffer_shapes(engine.model), where)
         _read_state(engine, where, manifest)
         read_buffers(engine.model, where, manifest)
     except (CheckpointError, OSError, ValueError) as exc:
