@@ -75,6 +75,20 @@ def test_bad_options_are_one_line(sets, where):
     assert str(err.value).startswith(where) and "\n" not in str(err.value)
 
 
+def test_gqa_is_mha_with_repeated_kv_heads():
+    """Query head h reads key/value head h // (H/G), as transformers' repeat_kv."""
+    gqa = Decoder(ModelArgs(dim=16, n_heads=4, n_kv_heads=2, attn_bias="all")).layers[0].attn
+    mha = Decoder(ModelArgs(dim=16, n_heads=4, attn_bias="all")).layers[0].attn
+    with torch.no_grad():
+        for name, p in gqa.named_parameters():
+            p.normal_(0, 0.2)
+            value = p if name[:2] not in ("wk", "wv") else p.view(2, 4, -1).repeat_interleave(
+                2, dim=0).reshape(16, -1).squeeze(-1)
+            mha.get_parameter(name).copy_(value)
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(gqa(x), mha(x), rtol=1e-6, atol=1e-6)
+
+
 def test_head_dim_need_not_divide_dim():
     cfg = load_config(None, ["model.dim=48", "model.n_heads=5", "model.head_dim=16"])
     with torch.device("meta"):
