@@ -21,6 +21,7 @@ from moezero.data import Batches, make_corpus
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
 from moezero.model.decoder import Decoder, ModelArgs, init_weights
+from moezero.plan.buffers import is_buffer
 from moezero.reference.model import ModelConfig, forward, loss_fn, oracle_loss
 from moezero.reference.optim import OptimConfig
 from moezero.reference.weights import from_fqn_dict
@@ -35,6 +36,32 @@ TINY = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=48, num
 
 def tiny(**changes) -> ModelConfig:
     return dataclasses.replace(TINY, **changes)
+
+
+# Every decoder / router option of the Hugging Face families (docs/model.md), each in at
+# least one config (paired where independent, to compile fewer reference programs).
+OPTIONS = {
+    "gqa-qk-norm-head": tiny(n_heads=4, n_kv_heads=2, qk_norm="head"),
+    "mqa-head-dim-qk-norm-projection": tiny(n_heads=4, n_kv_heads=1, head_dim=12,
+                                            qk_norm="projection"),
+    "bias-qkv-shared-gated": tiny(attn_bias="qkv", shared_ffn_dim=24, shared_gate=True),
+    "bias-all-shared": tiny(attn_bias="all", shared_ffn_dim=24),
+    "sigmoid-expert-bias": tiny(router_scoring="sigmoid", expert_bias=True),
+    "softmax-expert-bias-no-renorm": tiny(expert_bias=True, renormalize=False),
+}
+
+
+def perturb(model: Decoder, seed: int) -> Decoder:
+    """Norm gains 1 + N(0, 0.1²), biases N(0, 0.1²), expert biases N(0, 0.05²): so every
+    option's tensors take part in the forward (their init is 1 or 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for fqn, t in model.state_dict(keep_vars=True).items():
+            if is_buffer(fqn):
+                t.copy_(0.05 * torch.randn(t.shape, generator=gen))
+            elif t.ndim == 1:
+                t.add_(0.1 * torch.randn(t.shape, generator=gen))
+    return model
 
 
 def torch_args(cfg: ModelConfig, ep_size: int = 1) -> ModelArgs:
@@ -53,8 +80,9 @@ def torch_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
 
 
 def to_jax(model_or_fqns, cfg: ModelConfig) -> dict:
-    """Reference params holding exactly the torch weights (fp32)."""
-    flat = model_or_fqns if isinstance(model_or_fqns, dict) else torch_fqns(model_or_fqns)
+    """Reference params holding exactly the torch weights and buffers (fp32)."""
+    flat = model_or_fqns if isinstance(model_or_fqns, dict) else \
+        torch_fqns(model_or_fqns.state_dict())
     return from_fqn_dict({k: np.asarray(v, np.float32) for k, v in flat.items()}, cfg)
 
 
@@ -105,7 +133,8 @@ def jax_run(params, batch, cfg: ModelConfig, dtype=jnp.float32) -> Run:
     """``moezero.reference.model.loss_fn`` and its grads, and ``forward``'s logits, on one batch."""
     loss, metrics, grads, logits = jit_loss_grads_logits(
         params, jnp.asarray(batch, jnp.int32), cfg, jnp.dtype(dtype))
-    return Run(float(loss), float(metrics["ce"]), to_numpy(logits), jax_fqns(grads))
+    grads = {k: v for k, v in jax_fqns(grads).items() if not is_buffer(k)}  # no gradient
+    return Run(float(loss), float(metrics["ce"]), to_numpy(logits), grads)
 
 
 def torch_run(model: Decoder, batch) -> Run:
@@ -131,11 +160,14 @@ def engine_config(cfg: ModelConfig, opt: OptimConfig, *, precision: str = "fp32"
     c = Config()
     c.model = c.model.model_copy(update={
         k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim",
-                                     "rope_theta", "norm_eps")})
+                                     "rope_theta", "norm_eps", "n_kv_heads", "head_dim",
+                                     "qk_norm", "attn_bias")})
     c.moe = c.moe.model_copy(update={
         "num_experts": cfg.num_experts, "top_k": cfg.top_k, "ep_size": ep_size,
         "capacity_factor": cfg.capacity_factor, "aux_loss_coef": cfg.aux_loss_coef,
-        "z_loss_coef": cfg.z_loss_coef})
+        "z_loss_coef": cfg.z_loss_coef,
+        **{k: getattr(cfg, k) for k in ("router_scoring", "renormalize", "expert_bias",
+                                        "bias_update_rate", "shared_ffn_dim", "shared_gate")}})
     c.optimizer = c.optimizer.model_copy(update={
         "lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay,
         "gradient_clipping": opt.gradient_clipping, "warmup_steps": opt.warmup_steps,

@@ -1,7 +1,9 @@
 """Model parity: the whole decoder forward and backward, torch vs reference, same weights.
 
 Weights are torch's ``init_weights``, moved to the reference by FQN. fp32: dropless and
-capacity, k = 1 and 2: logits (max abs), loss (relative) and every gradient by FQN
+capacity, k = 1 and 2, and every option of ``models.OPTIONS`` (GQA, head dim, QK-norm,
+biases, router variants, expert bias, shared experts; norm gains, biases and expert biases
+perturbed off their init): logits (max abs), loss (relative) and every gradient by FQN
 (norm-wise). bf16: logits and grads within the bf16 tolerances.
 """
 
@@ -11,8 +13,10 @@ import jax.numpy as jnp
 import pytest
 
 from parity_tests.models import (
+    OPTIONS,
     engine_run,
     jax_run,
+    perturb,
     tiny,
     to_jax,
     tokens,
@@ -27,6 +31,7 @@ CONFIGS = {
     "dropless-k2": tiny(top_k=2),
     "capacity-k1": tiny(top_k=1, capacity_factor=1.0),
     "capacity-k2": tiny(top_k=2, capacity_factor=1.0),
+    **OPTIONS,
 }
 
 
@@ -35,6 +40,8 @@ def fp32_runs(request):
     """(torch run, reference run, tokens dropped by torch) of one config, computed once."""
     cfg = CONFIGS[request.param]
     model = torch_model(cfg, seed=1)
+    if request.param in OPTIONS:
+        perturb(model, seed=1)
     batch = tokens(3)
     ref = jax_run(to_jax(model, cfg), batch, cfg)
     mine = torch_run(model, batch)

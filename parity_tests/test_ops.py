@@ -18,9 +18,10 @@ import torch
 
 from moezero.model import decoder as torch_decoder
 from moezero.model import moe as torch_moe
+from moezero.model.router import Router, RouterOptions
 from moezero.reference import model as ref_model
 from moezero.reference import moe as ref_moe
-from parity_tests.models import TINY, to_jax, torch_model
+from parity_tests.models import OPTIONS, TINY, perturb, to_jax, torch_model
 from parity_tests.tolerances import TOLERANCES
 from tests.support.compare import (
     assert_close_by_fqn,
@@ -91,13 +92,20 @@ def test_rope_is_half_split_rotation():
                    TOLERANCES["fp32"].op_rel, "reference rope (hand example)")
 
 
-def test_attention():
-    model = torch_model(TINY, seed=3)
+ATTENTION = {"mha": TINY, **{k: OPTIONS[k] for k in OPTIONS if "qk-norm" in k or "bias-" in k}}
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_attention(name):
+    """Multi-head, grouped-query (G = 2, 1) with another head dim, QK-norm per head and per
+    projection, q/k/v and output biases (gains and biases perturbed off their init)."""
+    cfg = ATTENTION[name]
+    model = perturb(torch_model(cfg, seed=3), seed=3)
     attn = model.layers[0].attn
-    params = to_jax(model, TINY)["layers"][0]["attn"]
+    params = to_jax(model, cfg)["layers"][0]["attn"]
     x_t, x_j = both(rand(4, 2, 16, D), "fp32")
-    expected = jit_attention(params, x_j, TINY)
-    assert_max_rel(attn(x_t), expected, TOLERANCES["fp32"].op_rel, "attention")
+    expected = jit_attention(params, x_j, cfg)
+    assert_max_rel(attn(x_t), expected, TOLERANCES["fp32"].op_rel, f"attention ({name})")
 
 
 def test_attention_is_causal_on_both_sides():
@@ -136,6 +144,49 @@ def test_router_topk_and_gates(dtype, top_k):
     assert_max_rel(gates_t, r.gates_Tk, tol, f"gates ({dtype} x)")
     if top_k == 1:
         assert torch.all(gates_t == 1.0) and bool(jnp.all(r.gates_Tk == 1.0))
+
+
+ROUTERS = {"sigmoid": dict(scoring="sigmoid"), "softmax-no-renorm": dict(renormalize=False),
+           "sigmoid-no-renorm-bias": dict(scoring="sigmoid", renormalize=False, bias=True),
+           "softmax-bias": dict(bias=True)}
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("name", ROUTERS)
+def test_router_variants(name, top_k):
+    """Sigmoid scores, no renormalisation, an expert bias steering the choice only: the
+    same choices, gates and aux-loss probabilities on both sides."""
+    opts = dict(ROUTERS[name])
+    bias = rand(10, E, scale=0.05) if opts.pop("bias", False) else None
+    x_t, x_j = both(rand(5, T, D), "fp32")
+    w_t, w_j = both(rand(6, E, D, scale=0.3), "fp32")
+    probs_t, gates_t, experts_t = torch_moe.route(
+        torch_logits(x_t, w_t), top_k, bias_E=None if bias is None else torch.from_numpy(bias),
+        **opts)
+    r = ref_moe.route(x_j, w_j, top_k, bias_E=None if bias is None else jnp.asarray(bias),
+                      **opts)
+    tol = TOLERANCES["fp32"].op_rel
+    np.testing.assert_array_equal(experts_t.numpy(), np.asarray(r.topi_Tk))
+    assert_max_rel(gates_t, r.gates_Tk, tol, f"gates ({name})")
+    assert_max_rel(probs_t, r.probs_TE, tol, f"router probs ({name})")
+    if bias is not None:  # the bias changed some choice, so the test sees it
+        _, _, unbiased = torch_moe.route(torch_logits(x_t, w_t), top_k, **opts)
+        assert not torch.equal(unbiased, experts_t)
+
+
+@pytest.mark.parametrize("rate", [1e-3, 0.5])
+def test_expert_bias_update(rate):
+    """Both sides' bias step on the same loads: +rate below the mean load, -rate above, 0 at
+    it (exact: the sign is taken in integers), bit-equal."""
+    load = np.array([3, 5, 4, 4], np.int64)  # mean 4
+    bias = rand(11, E, scale=0.05)
+    router = Router(D, E, 2, RouterOptions(expert_bias=True, bias_update_rate=rate))
+    router.expert_bias.copy_(torch.from_numpy(bias))
+    router.apply_load(torch.from_numpy(load))
+    ref = ref_moe.update_expert_bias(jnp.asarray(bias), jnp.asarray(load, jnp.int32), rate)
+    np.testing.assert_array_equal(router.expert_bias.numpy(), np.asarray(ref))
+    want = bias + np.float32(rate) * np.array([1, -1, 0, 0], np.float32)
+    np.testing.assert_array_equal(np.asarray(ref), want)
 
 
 def test_router_ties_pick_lower_expert_first():

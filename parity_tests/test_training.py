@@ -4,7 +4,10 @@ torch: ``initialize`` with ZeRO stage 0, fp32, W = 1 without a process group, ep
 ``engine.train_step``. Reference: ``jax.jit(moezero.reference.optim.train_step)`` with the matching
 ``OptimConfig`` (warmup + cosine, AdamW with decoupled, masked weight decay, global-norm
 clipping). Same initial weights (torch → JAX by FQN), same batches. Every step's loss, grad
-norm and lr agree; the params agree by FQN at the end.
+norm and lr agree; the params agree by FQN at the end. The Hugging Face families' options
+train too: one case per family shape (docs/hf.md), together covering every option of
+``models.OPTIONS``; with an expert bias, both sides step it after every update, outside the
+optimizer, and end with the same biases.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
+from moezero.plan.buffers import is_buffer
 from moezero.reference.optim import (
     OptimConfig,
     TrainConfig,
@@ -53,6 +57,15 @@ CASES = {
     "dropless-k1-clip-every": (tiny(top_k=1),
                                optim(gradient_clipping=0.05, weight_decay=0.0, warmup_steps=0)),
 }
+FAMILIES = {  # every option of models.OPTIONS in one of these
+    "qwen2-moe-like": tiny(n_heads=4, n_kv_heads=2, attn_bias="qkv", renormalize=False,
+                           shared_ffn_dim=24, shared_gate=True),
+    "qwen3-moe-like": tiny(n_heads=4, n_kv_heads=1, head_dim=12, qk_norm="head"),
+    "olmoe-like": tiny(qk_norm="projection", attn_bias="all", renormalize=False),
+    "deepseek-like": tiny(router_scoring="sigmoid", expert_bias=True, bias_update_rate=1e-2,
+                          shared_ffn_dim=24),
+}
+CASES.update({name: (cfg, optim()) for name, cfg in FAMILIES.items()})
 SLOW = {"dropless-k1-clip-every"}
 
 
@@ -69,7 +82,11 @@ def run_both(cfg, opt):
         state, metrics = jit_train_step(tcfg, state, jnp.asarray(batch, jnp.int32))
         ref.append({k: float(v) for k, v in jax.device_get(metrics).items()})
         mine.append(engine.train_step([torch.from_numpy(batch)]))
-    return mine, ref, torch_fqns(engine.params), jax_fqns(state.params)
+    ref_params = jax_fqns(state.params)
+    buffers = ({k: v for k, v in torch_fqns(engine.model.state_dict()).items() if is_buffer(k)},
+               {k: v for k, v in ref_params.items() if is_buffer(k)})
+    ref_params = {k: v for k, v in ref_params.items() if not is_buffer(k)}
+    return mine, ref, torch_fqns(engine.params), ref_params, buffers
 
 
 @pytest.fixture(scope="module", params=[
@@ -96,7 +113,7 @@ def test_grad_norm_and_lr_every_step(trained):
 
 
 def test_params_after_training(trained):
-    *_, mine, ref = trained
+    *_, mine, ref, _ = trained
     assert_close_by_fqn(mine, ref, FP32.train_param_rel, f"train params, after {STEPS} steps")
 
 
@@ -109,9 +126,23 @@ def test_clipping_acts_where_configured(trained):
         assert any(clipped) and not all(clipped), "clipping must act on some steps only"
 
 
-def test_weight_decay_rules_coincide():
-    """torch: no decay on ndim < 2 params; reference: none on ``*norm.weight``. Same FQNs."""
-    cfg, opt = CASES["dropless-k2-noclip"]
+def test_expert_biases_after_training(trained):
+    """Both sides step the same biases by the same ±rate on the same loads: bit-equal, and
+    moved (the update ran)."""
+    name, *_, (mine, ref) = trained
+    if not CASES[name][0].expert_bias:
+        pytest.skip("no expert bias in this case")
+    assert mine.keys() == ref.keys() and ref
+    for fqn in ref:
+        np.testing.assert_array_equal(mine[fqn], ref[fqn], err_msg=fqn)
+        assert np.any(ref[fqn] != 0), fqn
+
+
+@pytest.mark.parametrize("name", ["dropless-k2-noclip", *FAMILIES])
+def test_weight_decay_rules_coincide(name):
+    """torch: no decay on ndim < 2 params; reference: none on ``*norm.weight`` and ``*.bias``
+    (QK-norm gains, attention biases). Same FQNs; the buffers are neither."""
+    cfg, opt = CASES[name]
     model = torch_model(cfg)
     user_group = config_user_group(engine_config(cfg, opt))
     torch_decays = {fqn: user_group(fqn, p).as_dict()["weight_decay"] > 0
@@ -119,5 +150,7 @@ def test_weight_decay_rules_coincide():
     params = to_jax(model, cfg)
     mask = jax.tree.map(lambda m, p: np.full(p.shape, m), decay_mask(params), params)
     ref_decays = {fqn: bool(np.all(m)) for fqn, m in jax_fqns(mask).items()}
+    assert not any(decays for fqn, decays in ref_decays.items() if is_buffer(fqn))
+    ref_decays = {fqn: decays for fqn, decays in ref_decays.items() if not is_buffer(fqn)}
     assert torch_decays == ref_decays
     assert not all(torch_decays.values()) and any(torch_decays.values())

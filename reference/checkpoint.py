@@ -44,10 +44,11 @@ from moezero.plan import (
     plan_layout,
     store,
 )
+from moezero.plan.buffer_io import check_buffers, write_buffers
 from moezero.plan.records import EngineRecord, TopologyRecord
 from moezero.plan.store import CheckpointError, find_checkpoint
 from moezero.reference.optim import TrainConfig, TrainState, lr_at, make_optimizer
-from moezero.reference.weights import from_fqn_dict, param_shapes, to_fqn_dict
+from moezero.reference.weights import buffer_shapes, from_fqn_dict, param_shapes, to_fqn_dict
 from moezero.reference.zero_layout import ZeroConfig, param_specs
 
 __all__ = ["CheckpointError", "find_checkpoint", "load_train_state", "read_fqn_state",
@@ -64,6 +65,15 @@ def read_fqn_state(ckpt_dir: str | os.PathLike, manifest: Manifest,
         return {fqn: np.zeros(shape, np.float32) for fqn, shape in manifest.layout.shapes}
     return {fqn: store.read_param(ckpt_dir, manifest, fqn, state=state).reshape(shape)
             for fqn, shape in manifest.layout.shapes}
+
+
+def _buffers(ckpt_dir, manifest: Manifest, cfg: TrainConfig, state: str) -> dict:
+    """The buffers (expert biases) as saved, zero where not saved (an imported model); their
+    Adam moments are zeros (the optimizer never touches them)."""
+    saved = dict(manifest.layout.buffers)
+    return {fqn: store.read_param(ckpt_dir, manifest, fqn).reshape(shape)
+            if state == "master" and fqn in saved else np.zeros(shape, np.float32)
+            for fqn, shape in buffer_shapes(cfg.model).items()}
 
 
 def step_count(manifest: Manifest) -> int:
@@ -94,7 +104,9 @@ def load_train_state(ckpt_dir: str | os.PathLike, cfg: TrainConfig) -> tuple[Tra
     where = find_checkpoint(ckpt_dir)
     manifest = store.read_manifest(where)
     store.check_shapes(manifest, param_shapes(cfg.model), where)
-    params, mu, nu = (from_fqn_dict(read_fqn_state(where, manifest, s), cfg.model)
+    check_buffers(manifest, buffer_shapes(cfg.model), where)
+    params, mu, nu = (from_fqn_dict({**read_fqn_state(where, manifest, s),
+                                     **_buffers(where, manifest, cfg, s)}, cfg.model)
                       for s in STATES)
     steps = step_count(manifest)
     count = jnp.asarray(steps, jnp.int32)
@@ -130,7 +142,8 @@ def save_train_state(root: str | os.PathLike, cfg: TrainConfig, state: TrainStat
                       max_group_size=max_group_size, split_by_expert=split_by_expert)
     specs = param_specs(zcfg)
     groups = plan_groups(specs, max_group_size=max_group_size, split_by_expert=split_by_expert)
-    layout = plan_layout(groups, {s.fqn: s.shape for s in specs}, step=step)
+    layout = plan_layout(groups, {s.fqn: s.shape for s in specs}, step=step,
+                         buffers=buffer_shapes(cfg.model))
     partial = store.begin_save(root, step)
     records = store.write_headers(layout, partial) + _write_groups(partial, layout, state)
     engine = EngineRecord(steps, step, float(lr_at(cfg.optim, steps)))
@@ -147,12 +160,28 @@ def save_train_state(root: str | os.PathLike, cfg: TrainConfig, state: TrainStat
 
 
 def _write_groups(partial: Path, layout: Layout, state: TrainState) -> list[RangeRecord]:
-    """Write every group whole, as the only DP rank of a ``dp_size = 1`` partition, then
-    flush the files; returns the ranges' checksum records."""
+    """Write the buffers and every group whole, as the only DP rank of a ``dp_size = 1``
+    partition, then flush the files; returns the ranges' checksum records."""
     flat = dict(zip(STATES, (to_fqn_dict(state.params),
                              to_fqn_dict(optax.tree.get(state.opt_state, "mu")),
                              to_fqn_dict(optax.tree.get(state.opt_state, "nu"))), strict=True))
-    records = []
+    records = write_buffers(partial, layout, flat[MASTER])
+    for group in layout.groups:
+        part = partition_group(group, world_size=group.ep_size)
+        shards = {s: np.concatenate([_flat32(values[m.fqn])[m.start:m.stop]
+                                     for m in group.members])
+                  for s, values in flat.items()}
+        records += store.write_partition(partial, layout, part, 0, **shards, fsync=False)
+    for f in layout.files:
+        store.fsync_file(partial / f.name)
+    return records
+
+
+def _write_files(partial: Path, layout, flat: dict) -> list:
+    """Headers, buffers and every group whole (the only DP rank of a dp_size = 1 partition),
+    fsynced; the checksum records."""
+    records = store.write_headers(layout, partial)
+    records += write_buffers(partial, layout, flat["master"])
     for group in layout.groups:
         part = partition_group(group, world_size=group.ep_size)
         shards = {s: np.concatenate([_flat32(values[m.fqn])[m.start:m.stop]

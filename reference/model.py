@@ -1,7 +1,8 @@
 """Mixtral-style MoE decoder: RMSNorm, half-split RoPE, causal attention, MoE FFN, loss.
 
-Torch counterpart: ``torch_impl/model/decoder.py`` (the MoE layer: ``reference/moe.py`` ↔
-``torch_impl/model/moe.py``). Semantics: ``docs/model.md``.
+Torch counterpart: ``torch_impl/model/decoder.py``, with ``attention.py`` and ``shared.py`` beside
+it (the MoE layer: ``reference/moe.py`` ↔ ``torch_impl/model/moe.py`` and ``router.py``).
+Semantics: ``docs/model.md``.
 
 Params are a plain nested dict mirroring the FQNs, with experts stacked on a leading global
 expert axis (``layers[i]["moe"]["experts"]["w1"]["weight"]`` is [E, F, D]); see
@@ -11,7 +12,8 @@ Precision: ``dtype`` is the compute dtype. Params are cast to it on entry (the c
 fp32 masters); RMSNorm, the attention softmax, the router and the loss run in fp32.
 
 Shape legend: B batch, S sequence, T tokens (B·S, row-major over (b, s)), D model dim,
-H heads, K head dim (D/H), F expert hidden dim, E experts, V vocab, L layers.
+H heads, G key/value heads, K head dim (D/H unless ``head_dim``), F expert hidden dim,
+E experts, V vocab, L layers.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moezero.reference.moe import acc_dtype, moe_layer
+from moezero.plan.buffers import is_buffer
+from moezero.reference.moe import acc_dtype, expert_load, moe_layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,18 +45,39 @@ class ModelConfig:
     norm_eps: float = 1e-5
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
+    # The options of the Hugging Face families (docs/model.md; torch: ModelArgs, same names).
+    n_kv_heads: int | None = None  # G; None = n_heads
+    head_dim: int | None = None  # K; None = dim / n_heads
+    qk_norm: str = "none"  # "none" | "head" (per head, Qwen3-MoE) | "projection" (OLMoE)
+    attn_bias: str = "none"  # "none" | "qkv" (Qwen2-MoE) | "all"
+    router_scoring: str = "softmax"  # "softmax" | "sigmoid"
+    renormalize: bool = True  # top-k gates renormalised to sum 1
+    expert_bias: bool = False  # aux-loss-free balancing bias (a buffer: never optimized)
+    bias_update_rate: float = 1e-3
+    shared_ffn_dim: int = 0  # 0: no shared expert
+    shared_gate: bool = False
 
     def __post_init__(self):
-        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
+        if self.head_dim is None and self.dim % self.n_heads or self.head_size % 2:
             raise ValueError(f"dim={self.dim} must split into n_heads={self.n_heads} even heads")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0 or None")
+        if self.shared_gate and not self.shared_ffn_dim:
+            raise ValueError("shared_gate needs a shared expert (shared_ffn_dim > 0)")
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def head_size(self) -> int:
+        """K: ``head_dim``, default D/H."""
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """G: ``n_kv_heads``, default H."""
+        return self.n_kv_heads or self.n_heads
 
 
 # ---------------------------------------------------------------------------------------- init
@@ -63,28 +87,57 @@ def _normal(key, shape, std):
     return std * jax.random.normal(key, shape, jnp.float32)
 
 
+def _linear(key, out_dim: int, in_dim: int, std: float, bias: bool) -> dict:
+    """``{weight: [out, in]}`` (torch Linear layout), with a zero ``bias`` [out] if asked."""
+    p = {"weight": _normal(key, (out_dim, in_dim), std)}
+    return {**p, "bias": jnp.zeros((out_dim,), jnp.float32)} if bias else p
+
+
+def _init_attention(cfg: ModelConfig, key, std: float, out_std: float) -> dict:
+    d, hk, gk, bias = cfg.dim, cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size, \
+        cfg.attn_bias != "none"
+    k = jax.random.split(key, 4)
+    p = {"wq": _linear(k[0], hk, d, std, bias), "wk": _linear(k[1], gk, d, std, bias),
+         "wv": _linear(k[2], gk, d, std, bias),
+         "wo": _linear(k[3], d, hk, out_std, cfg.attn_bias == "all")}
+    if cfg.qk_norm != "none":
+        per_head = cfg.qk_norm == "head"
+        p["q_norm"] = {"weight": jnp.ones((cfg.head_size if per_head else hk,), jnp.float32)}
+        p["k_norm"] = {"weight": jnp.ones((cfg.head_size if per_head else gk,), jnp.float32)}
+    return p
+
+
+def _init_shared(cfg: ModelConfig, key, std: float, out_std: float) -> dict:
+    d, f = cfg.dim, cfg.shared_ffn_dim
+    k = jax.random.split(key, 4)
+    p = {"w1": {"weight": _normal(k[0], (f, d), std)}, "w3": {"weight": _normal(k[1], (f, d), std)},
+         "w2": {"weight": _normal(k[2], (d, f), out_std)}}
+    return {**p, "gate": {"weight": _normal(k[3], (1, d), std)}} if cfg.shared_gate else p
+
+
 def _init_layer(cfg: ModelConfig, key) -> dict:
     d, f, e = cfg.dim, cfg.ffn_dim, cfg.num_experts
     std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
-    k = jax.random.split(key, 8)
-    return {
+    k = jax.random.split(key, 6)
+    router = {"weight": _normal(k[1], (e, d), std)}
+    if cfg.expert_bias:
+        router["expert_bias"] = jnp.zeros((e,), jnp.float32)
+    layer = {
         "attn_norm": {"weight": jnp.ones((d,), jnp.float32)},
-        "attn": {
-            "wq": {"weight": _normal(k[0], (d, d), std)},
-            "wk": {"weight": _normal(k[1], (d, d), std)},
-            "wv": {"weight": _normal(k[2], (d, d), std)},
-            "wo": {"weight": _normal(k[3], (d, d), out_std)},
-        },
+        "attn": _init_attention(cfg, k[0], std, out_std),
         "ffn_norm": {"weight": jnp.ones((d,), jnp.float32)},
         "moe": {
-            "router": {"weight": _normal(k[4], (e, d), std)},
+            "router": router,
             "experts": {
-                "w1": {"weight": _normal(k[5], (e, f, d), std)},
-                "w3": {"weight": _normal(k[6], (e, f, d), std)},
-                "w2": {"weight": _normal(k[7], (e, d, f), out_std)},
+                "w1": {"weight": _normal(k[2], (e, f, d), std)},
+                "w3": {"weight": _normal(k[3], (e, f, d), std)},
+                "w2": {"weight": _normal(k[4], (e, d, f), out_std)},
             },
         },
     }
+    if cfg.shared_ffn_dim:
+        layer["shared"] = _init_shared(cfg, k[5], std, out_std)
+    return layer
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
@@ -125,33 +178,66 @@ def apply_rope(x_BSHK: jax.Array, cos_SK2: jax.Array, sin_SK2: jax.Array) -> jax
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BSHK.dtype)
 
 
+def linear(p: dict, x: jax.Array) -> jax.Array:
+    """``x @ W.T (+ b)``: torch's Linear layout, the bias only where the params have one."""
+    y = x @ p["weight"].T
+    return y + p["bias"] if "bias" in p else y
+
+
+def _qk_heads(p: dict, x_BSD: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """q [B,S,H,K] and k [B,S,G,K], QK-normed where ``cfg.qk_norm`` says, before RoPE."""
+    b, s, _ = x_BSD.shape
+    q, k = linear(p["wq"], x_BSD), linear(p["wk"], x_BSD)
+    if cfg.qk_norm == "projection":  # OLMoE: over all heads at once
+        q, k = (rmsnorm(q, p["q_norm"]["weight"], cfg.norm_eps),
+                rmsnorm(k, p["k_norm"]["weight"], cfg.norm_eps))
+    q_BSHK = q.reshape(b, s, cfg.n_heads, cfg.head_size)
+    k_BSGK = k.reshape(b, s, cfg.kv_heads, cfg.head_size)
+    if cfg.qk_norm == "head":  # Qwen3-MoE: each head's K dims
+        q_BSHK = rmsnorm(q_BSHK, p["q_norm"]["weight"], cfg.norm_eps)
+        k_BSGK = rmsnorm(k_BSGK, p["k_norm"]["weight"], cfg.norm_eps)
+    return q_BSHK, k_BSGK
+
+
 def attention(p: dict, x_BSD: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Causal multi-head attention with RoPE; scores and softmax in fp32."""
-    b, s, d = x_BSD.shape
-    h, k = cfg.n_heads, cfg.head_dim
-    q_BSHK = (x_BSD @ p["wq"]["weight"].T).reshape(b, s, h, k)
-    k_BSHK = (x_BSD @ p["wk"]["weight"].T).reshape(b, s, h, k)
-    v_BSHK = (x_BSD @ p["wv"]["weight"].T).reshape(b, s, h, k)
+    """Causal grouped-query attention with RoPE; scores and softmax in fp32. Query head h
+    reads key/value head ``h // (H/G)`` (transformers' ``repeat_kv``)."""
+    b, s, _ = x_BSD.shape
+    h, g, k = cfg.n_heads, cfg.kv_heads, cfg.head_size
+    q_BSHK, k_BSGK = _qk_heads(p, x_BSD, cfg)
+    v_BSGK = linear(p["wv"], x_BSD).reshape(b, s, g, k)
     cos, sin = rope_tables(s, k, cfg.rope_theta)
-    q_BSHK, k_BSHK = apply_rope(q_BSHK, cos, sin), apply_rope(k_BSHK, cos, sin)
+    q_BSHK, k_BSGK = apply_rope(q_BSHK, cos, sin), apply_rope(k_BSGK, cos, sin)
+    k_BSHK, v_BSHK = jnp.repeat(k_BSGK, h // g, axis=2), jnp.repeat(v_BSGK, h // g, axis=2)
     scores_BHSS = jnp.einsum("bqhk,bshk->bhqs", q_BSHK, k_BSHK,
                              preferred_element_type=acc_dtype(x_BSD.dtype)) / math.sqrt(k)
     causal_SS = jnp.tril(jnp.ones((s, s), bool))
     scores_BHSS = jnp.where(causal_SS, scores_BHSS, -jnp.inf)
     probs_BHSS = jax.nn.softmax(scores_BHSS, axis=-1).astype(x_BSD.dtype)
-    out_BSD = jnp.einsum("bhqs,bshk->bqhk", probs_BHSS, v_BSHK).reshape(b, s, d)
-    return out_BSD @ p["wo"]["weight"].T
+    out_BSHK = jnp.einsum("bhqs,bshk->bqhk", probs_BHSS, v_BSHK)
+    return linear(p["wo"], out_BSHK.reshape(b, s, h * k))
+
+
+def shared_expert(p: dict, x: jax.Array) -> jax.Array:
+    """The always-on SwiGLU ``w2(silu(w1 x) * w3 x)``, times ``sigmoid(x · gate)`` if gated."""
+    y = (jax.nn.silu(x @ p["w1"]["weight"].T) * (x @ p["w3"]["weight"].T)) @ p["w2"]["weight"].T
+    return y if "gate" not in p else jax.nn.sigmoid(x @ p["gate"]["weight"].T) * y
 
 
 class ForwardOut(NamedTuple):
     logits_BSV: jax.Array  # compute dtype
     aux_L: jax.Array  # per-layer load-balancing loss, fp32, unweighted
     z_L: jax.Array  # per-layer router z-loss, fp32, unweighted
+    load_LE: jax.Array  # per-layer assignments per expert before drops, int32
 
 
 def cast_params(params, dtype):
-    """The compute copy: every leaf cast to ``dtype`` (fp32 masters stay untouched)."""
-    return jax.tree.map(lambda a: a.astype(dtype), params)
+    """The compute copy: every leaf cast to ``dtype`` (fp32 masters stay untouched), except
+    the buffers (the expert bias), which stay fp32 as on the torch side."""
+    def cast(path, a):
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        return a if is_buffer(name) else a.astype(dtype)
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def forward_with_stats(params: dict, tokens_BS: jax.Array, cfg: ModelConfig, *,
@@ -160,18 +246,20 @@ def forward_with_stats(params: dict, tokens_BS: jax.Array, cfg: ModelConfig, *,
     p = cast_params(params, dtype)
     h_BSD = p["embed"]["weight"][tokens_BS]
     b, s, d = h_BSD.shape
-    aux, z = [], []
+    aux, z, load = [], [], []
     for layer in p["layers"]:
         h_BSD = h_BSD + attention(layer["attn"], rmsnorm(h_BSD, layer["attn_norm"]["weight"],
                                                          cfg.norm_eps), cfg)
         x_TD = rmsnorm(h_BSD, layer["ffn_norm"]["weight"], cfg.norm_eps).reshape(b * s, d)
-        out = moe_layer(layer["moe"], x_TD, top_k=cfg.top_k,
-                        capacity_factor=cfg.capacity_factor)
-        h_BSD = h_BSD + out.y_TD.reshape(b, s, d)
+        out = moe_layer(layer["moe"], x_TD, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
+                        scoring=cfg.router_scoring, renormalize=cfg.renormalize)
+        y_TD = out.y_TD if "shared" not in layer else out.y_TD + shared_expert(layer["shared"], x_TD)
+        h_BSD = h_BSD + y_TD.reshape(b, s, d)
         aux.append(out.aux)
         z.append(out.z)
+        load.append(expert_load(out.routing.topi_Tk, cfg.num_experts))
     logits_BSV = rmsnorm(h_BSD, p["norm"]["weight"], cfg.norm_eps) @ p["lm_head"]["weight"].T
-    return ForwardOut(logits_BSV, jnp.stack(aux), jnp.stack(z))
+    return ForwardOut(logits_BSV, jnp.stack(aux), jnp.stack(z), jnp.stack(load))
 
 
 def weighted_aux(aux_L: jax.Array, z_L: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -201,13 +289,17 @@ def loss_fn(params: dict, batch_BS1: jax.Array, cfg: ModelConfig, *,
     """One rank's loss on a [B, S+1] token batch: ``ce + Σ_l (aux_coef·aux + z_coef·z)``.
 
     Metrics: ``loss``; ``ce``; ``aux_loss``, the weighted MoE term added to ce (as torch_impl
-    reports it); ``lb_loss`` and ``z_loss``, the unweighted sums over layers of aux and z.
+    reports it); ``lb_loss`` and ``z_loss``, the unweighted sums over layers of aux and z;
+    with ``cfg.expert_bias``, ``expert_load`` [L, E] int32 (what the bias update reads).
     """
     out = forward_with_stats(params, batch_BS1[:, :-1], cfg, dtype=dtype)
     ce = cross_entropy(out.logits_BSV, batch_BS1[:, 1:])
     aux_total = weighted_aux(out.aux_L, out.z_L, cfg)
-    return ce + aux_total, {"loss": ce + aux_total, "ce": ce, "aux_loss": aux_total,
-                            "lb_loss": jnp.sum(out.aux_L), "z_loss": jnp.sum(out.z_L)}
+    metrics = {"loss": ce + aux_total, "ce": ce, "aux_loss": aux_total,
+               "lb_loss": jnp.sum(out.aux_L), "z_loss": jnp.sum(out.z_L)}
+    if cfg.expert_bias:
+        metrics["expert_load"] = out.load_LE
+    return ce + aux_total, metrics
 
 
 def split_batch(global_batch: jax.Array, world_size: int) -> jax.Array:
@@ -226,5 +318,11 @@ def oracle_loss(params: dict, global_batch: jax.Array, cfg: ModelConfig, world_s
     """
     slices_WBS1 = split_batch(global_batch, world_size)
     _, metrics_W = jax.vmap(lambda b: loss_fn(params, b, cfg, dtype=dtype))(slices_WBS1)
-    metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics_W)
-    return metrics["loss"], metrics
+    return metrics_W["loss"].mean(axis=0), mean_metrics(metrics_W, axis=0)
+
+
+def mean_metrics(metrics: dict, axis: int = 0) -> dict:
+    """Float metrics averaged over ``axis``; integer counts (``expert_load``) summed."""
+    def reduce(m):
+        return m.sum(axis=axis) if jnp.issubdtype(m.dtype, jnp.integer) else m.mean(axis=axis)
+    return jax.tree.map(reduce, metrics)

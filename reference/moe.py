@@ -1,8 +1,9 @@
 """Mixture-of-Experts layer: top-k router, capacity with drop order, SwiGLU experts, aux losses.
 
-Torch counterpart: ``torch_impl/model/moe.py`` (router, layer), ``dispatch.py`` (slots,
-dispatch, combine as a permutation) and ``experts.py`` (grouped SwiGLU). Semantics:
-``docs/model.md`` ("MoE layer").
+Torch counterpart: ``torch_impl/model/moe.py`` (layer), ``router.py`` (the router variants:
+``route``, ``expert_load``, ``update_expert_bias``), ``dispatch.py`` (slots, dispatch, combine as a
+permutation) and ``experts.py`` (grouped SwiGLU). Semantics: ``docs/model.md`` ("MoE layer",
+"Router").
 
 Every function is pure in (params, inputs). Experts are stacked along a leading global expert
 axis (``w1_EFD``); ``moezero.reference.weights`` unstacks them into per-expert FQNs. The same dispatch
@@ -43,14 +44,40 @@ def acc_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def route(x_TD: jax.Array, router_ED: jax.Array, top_k: int) -> Routing:
-    """Router logits in fp32 (x and W upcast), softmax, top-k, Mixtral renormalisation."""
+def route(x_TD: jax.Array, router_ED: jax.Array, top_k: int, *, scoring: str = "softmax",
+          renormalize: bool = True, bias_E: jax.Array | None = None) -> Routing:
+    """Router logits in fp32 (x and W upcast), scores, top-k and gates (docs/model.md).
+
+    Scores are ``softmax`` over experts or a ``sigmoid`` per expert. The top-k choice ranks
+    ``scores + bias_E`` (the aux-loss-free expert bias; ties: lower index first); the gates are
+    the chosen experts' unbiased scores, renormalised to sum 1 (Mixtral) or not. ``probs_TE``
+    (the aux loss's P) is the scores normalised per token.
+    """
     f32 = acc_dtype(x_TD.dtype)
     logits_TE = x_TD.astype(f32) @ router_ED.astype(f32).T
-    probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-    topv_Tk, topi_Tk = jax.lax.top_k(probs_TE, top_k)  # ties: lower index first (documented)
-    gates_Tk = topv_Tk / jnp.sum(topv_Tk, axis=-1, keepdims=True)
+    if scoring == "softmax":
+        scores_TE = jax.nn.softmax(logits_TE, axis=-1)
+    else:
+        scores_TE = jax.nn.sigmoid(logits_TE)
+    choice_TE = scores_TE if bias_E is None else scores_TE + jax.lax.stop_gradient(bias_E)
+    _, topi_Tk = jax.lax.top_k(choice_TE, top_k)  # ties: lower index first (documented)
+    topv_Tk = jnp.take_along_axis(scores_TE, topi_Tk, axis=-1)
+    gates_Tk = topv_Tk / jnp.sum(topv_Tk, axis=-1, keepdims=True) if renormalize else topv_Tk
+    probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True) \
+        if scoring == "sigmoid" else scores_TE
     return Routing(logits_TE, probs_TE, topi_Tk, gates_Tk)
+
+
+def expert_load(topi_Tk: jax.Array, num_experts: int) -> jax.Array:
+    """Assignments per expert (int32 [E]) before capacity drops: the load the bias balances."""
+    return jnp.sum(jax.nn.one_hot(topi_Tk, num_experts, dtype=jnp.int32), axis=(0, 1))
+
+
+def update_expert_bias(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
+    """DeepSeek-V3's aux-loss-free update: ``bias_e + rate · sign(mean load − load_e)``, the
+    sign taken exactly in integers as ``sign(Σ load − E · load_e)``."""
+    sign_E = jnp.sign(jnp.sum(load_E) - load_E.shape[0] * load_E).astype(bias_E.dtype)
+    return bias_E + rate * sign_E
 
 
 def aux_loss(probs_TE: jax.Array, topi_Tk: jax.Array) -> jax.Array:
@@ -136,11 +163,14 @@ class MoEOut(NamedTuple):
 
 
 def moe_layer(params: dict, x_TD: jax.Array, *, top_k: int,
-              capacity_factor: float | None) -> MoEOut:
-    """The MoE layer on one rank's T tokens: ``params = {router: {weight}, experts: {...}}``."""
+              capacity_factor: float | None, scoring: str = "softmax",
+              renormalize: bool = True) -> MoEOut:
+    """The MoE layer on one rank's T tokens: ``params = {router: {weight[, expert_bias]},
+    experts: {...}}``; the router variant is ``scoring``/``renormalize`` (see ``route``)."""
     num_tokens = x_TD.shape[0]
     num_experts = params["router"]["weight"].shape[0]
-    r = route(x_TD, params["router"]["weight"], top_k)
+    r = route(x_TD, params["router"]["weight"], top_k, scoring=scoring, renormalize=renormalize,
+              bias_E=params["router"].get("expert_bias"))
     cap = capacity(num_tokens, num_experts, top_k, capacity_factor)
     plan = assign_slots(r.topi_Tk, num_experts, cap)
     slots = buffer_slots(num_tokens, num_experts, top_k, capacity_factor)

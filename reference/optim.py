@@ -19,8 +19,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from moezero.plan.buffers import is_buffer
 from moezero.plan.rules import weight_decay_applies
 from moezero.reference.model import ModelConfig, oracle_loss
+from moezero.reference.moe import update_expert_bias
 from moezero.reference.weights import fqn_of, stacked_fqns
 
 
@@ -70,12 +72,15 @@ def lr_at(cfg: OptimConfig, step) -> jax.Array:
 
 def decay_mask(params: dict) -> dict:
     """True where weight decay applies, by the plan's ``weight_decay_applies`` (the rule the
-    torch side's user groups follow): matrices, not norm gains or vectors. A stack of experts
-    is asked with one expert's FQN and shape (every expert of a stack has the same)."""
+    torch side's user groups follow): matrices, not norm gains (QK-norm gains included), biases
+    or other vectors; never buffers (the expert bias), which the optimizer leaves alone. A
+    stack of experts is asked with one expert's FQN and shape (every expert of a stack has the
+    same)."""
     def decays(path, leaf):
         names = stacked_fqns(path, leaf)
         if names is None:
-            return weight_decay_applies(fqn_of(path), leaf.shape)
+            fqn = fqn_of(path)
+            return weight_decay_applies(fqn, leaf.shape) and not is_buffer(fqn)
         return weight_decay_applies(names[0], leaf.shape[1:])
     return jax.tree_util.tree_map_with_path(decays, params)
 
@@ -116,15 +121,32 @@ def loss_and_grads(cfg: TrainConfig, params: dict, batch: jax.Array):
 
     zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(micro_loss, params, micro[0])[1])
     total, _ = jax.lax.scan(accumulate, (zero, jax.tree.map(jnp.zeros_like, params)), micro)
-    return jax.tree.map(lambda t: t / micro.shape[0], total)
+
+    def mean(t):  # integer counts (the expert load) are summed over micro-batches
+        return t if jnp.issubdtype(t.dtype, jnp.integer) else t / micro.shape[0]
+    return jax.tree.map(mean, total)
+
+
+def update_buffers(cfg: TrainConfig, params: dict, load_LE: jax.Array | None) -> dict:
+    """After the optimizer: each layer's expert bias steps on its global load (summed over
+    ranks and micro-batches), ``moezero.reference.moe.update_expert_bias``."""
+    if load_LE is None:
+        return params
+    layers = [{**layer, "moe": {**layer["moe"], "router": {
+        **layer["moe"]["router"], "expert_bias": update_expert_bias(
+            layer["moe"]["router"]["expert_bias"], load_E, cfg.model.bias_update_rate)}}}
+        for layer, load_E in zip(params["layers"], load_LE, strict=True)]
+    return {**params, "layers": layers}
 
 
 def train_step(cfg: TrainConfig, state: TrainState, batch: jax.Array):
-    """One optimizer step: grads (micro-batches averaged) → clip → AdamW. Pure."""
+    """One optimizer step: grads (micro-batches averaged) → clip → AdamW → expert-bias
+    update (buffers: no gradient, no decay, so AdamW leaves them unchanged). Pure."""
     metrics, grads = loss_and_grads(cfg, state.params, batch)
+    load_LE = metrics.pop("expert_load", None)
     grads, norm, coef = clip_by_global_norm(grads, cfg.optim.gradient_clipping)
     updates, opt_state = make_optimizer(cfg.optim).update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    params = update_buffers(cfg, optax.apply_updates(state.params, updates), load_LE)
     metrics = {**metrics, "grad_norm": norm, "clip_coef": coef,
                "lr": lr_at(cfg.optim, state.step)}
     return TrainState(state.step + 1, params, opt_state), metrics

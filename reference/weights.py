@@ -1,6 +1,7 @@
 """Params ↔ ``{FQN: np.ndarray}`` ↔ safetensors, keyed by the FQNs of docs/model.md.
 
-Torch counterpart: the ``state_dict()`` of ``torch_impl/model/decoder.py`` (same FQNs).
+Torch counterpart: the ``state_dict()`` of ``torch_impl/model/decoder.py`` (same FQNs; the
+expert biases are torch buffers and leaves of the params tree here, ``moezero.plan.buffers``).
 
 The reference stacks experts on a leading global expert axis
 (``layers[i]["moe"]["experts"]["w1"]["weight"]`` is [E, F, D]); on the exchange side every
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from moezero.plan.buffers import split_buffers
 from moezero.plan.rules import EXPERTS, expert_fqn
 from moezero.reference.model import ModelConfig, init_params
 
@@ -56,7 +58,18 @@ def to_fqn_dict(params: dict) -> dict[str, np.ndarray]:
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every FQN of the model and its shape, without allocating anything."""
+    """Every parameter FQN of the model and its shape (the buffers left out)."""
+    return split_buffers(tensor_shapes(cfg))[0]
+
+
+def buffer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every buffer (``moezero.plan.buffers``: the expert biases) of the model and its shape."""
+    return split_buffers(tensor_shapes(cfg))[1]
+
+
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every FQN of the params tree (parameters and buffers) and its shape, without
+    allocating anything."""
     abstract = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
     shapes: dict[str, tuple[int, ...]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]:
@@ -69,7 +82,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _check_keys(flat: dict, cfg: ModelConfig) -> None:
-    expected = param_shapes(cfg)
+    expected = tensor_shapes(cfg)
     missing, unexpected = expected.keys() - flat.keys(), flat.keys() - expected.keys()
     bad = [f"{k}: {tuple(flat[k].shape)} != {v}" for k, v in expected.items()
            if k in flat and tuple(flat[k].shape) != tuple(v)]

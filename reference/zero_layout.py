@@ -113,6 +113,8 @@ def user_groups(cfg: ZeroConfig) -> tuple[UserGroup, ...]:
 @functools.cache
 def plan_stacks(cfg: ZeroConfig) -> tuple[Stack, ...]:
     """The plan's groups and partitions, as stacks (see ``Stack``), in plan order."""
+    if cfg.model.expert_bias:  # its update outside the optimizer is not modelled here
+        raise ValueError("the sharded reference does not model moe.expert_bias")
     groups = plan_groups(param_specs(cfg), max_group_size=cfg.max_group_size,
                          split_by_expert=cfg.split_by_expert)
     parts = plan_partitions(groups, world_size=cfg.world_size)

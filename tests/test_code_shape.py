@@ -11,16 +11,6 @@ LIBRARY = ("torch_impl", "reference")
 MAX_FUNCTION_LINES = 50
 MAX_FILE_LINES = 400
 
-# Temporary: files (their functions included) still over the limits while other branches of
-# issue 14 split them (helper A: checkpoint/core.py, offload/aio.py, zero/sharded.py; helper E:
-# checkpoint/hf.py). The lead removes each entry when its split is merged; this set must end
-# empty. An entry that is within the limits again fails a test below, so none outlives its
-# split.
-PENDING = {
-    "torch_impl/checkpoint/hf.py",
-}
-
-
 def oversized(root: Path = ROOT) -> dict[str, int]:
     """``{"path": lines}`` of long files and ``{"path:line name": lines}`` of long functions
     (methods and nested functions included; a function's lines run from ``def`` to its end)."""
@@ -38,14 +28,9 @@ def oversized(root: Path = ROOT) -> dict[str, int]:
 
 
 def test_no_library_function_or_file_is_over_the_limits():
-    over = {k: n for k, n in oversized().items() if k.split(":")[0] not in PENDING}
+    over = oversized()
     assert not over, (f"over {MAX_FUNCTION_LINES} lines per function / {MAX_FILE_LINES} per "
                       f"file: {over}")
-
-
-def test_every_pending_entry_is_still_over_the_limits():
-    still = {k.split(":")[0] for k in oversized()}
-    assert PENDING <= still, f"within the limits now, remove from PENDING: {PENDING - still}"
 
 
 def test_the_check_sees_a_long_function_and_a_long_file(tmp_path):

@@ -6,10 +6,11 @@ with no arguments trains the embedded default recipe on 2 local ranks.
 ``moezero checkpoint inspect|verify|export DIR`` reads a checkpoint (a step directory, or a
 checkpoint root whose ``latest`` is taken): its groups and sizes, every checksum (exit 1 naming
 the first bad file and byte range), or consolidated model weights as Hugging Face safetensors
-(``--format hf-mixtral``: a model ``transformers`` loads, docs/hf.md).
+(``--format hf`` or ``hf-<model_type>``: a model ``transformers`` loads, docs/hf.md).
 
-``moezero import-hf PATH --out DIR`` turns a local Hugging Face Mixtral directory into a
-weights-only moezero checkpoint that ``moezero train --set checkpoint.load=DIR`` fine-tunes.
+``moezero import-hf PATH --out DIR`` turns a local Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE
+or OLMoE directory into a weights-only moezero checkpoint that ``moezero train --set
+checkpoint.load=DIR`` fine-tunes.
 
 ``moezero prepare-data INPUT... --tokenizer PATH --out DIR`` tokenizes .txt/.jsonl/.parquet
 files into a prepared dataset that ``--set data.path=DIR`` trains on (docs/data.md).
@@ -18,6 +19,7 @@ files into a prepared dataset that ``--set data.path=DIR`` trains on (docs/data.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -32,6 +34,8 @@ TEST_DELAY_ENV = "MOEZERO_TEST_CKPT_DELAY_S"
 """Test hook: seconds every checkpoint save sleeps before each partition write, the manifest
 and the commit (``IOOptions.test_save_delay_s``), so crash tests can land a SIGKILL inside a
 save. Read once by ``moezero train``; unset (0) in normal use."""
+HF_FORMATS = ("hf-mixtral", "hf-qwen2_moe", "hf-qwen3_moe", "hf-olmoe")
+"""``checkpoint export --format`` values of the Hugging Face families (``checkpoint.hf``)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,13 +61,16 @@ def _parser() -> argparse.ArgumentParser:
                                                     "(its latest complete checkpoint)")
         if name == "export":
             cmd.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
-            cmd.add_argument("--format", choices=("moezero", "hf-mixtral"), default="moezero",
-                             help="moezero: tensors keyed by moezero FQNs; hf-mixtral: "
-                                  "config.json + Hugging Face Mixtral names (docs/hf.md)")
+            cmd.add_argument("--format", choices=("moezero", "hf", *HF_FORMATS),
+                             default="moezero",
+                             help="moezero: tensors keyed by moezero FQNs; hf: config.json + "
+                                  "Hugging Face names of the family that holds the "
+                                  "architecture; hf-<model_type>: of that family (docs/hf.md)")
             cmd.add_argument("--out", required=True, metavar="PATH",
                              help="output directory (created)")
-    hf = sub.add_parser("import-hf", help="a local Hugging Face Mixtral directory to a "
-                                          "weights-only moezero checkpoint (docs/hf.md)")
+    hf = sub.add_parser("import-hf", help="a local Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE "
+                                          "or OLMoE directory to a weights-only moezero "
+                                          "checkpoint (docs/hf.md)")
     hf.add_argument("path", metavar="PATH", help="directory with config.json and safetensors")
     hf.add_argument("--out", required=True, metavar="DIR",
                     help="checkpoint root to create (new or empty)")
@@ -135,10 +142,12 @@ def _checkpoint(args: argparse.Namespace) -> int:
         return 0
     if args.action == "export":
         try:
-            if args.format == "hf-mixtral":
+            if args.format.startswith("hf"):
                 from moezero.checkpoint.hf import export_hf
 
-                files = export_hf(ckpt, Path(args.out), args.dtype)
+                files = export_hf(ckpt, Path(args.out), args.dtype,
+                                  model_type=args.format.removeprefix("hf").lstrip("-") or None)
+                args.format = "hf-" + json.loads(files[0].read_text())["model_type"]
             else:
                 files = checkpoint_tools.export(ckpt, Path(args.out), args.dtype)
         except OSError as exc:

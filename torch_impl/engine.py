@@ -24,12 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moezero.checkpoint.buffers import buffer_shapes, buffer_targets, buffer_values
 from moezero.checkpoint.core import Checkpointer, model_shapes
 from moezero.checkpoint.options import CheckpointOptions
 from moezero.config import Config
 from moezero.distributed.topology import Topology, build_topology
 from moezero.model import determinism
 from moezero.model.moe import expert_tag
+from moezero.model.router import update_expert_biases
 from moezero.offload import state as offload_state
 from moezero.offload.options import IOOptions
 from moezero.plan import plan_layout
@@ -124,6 +126,8 @@ class Engine:
         self.optimizer.zero_grad()
         if not overflow:
             self.step_count += 1
+        # The aux-loss-free expert biases (if any) step outside the optimizer, on global loads.
+        update_expert_biases(self.model, distributed=self.topology.distributed, skip=overflow)
         self.global_steps += 1
         self.scaler.update(overflow)
         self.micro_steps = 0
@@ -207,10 +211,13 @@ class Engine:
         step = self.global_steps if step is None else step
         meta = {"config": self.cfg.model_dump(by_alias=True, mode="json"),
                 "topology": self.topology_record().to_json()}
+        layout = plan_layout(self.groups.plan, self.shapes, step=step,
+                             buffers=buffer_shapes(self.model))
+        values = buffer_values(self.model) if self.topology.rank == 0 else {}
         return self.checkpointer.save(
-            root, step=step, layout=plan_layout(self.groups.plan, self.shapes, step=step),
-            shards=self.optimizer.shards(), state={**self.state_dict(), "client": state or {}},
-            meta=meta, background=background)
+            root, step=step, layout=layout, shards=self.optimizer.shards(),
+            state={**self.state_dict(), "client": state or {}}, meta=meta, buffers=values,
+            background=background)
 
     def wait_checkpoint(self):
         """Finish an async save in flight (raises its error); its directory or None."""
@@ -222,7 +229,8 @@ class Engine:
         the counters, loss scaler and RNG. A weights-only checkpoint (``moezero
         import-hf``) sets the masters only: zero moments, counters at 0, RNG and loss scaler
         as they are (a fine-tune from step 0). Returns the caller state given at save."""
-        state = self.checkpointer.load(path, self.optimizer.load_targets(), self.shapes)
+        state = self.checkpointer.load(path, self.optimizer.load_targets(), self.shapes,
+                                       buffers=buffer_targets(self.model))
         self.optimizer.after_load()
         self.load_state_dict(state)
         return state.get("client", {})

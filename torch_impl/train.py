@@ -38,8 +38,9 @@ from moezero.validation import evaluate
 from moezero.zero.groups import OptimizerGroups
 
 ARCH_KEYS = {"model": ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "rope_theta",
-                       "norm_eps"),
-             "moe": ("num_experts", "top_k")}
+                       "norm_eps", "n_kv_heads", "head_dim", "qk_norm", "attn_bias"),
+             "moe": ("num_experts", "top_k", "router_scoring", "renormalize", "expert_bias",
+                     "shared_ffn_dim", "shared_gate")}
 """Config keys that define the model a checkpoint holds (shapes and forward numerics)."""
 
 ADOPTED_KEYS = {**ARCH_KEYS, "tokenizer": ("path", "sha256", "vocab_size", "bos_token_id",
@@ -62,7 +63,11 @@ def model_args(cfg: Config) -> ModelArgs:
                      init_std=m.init_std, num_experts=moe.num_experts, top_k=moe.top_k,
                      capacity_factor=moe.capacity_factor, ep_size=moe.ep_size,
                      expert_group_name=moe.expert_group_name,
-                     aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef)
+                     aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef,
+                     **{k: getattr(m, k) for k in ("n_kv_heads", "head_dim", "qk_norm", "attn_bias")},
+                     **{k: getattr(moe, k) for k in ("router_scoring", "renormalize", "expert_bias",
+                                                     "bias_update_rate", "shared_ffn_dim",
+                                                     "shared_gate")})
 
 
 def build_model(cfg: Config, topology: Topology) -> Decoder:

@@ -4,7 +4,9 @@ A pure function of (groups, parameter shapes, step). Optimizer group ``i`` of ``
 one ``model-{i+1:05d}-of-{G:05d}.safetensors`` file (fp32 master) and one ``optim-…`` file
 (all members' ``exp_avg``, then all members' ``exp_avg_sq``), tensors in group order. A
 file's data is therefore the group's unpadded flat buffer (one buffer per state), so a
-rank's ZeRO partition is one contiguous byte range per state (``rank_ranges``).
+rank's ZeRO partition is one contiguous byte range per state (``rank_ranges``). Buffers
+(checkpointed, never optimized: ``moezero.plan.buffers``) are in no group; they lie whole in
+one more file, ``buffers.safetensors``, when the model has any.
 
 Keys: a member that is a whole parameter is stored under its name (``fqn``,
 ``fqn.exp_avg``, ``fqn.exp_avg_sq``) with its shape. A member the group cap cut is stored
@@ -27,10 +29,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
+from moezero.plan.buffers import BUFFERS_FILE
 from moezero.plan.grouping import GroupPlan, locate_params
 from moezero.plan.partition import Partition
 from moezero.plan.rules import MASTER, MOMENTS, STATES
-from moezero.plan.specs import ParamSpec, Slice
+from moezero.plan.specs import ParamSpec, Slice, natural_key
 
 FORMAT_VERSION = 1
 ITEMSIZE = 4  # every tensor is fp32 ("F32")
@@ -125,11 +128,14 @@ class Layout:
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     model_files: tuple[FileLayout, ...]
     optim_files: tuple[FileLayout, ...]
+    buffers: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    buffer_file: FileLayout | None = None
 
     @property
     def files(self) -> tuple[FileLayout, ...]:
-        """All files: model files, then optim files."""
-        return self.model_files + self.optim_files
+        """All files: model files, optim files, then the buffer file (if any)."""
+        extra = () if self.buffer_file is None else (self.buffer_file,)
+        return self.model_files + self.optim_files + extra
 
     @property
     def weights_only(self) -> bool:
@@ -155,10 +161,11 @@ class Layout:
 
     @cached_property
     def _shapes(self) -> dict[str, tuple[int, ...]]:
-        return dict(self.shapes)
+        return dict(self.shapes + self.buffers)
 
     def shape(self, fqn: str) -> tuple[int, ...]:
-        """The full shape of parameter ``fqn``; KeyError if it is not in the checkpoint."""
+        """The full shape of parameter or buffer ``fqn``; KeyError if it is not in the
+        checkpoint."""
         return self._shapes[fqn]
 
     def pieces(self, fqn: str, state: str = MASTER) -> tuple[tuple[FileLayout, TensorEntry], ...]:
@@ -203,7 +210,8 @@ def shapes_of(specs: Iterable[ParamSpec]) -> dict[str, tuple[int, ...]]:
 
 
 def plan_layout(groups: Sequence[GroupPlan], shapes: Mapping[str, Sequence[int]], *,
-                step: int, weights_only: bool = False) -> Layout:
+                step: int, weights_only: bool = False,
+                buffers: Mapping[str, Sequence[int]] | None = None) -> Layout:
     """The checkpoint layout of a plan at ``step``.
 
     Args:
@@ -211,9 +219,12 @@ def plan_layout(groups: Sequence[GroupPlan], shapes: Mapping[str, Sequence[int]]
         shapes: Full shape of every parameter in ``groups`` (``shapes_of(specs)``).
         step: Optimizer step, recorded in each header's metadata.
         weights_only: Model files only (fp32 masters), no optim files.
+        buffers: Full shape of every buffer (``moezero.plan.buffers``): stored whole, in
+            natural FQN order, in ``buffers.safetensors``; none: no such file.
 
     Raises:
-        ValueError: (one line) if shapes and groups disagree or an FQN contains ``@``.
+        ValueError: (one line) if shapes and groups disagree, a buffer is also a parameter,
+            or an FQN contains ``@``.
     """
     shapes = {fqn: tuple(int(d) for d in shape) for fqn, shape in shapes.items()}
     _check_coverage(groups, shapes)
@@ -221,7 +232,30 @@ def plan_layout(groups: Sequence[GroupPlan], shapes: Mapping[str, Sequence[int]]
     model = tuple(_file("model", g, num, shapes, step) for g in groups)
     optim = () if weights_only else tuple(_file("optim", g, num, shapes, step) for g in groups)
     order = [m.fqn for g in groups for m in g.members if m.start == 0]
-    return Layout(step, tuple(groups), tuple((f, shapes[f]) for f in order), model, optim)
+    kept = _buffer_shapes(buffers or {}, shapes)
+    return Layout(step, tuple(groups), tuple((f, shapes[f]) for f in order), model, optim,
+                  kept, _buffer_file(kept, step) if kept else None)
+
+
+def _buffer_shapes(buffers: Mapping[str, Sequence[int]], params: Mapping) -> tuple:
+    both = sorted(set(buffers) & set(params))
+    if both:
+        raise ValueError(f"{both[0]!r} is both a parameter and a buffer")
+    if any("@" in fqn for fqn in buffers):
+        raise ValueError(f"buffer {next(f for f in buffers if '@' in f)!r}: '@' is reserved")
+    return tuple((fqn, tuple(int(d) for d in buffers[fqn]))
+                 for fqn in sorted(buffers, key=natural_key))
+
+
+def _buffer_file(buffers: tuple, step: int) -> FileLayout:
+    tensors, cursor = [], 0
+    for fqn, shape in buffers:
+        tensors.append(TensorEntry(fqn, fqn, "master", 0, math.prod(shape), shape, cursor))
+        cursor = tensors[-1].end
+    metadata = {"format": "pt", "moezero.format_version": str(FORMAT_VERSION),
+                "moezero.kind": "buffers", "moezero.step": str(step)}
+    return FileLayout(BUFFERS_FILE, "buffers", "buffers", tuple(tensors),
+                      _header(metadata, tensors))
 
 
 def _check_coverage(groups: Sequence[GroupPlan], shapes: dict[str, tuple[int, ...]]) -> None:
@@ -319,8 +353,9 @@ def same_group(layout: Layout, partition: Partition) -> bool:
 
 def index_json(layout: Layout) -> dict:
     """``model.safetensors.index.json``: ``weight_map`` {key: file} and ``total_size``."""
-    weight_map = {t.key: f.name for f in layout.model_files for t in f.tensors}
-    total = sum(f.data_size for f in layout.model_files)
+    files = layout.model_files + ((layout.buffer_file,) if layout.buffer_file else ())
+    weight_map = {t.key: f.name for f in files for t in f.tensors}
+    total = sum(f.data_size for f in files)
     return {"metadata": {"total_size": total, "format": "moezero", "step": layout.step},
             "weight_map": weight_map}
 

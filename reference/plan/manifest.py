@@ -1,10 +1,7 @@
-"""The manifest (``manifest.json``): what a checkpoint holds, and the JSON it is stored as.
+"""The manifest's pure half: ``manifest.json`` to and from a ``Manifest`` (layout recomputed
+from its groups, shapes and buffers), and the check that checksummed ranges tile every file.
 
-Pure: ``Manifest`` is the layout (recomputed from the saved groups and shapes, never trusted
-from the file), the per-range checksums and the caller's opaque ``config``, ``topology`` and
-``state`` objects. ``manifest_from_json`` cross-checks a parsed file against the layout its
-groups and shapes give (file names, sizes, checksum tiling). File I/O is in
-``moezero.plan.store``; the layout itself in ``moezero.plan.layout``.
+File I/O is ``moezero.plan.store``; the layout itself is ``moezero.plan.layout``.
 """
 
 from __future__ import annotations
@@ -67,6 +64,8 @@ def manifest_to_json(manifest: Manifest) -> dict:
            "checksums": [list(r) for r in manifest.checksums], "state": manifest.state}
     if layout.weights_only:  # only then: older manifests stay byte-identical
         obj["weights_only"] = True
+    if layout.buffers:  # likewise
+        obj["buffers"] = {fqn: list(shape) for fqn, shape in layout.buffers}
     return obj
 
 
@@ -79,7 +78,8 @@ def manifest_from_json(obj: Any) -> Manifest:
                          f"(this reader knows {FORMAT_VERSION})")
     try:
         layout = plan_layout([group_from_json(g) for g in obj["groups"]], obj["shapes"],
-                             step=int(obj["step"]), weights_only=obj.get("weights_only") is True)
+                             step=int(obj["step"]), weights_only=obj.get("weights_only") is True,
+                             buffers=obj.get("buffers") or {})
         files = [(f["name"], f["kind"], f["group"], f["size"]) for f in obj["files"]]
         checksums = tuple(RangeRecord(str(f), int(o), int(n), int(c))
                           for f, o, n, c in obj["checksums"])

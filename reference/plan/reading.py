@@ -145,9 +145,11 @@ def read_shard(ckpt_dir: str | os.PathLike, manifest: Manifest, partition: Parti
 
 def read_tensors(ckpt_dir: str | os.PathLike, manifest: Manifest,
                  state: str = MASTER) -> dict[str, np.ndarray]:
-    """Every parameter's ``state`` reassembled to its full shape, fragments joined (export)."""
+    """Every parameter's ``state`` reassembled to its full shape, fragments joined (export),
+    and, for the master, every buffer."""
+    buffers = manifest.layout.buffers if state == MASTER else ()
     return {fqn: read_param(ckpt_dir, manifest, fqn, state=state).reshape(shape)
-            for fqn, shape in manifest.layout.shapes}
+            for fqn, shape in manifest.layout.shapes + buffers}
 
 
 def _output(out: np.ndarray | None, numel: int) -> np.ndarray:

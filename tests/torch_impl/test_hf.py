@@ -15,11 +15,11 @@ from safetensors.torch import save_file
 
 from moezero.checkpoint.hf import export_hf, import_hf
 from moezero.cli import main
-from moezero.config import load_config
-from moezero.model.decoder import Decoder, ModelArgs
+from moezero.config import Config, load_config
+from moezero.model.decoder import Decoder
 from moezero.plan import plan_groups, plan_layout, store
 from moezero.plan.specs import ParamSpec
-from moezero.train import setup
+from moezero.train import model_args, setup
 from tests.torch_impl.test_cli import moezero
 from tests.torch_impl.tolerances import RTOL
 
@@ -63,11 +63,9 @@ def hf_logits(model) -> torch.Tensor:
 def moezero_model(ckpt: Path) -> Decoder:
     """Our decoder (all experts local, dropless) with the checkpoint's masters."""
     manifest = store.read_manifest(store.find_checkpoint(ckpt))
-    m, moe = manifest.config["model"], manifest.config["moe"]
-    args = ModelArgs(**{k: m[k] for k in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim",
-                                          "rope_theta", "norm_eps")},
-                     num_experts=moe["num_experts"], top_k=moe["top_k"], ep_size=1)
-    model = Decoder(args).eval()
+    cfg = Config.model_validate(manifest.config)
+    cfg.moe.ep_size = 1
+    model = Decoder(model_args(cfg)).eval()
     tensors = store.read_tensors(store.find_checkpoint(ckpt), manifest)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()})
     return model
@@ -101,6 +99,10 @@ def test_import_matches_transformers_and_exports_back(tmp_path, form, fused):
     back, info = transformers.MixtralForCausalLM.from_pretrained(
         tmp_path / "out", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    # grouped-query attention kept exact both ways: no K/V expansion anywhere
+    assert back.config.num_key_value_heads == theirs.config.num_key_value_heads
+    assert {k: v.shape for k, v in back.state_dict().items()} == {
+        k: v.shape for k, v in theirs.state_dict().items()}
     assert_logits_equal(hf_logits(back.eval()), hf_logits(theirs), f"export {form}")
 
 
@@ -211,7 +213,7 @@ BAD = {
     "rope_scaling": ({"rope_parameters": {"rope_type": "linear", "factor": 2.0,
                                           "rope_theta": 1e4}}, "rope_parameters="),
     "hidden_act": ({"hidden_act": "gelu"}, 'hidden_act="gelu"'),
-    "head_dim": ({"head_dim": 16}, "head_dim=16"),
+    "head_dim": ({"head_dim": 7}, "head_dim=7"),
     "kv_heads": ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
 }
 

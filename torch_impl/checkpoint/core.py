@@ -54,7 +54,7 @@ class Checkpointer:
 
     def save(self, root: str | os.PathLike, *, step: int, layout: Layout,
              shards: Iterable[StateShard], state: dict, meta: dict,
-             background: bool | None = None) -> Path:
+             buffers: dict | None = None, background: bool | None = None) -> Path:
         """Save at ``step`` under ``root`` (collective: every rank calls it).
 
         Args:
@@ -64,6 +64,8 @@ class Checkpointer:
             shards: This rank's fp32 shards (the optimizer's ``shards()``).
             state: JSON state: rank 0's is written, except each rank's ``save.RANK_KEYS``.
             meta: ``{"config": ..., "topology": ...}`` for the manifest (rank 0's).
+            buffers: ``{fqn: fp32 array}`` of the checkpointed buffers (rank 0's are written;
+                ``checkpoint.buffers.buffer_values``).
             background: Write on a background thread (default ``options.background``).
 
         Returns:
@@ -78,7 +80,8 @@ class Checkpointer:
             background = self.options.background
         if any(s.files is not None for s in shards):
             background = False  # the next step rewrites the swap files that the save copies
-        job = saving.make_job(root, step, layout, shards, state, meta, copy=background)
+        job = saving.make_job(root, step, layout, shards, state, meta, buffers or {},
+                               copy=background)
         self.wait()
         if not background:
             return saving.write(self.group, job, self.options, self.refused)
@@ -105,11 +108,13 @@ class Checkpointer:
         return result
 
     def load(self, path: str | os.PathLike, targets: Iterable[StateShard],
-             shapes: dict[str, tuple[int, ...]]) -> dict:
+             shapes: dict[str, tuple[int, ...]], buffers: dict | None = None) -> dict:
         """Fill ``targets`` from a step directory or a root's newest complete checkpoint
         (collective); any world size, ``ep``, ZeRO stage or group cap may have saved it.
 
-        Returns this rank's saved state (``load.read_checkpoint``; {} when weights only).
+        ``buffers``: ``{fqn: tensor}`` of the checkpointed buffers to fill
+        (``checkpoint.buffers.buffer_targets``). Returns this rank's saved state
+        (``load.read_checkpoint``; {} when weights only).
         A read that fails after the checks (a damaged file) leaves the targets partly
         filled: load again or start afresh.
 
@@ -119,7 +124,7 @@ class Checkpointer:
         self.wait()
         error, state = None, {}
         try:
-            state = read_checkpoint(path, targets, shapes, self.rank)
+            state = read_checkpoint(path, targets, shapes, self.rank, buffers or {})
         except (CheckpointError, OSError, ValueError) as exc:
             error = f"rank {self.rank}: {one_line(exc)}"
         self.group.agree(error, f"checkpoint load from {path}")

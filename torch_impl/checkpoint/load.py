@@ -19,8 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moezero.checkpoint.buffers import read_buffers
 from moezero.checkpoint.save import RANK_KEYS
 from moezero.plan import store
+from moezero.plan.buffer_io import check_buffers
 from moezero.plan.bytes_io import CHUNK
 from moezero.plan.layout import ITEMSIZE, rank_ranges, same_group
 from moezero.plan.manifest import Manifest
@@ -53,19 +55,24 @@ def resolve_load(value: str, root: str | os.PathLike) -> Path:
 
 
 def read_checkpoint(path: str | os.PathLike, targets: Iterable[StateShard],
-                    shapes: dict[str, tuple[int, ...]], rank: int) -> dict:
+                    shapes: dict[str, tuple[int, ...]], rank: int,
+                    buffers: dict | None = None) -> dict:
     """Fill ``targets`` from the checkpoint at ``path`` (a step directory or a root: its
     newest complete checkpoint) and return ``rank``'s state: the saved JSON state with each
     per-rank entry (``save.RANK_KEYS``) replaced by this rank's (``rank % saved world``: a rank
     that did not exist at save takes another's), or {} for a weights-only checkpoint, whose
-    moments are zeroed. Raises CheckpointError, OSError or ValueError (one line)."""
+    moments are zeroed. ``buffers`` (``{fqn: tensor}``) are filled too (zero where the
+    checkpoint has none). Raises CheckpointError, OSError or ValueError (one line)."""
     where = find_checkpoint(path)
     manifest = store.read_manifest(where)
     store.check_shapes(manifest, shapes, where)
+    buffers = buffers or {}
+    check_buffers(manifest, {k: tuple(t.shape) for k, t in buffers.items()}, where)
     saved = ("master",) if manifest.layout.weights_only else STATES
     for target in targets:
         fill = _fill_files if target.files is not None else _fill_tensors
         fill(where, manifest, target, saved)
+    read_buffers(buffers, where, manifest)
     if manifest.layout.weights_only:
         return {}
     state = dict(manifest.state)

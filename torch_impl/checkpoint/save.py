@@ -30,6 +30,7 @@ from moezero.checkpoint import writer as ckpt_write
 from moezero.checkpoint.group import CheckpointGroup, one_line
 from moezero.checkpoint.options import CheckpointOptions
 from moezero.plan import store
+from moezero.plan.buffer_io import write_buffers
 from moezero.plan.layout import STATES, Layout, RangeRecord, rank_ranges
 from moezero.plan.partition import Partition
 from moezero.plan.store import CheckpointError
@@ -63,6 +64,7 @@ class SaveJob:
     state: dict  # the shared state (rank 0's is written)
     rank_state: dict  # this rank's entries of RANK_KEYS
     meta: dict  # {"config": ..., "topology": ...} (rank 0's is written)
+    buffers: dict  # {fqn: fp32 array} of the checkpointed buffers (rank 0 writes them)
 
 
 def _host(t: torch.Tensor, copy: bool) -> np.ndarray:
@@ -73,7 +75,7 @@ def _host(t: torch.Tensor, copy: bool) -> np.ndarray:
 
 
 def make_job(root, step: int, layout: Layout, shards: Iterable[StateShard], state: dict,
-             meta: dict, *, copy: bool) -> SaveJob:
+             meta: dict, buffers: dict, *, copy: bool) -> SaveJob:
     """The job of one save: ``shards`` as numpy views (``copy``: host copies) or swap files;
     ``state`` split into the shared part and this rank's ``RANK_KEYS``. Raises ValueError on
     the caller's thread when the state or meta is not strict JSON."""
@@ -83,7 +85,8 @@ def make_job(root, step: int, layout: Layout, shards: Iterable[StateShard], stat
     arrays = [_Shard(s.partition, s.dp_rank, files=dict(s.files)) if s.files is not None else
               _Shard(s.partition, s.dp_rank, {k: _host(t, copy) for k, t in s.tensors.items()})
               for s in shards]
-    return SaveJob(os.fspath(root), step, layout, arrays, shared, mine, meta)
+    return SaveJob(os.fspath(root), step, layout, arrays, shared, mine, meta,
+                   {k: np.array(v, np.float32) for k, v in buffers.items()})
 
 
 def write(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
@@ -101,6 +104,7 @@ def write(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
             partial = store.begin_save(job.root, job.step)
             flush = _folder_flush(partial, options)  # before the first write (error mark)
             headers = store.write_headers(job.layout, partial)
+            headers += write_buffers(partial, job.layout, job.buffers)
         except Exception as exc:
             error = one_line(exc)
     try:

@@ -4,7 +4,7 @@ They read a committed checkpoint with ``moezero.plan.store`` (JSON and safetenso
 need no process group. ``export`` writes consolidated model weights as Hugging Face
 safetensors files plus ``model.safetensors.index.json``, cast to bf16 or fp32, fragments
 joined into whole tensors keyed by FQN (global expert ids), no optimizer state;
-``moezero checkpoint export --format hf-mixtral`` writes Hugging Face Mixtral names and a
+``moezero checkpoint export --format hf`` writes a Hugging Face family's names and a
 ``config.json`` instead (``moezero.checkpoint.hf``, docs/hf.md).
 """
 
@@ -58,13 +58,13 @@ SHARD_BYTES = 4 << 30  # per exported file
 def export(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
     """Consolidated model weights (no optimizer state) as Hugging Face safetensors + index.
 
-    Fragments are reassembled into whole tensors keyed by FQN (global expert ids), cast to
-    ``dtype``; files ``model.safetensors`` (or ``model-0000i-of-0000N`` above 4 GiB) and
+    Fragments are reassembled into whole tensors keyed by FQN (global expert ids), buffers
+    (the expert biases) included, cast to ``dtype``; files ``model.safetensors`` (or ``model-0000i-of-0000N`` above 4 GiB) and
     ``model.safetensors.index.json`` in ``out``. One tensor is in memory at a time.
-    (``moezero.checkpoint.hf.export_hf`` writes the same under Hugging Face Mixtral names.)
+    (``moezero.checkpoint.hf.export_hf`` writes the same under a Hugging Face family's names.)
     """
     m = store.read_manifest(ckpt)
-    items = [(fqn, fqn, shape) for fqn, shape in m.layout.shapes]
+    items = [(fqn, fqn, shape) for fqn, shape in m.layout.shapes + m.layout.buffers]
     meta = {"format": "pt", "moezero.step": str(m.step), "moezero.dtype": dtype}
     return write_weights(ckpt, m, out, items, dtype, meta=meta)
 

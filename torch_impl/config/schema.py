@@ -69,13 +69,30 @@ class ModelConfig(_Section):
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
+    # Options of the Hugging Face families (docs/model.md, docs/hf.md).
+    n_kv_heads: int | None = Field(
+        None, ge=1, description="Key/value heads (grouped-query attention); must divide "
+                                "n_heads; None = n_heads.")
+    head_dim: int | None = Field(
+        None, ge=2, description="Dims per head (even, RoPE); None = dim / n_heads.")
+    qk_norm: Literal["none", "head", "projection"] = Field(
+        "none", description="RMSNorm on q and k: per head (Qwen3-MoE) or over the whole "
+                            "projection (OLMoE).")
+    attn_bias: Literal["none", "qkv", "all"] = Field(
+        "none", description="Biases on the q/k/v projections (Qwen2-MoE), or on those and the "
+                            "output projection.")
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
-        if self.dim % self.n_heads:
+        if self.head_dim is None and self.dim % self.n_heads:
             raise FieldError("dim", f"must be divisible by model.n_heads ({self.n_heads}), got {self.dim}")
-        if (self.dim // self.n_heads) % 2:
-            raise FieldError("dim", f"head dim dim/n_heads = {self.dim // self.n_heads} must be even (RoPE)")
+        head = self.head_dim or self.dim // self.n_heads
+        if head % 2:
+            raise FieldError("head_dim" if self.head_dim else "dim",
+                             f"head dim {head} must be even (RoPE)")
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise FieldError("n_kv_heads", f"must divide model.n_heads ({self.n_heads}), "
+                                           f"got {self.n_kv_heads}")
         return self
 
 
@@ -96,6 +113,21 @@ class MoEConfig(_Section):
     split_groups_by_expert: bool = Field(True, description="One optimizer group per (layer, expert).")
     aux_loss_coef: float = Field(0.01, ge=0, description="Weight of the load-balancing aux loss.")
     z_loss_coef: float = Field(0.001, ge=0, description="Weight of the router z-loss.")
+    # Router variants and shared experts (docs/model.md "Router", "Shared experts").
+    router_scoring: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="Router scores: softmax over experts, or a sigmoid per expert.")
+    renormalize: bool = Field(True, description="Renormalise the top-k gates to sum 1 (Mixtral); "
+                                                "false: the raw scores (OLMoE, Qwen2-MoE).")
+    expert_bias: bool = Field(False, description="Aux-loss-free balancing (DeepSeek-V3): a "
+                                                 "per-expert bias on the scores for the top-k "
+                                                 "choice, updated outside the optimizer.")
+    bias_update_rate: float = Field(1e-3, ge=0, description="Expert bias step per optimizer "
+                                                            "step: bias += rate * sign(mean "
+                                                            "load - load).")
+    shared_ffn_dim: int = Field(0, ge=0, description="Hidden width of the always-on shared "
+                                                     "SwiGLU expert; 0 = none.")
+    shared_gate: bool = Field(False, description="Scale the shared expert by sigmoid(x . g) "
+                                                 "per token (Qwen2-MoE).")
 
     @property
     def group_name(self) -> str:
@@ -109,6 +141,8 @@ class MoEConfig(_Section):
         problem = rules.ep_size_problem(self.ep_size, num_experts=self.num_experts)
         if problem is not None:
             raise FieldError("ep_size", problem)
+        if self.shared_gate and not self.shared_ffn_dim:
+            raise FieldError("shared_gate", "needs a shared expert (moe.shared_ffn_dim > 0)")
         return self
 
 

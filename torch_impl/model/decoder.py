@@ -1,4 +1,7 @@
-"""A Mixtral-style decoder: RMSNorm, RoPE, causal attention, SwiGLU experts in MoE layers.
+"""A Mixtral-style decoder: RMSNorm, RoPE, causal attention, SwiGLU experts in MoE layers,
+with the options of the Hugging Face families moezero imports (docs/hf.md): grouped-query
+attention, QK-norm and projection biases (``model/attention.py``), router variants
+(``model/router.py``) and shared experts (``model/shared.py``).
 
 Semantics and FQNs are docs/model.md; the JAX counterpart is ``reference/model.py``.
 Legend: B batch, S sequence, D model dim, H heads, K head dim, V vocab.
@@ -14,7 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moezero.model.attention import Attention, RMSNorm, rope
 from moezero.model.moe import MoE, SwiGLU
+from moezero.model.router import RouterOptions
+from moezero.model.shared import SharedExpert
+
+__all__ = ["Attention", "Block", "Decoder", "ModelArgs", "RMSNorm", "init_weights", "rope"]
 
 
 @dataclass(frozen=True)
@@ -36,45 +44,31 @@ class ModelArgs:
     expert_group_name: str | None = None
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
+    n_kv_heads: int | None = None  # None: n_heads (multi-head attention)
+    head_dim: int | None = None  # None: dim // n_heads
+    qk_norm: str = "none"  # attention.QK_NORMS
+    attn_bias: str = "none"  # attention.ATTN_BIASES
+    router_scoring: str = "softmax"  # router.SCORINGS
+    renormalize: bool = True
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    shared_ffn_dim: int = 0  # 0: no shared expert
+    shared_gate: bool = False
 
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads G (``n_kv_heads``, default H)."""
+        return self.n_kv_heads or self.n_heads
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+    @property
+    def head_size(self) -> int:
+        """Head dim K (``head_dim``, default D/H)."""
+        return self.head_dim or self.dim // self.n_heads
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
-
-
-def rope(x_BSHK: torch.Tensor, theta: float) -> torch.Tensor:
-    """Half-split rotary embedding (HF ``rotate_half`` convention), positions 0..S-1."""
-    seq, half = x_BSHK.shape[1], x_BSHK.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x_BSHK.device) / half)
-    angle_SK = torch.arange(seq, dtype=torch.float32, device=x_BSHK.device)[:, None] * inv_freq
-    cos, sin = angle_SK.cos()[None, :, None, :], angle_SK.sin()[None, :, None, :]
-    x1, x2 = x_BSHK.float()[..., :half], x_BSHK.float()[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BSHK.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.n_heads, self.theta = args.n_heads, args.rope_theta
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(args.dim, args.dim, bias=False)
-                                              for _ in range(4))
-
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        b, s, d = x_BSD.shape
-        q, k, v = (w(x_BSD).view(b, s, self.n_heads, d // self.n_heads)
-                   for w in (self.wq, self.wk, self.wv))
-        q, k = rope(q, self.theta), rope(k, self.theta)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, s, d))
+    @property
+    def router(self) -> RouterOptions:
+        return RouterOptions(self.router_scoring, self.renormalize, self.expert_bias,
+                             self.bias_update_rate)
 
 
 class Block(nn.Module):
@@ -88,11 +82,17 @@ class Block(nn.Module):
                        capacity_factor=args.capacity_factor, ep_size=args.ep_size,
                        ep_rank=ep_rank, ep_group=ep_group,
                        expert_group_name=args.expert_group_name,
-                       aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef)
+                       aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef,
+                       router=args.router)
+        self.shared = (SharedExpert(args.dim, args.shared_ffn_dim, args.shared_gate)
+                       if args.shared_ffn_dim else None)
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = h + self.attn(self.attn_norm(h))
-        y, aux = self.moe(self.ffn_norm(h))
+        x = self.ffn_norm(h)
+        y, aux = self.moe(x)
+        if self.shared is not None:
+            y = y + self.shared(x)
         return h + y, aux
 
 
@@ -127,11 +127,15 @@ class Decoder(nn.Module):
 def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Deterministic init keyed by FQN: the same weights for any world size or EP layout.
 
-    Norm gains are 1; output projections (``wo``, ``w2``) get std/sqrt(2L) (docs/model.md).
+    Norm gains are 1, biases 0; output projections (``wo``, ``w2``) get std/sqrt(2L)
+    (docs/model.md).
     """
     n_layers = getattr(getattr(model, "args", None), "n_layers", 1)
     with torch.no_grad():
         for fqn, param in model.named_parameters():
+            if fqn.endswith(".bias"):
+                param.zero_()
+                continue
             if param.ndim == 1:
                 param.fill_(1.0)
                 continue

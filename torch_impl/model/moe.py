@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moezero.model.dispatch import (
@@ -31,6 +30,7 @@ from moezero.model.dispatch import (
     send_back,
 )
 from moezero.model.experts import SwiGLU, grouped_swiglu, has_grouped_kernel, is_builtin
+from moezero.model.router import Router, RouterOptions, route
 from moezero.plan import rules
 
 __all__ = ["MoE", "SwiGLU", "aux_losses", "expert_counts", "expert_tag", "keep_mask", "route"]
@@ -48,15 +48,6 @@ class ExpertTag:
 def expert_tag(param: torch.Tensor) -> ExpertTag | None:
     """The :class:`ExpertTag` of an expert parameter, ``None`` for a dense one."""
     return getattr(param, "moe", None)
-
-
-def route(logits_TE: torch.Tensor, top_k: int):
-    """Softmax router: returns (probs_TE, gates_Tk renormalised, experts_Tk)."""
-    probs_TE = logits_TE.softmax(dim=-1)
-    sorted_TE, order_TE = probs_TE.sort(dim=-1, descending=True, stable=True)  # ties: low index
-    top_Tk, experts_Tk = sorted_TE[:, :top_k], order_TE[:, :top_k]
-    gates_Tk = top_Tk / top_Tk.sum(dim=-1, keepdim=True)
-    return probs_TE, gates_Tk, experts_Tk
 
 
 def aux_losses(logits_TE, probs_TE, experts_Tk, num_experts: int):
@@ -98,6 +89,8 @@ class MoE(nn.Module):
         ep_group: the EP process group (``None`` when ep_size == 1).
         expert_group_name: the moe group name used to build optimizer groups.
         aux_loss_coef, z_loss_coef: weights of the aux and z losses in the returned aux loss.
+        router: scoring, top-k renormalisation and expert bias (``model/router.py``);
+            default: softmax, renormalised, no bias (Mixtral).
         grouped: run the local experts as grouped GEMMs (``moezero.model.experts``) or, when
             False, in a loop (one call per expert; one host sync at ep = 1). ``None`` (default):
             grouped when every expert is the built-in ``SwiGLU`` and torch has a sync-free
@@ -109,6 +102,7 @@ class MoE(nn.Module):
                  ep_size: int = 1, ep_rank: int = 0, ep_group=None,
                  expert_group_name: str | None = None,
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.001,
+                 router: RouterOptions | None = None,
                  grouped: bool | None = None):
         super().__init__()
         problem = rules.ep_size_problem(ep_size, num_experts=num_experts)
@@ -121,7 +115,7 @@ class MoE(nn.Module):
         self.num_local = num_experts // ep_size
         self.group_name = rules.expert_group_name(expert_group_name, ep_size=ep_size)
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.router = Router(dim, num_experts, top_k, router or RouterOptions())
         self.experts = nn.ModuleDict({str(e): _make_expert(expert, e) for e in self.local_experts})
         for e, module in self.experts.items():
             for p in module.parameters():
@@ -140,8 +134,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output shaped like x, weighted aux loss = aux_coef*aux + z_coef*z)."""
         x_TD = x.reshape(-1, x.shape[-1])
-        logits_TE = F.linear(x_TD.float(), self.router.weight.float())
-        probs_TE, gates_Tk, experts_Tk = route(logits_TE, self.top_k)
+        logits_TE, probs_TE, gates_Tk, experts_Tk = self.router(x_TD)
         aux, z = aux_losses(logits_TE, probs_TE, experts_Tk, self.num_experts)
         out_TD = self.dispatch(x_TD, experts_Tk, gates_Tk)
         aux_loss = self.aux_loss_coef * aux + self.z_loss_coef * z

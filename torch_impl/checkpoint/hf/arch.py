@@ -1,0 +1,132 @@
+"""The architecture of a Hugging Face MoE model in moezero's names, and the ``config.json``
+checks every family shares (docs/hf.md, "Refused").
+
+``Arch`` holds the ``model.*`` / ``moe.*`` values a family's ``config.json`` maps to, plus
+import-only facts (tied embeddings). ``arch_of(manifest)`` reads the same from a moezero
+checkpoint for an export. Every refusal is a one-line ``CheckpointError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from moezero.plan.store import CheckpointError
+
+MODEL_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "rope_theta", "norm_eps",
+              "n_kv_heads", "head_dim", "qk_norm", "attn_bias")
+MOE_KEYS = ("num_experts", "top_k", "renormalize", "router_scoring", "expert_bias",
+            "shared_ffn_dim", "shared_gate")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The architecture both sides agree on, in moezero's names (``head_dim`` resolved)."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    ffn_dim: int
+    rope_theta: float
+    norm_eps: float
+    num_experts: int
+    top_k: int
+    n_kv_heads: int
+    head_dim: int
+    qk_norm: str = "none"
+    attn_bias: str = "none"
+    renormalize: bool = True
+    router_scoring: str = "softmax"
+    expert_bias: bool = False
+    shared_ffn_dim: int = 0
+    shared_gate: bool = False
+    tie_embeddings: bool = False
+
+    def sections(self) -> dict:
+        """``{"model": {...}, "moe": {...}}`` config values (``head_dim`` None when D/H)."""
+        d = asdict(self)
+        d["head_dim"] = None if self.head_dim * self.n_heads == self.dim else self.head_dim
+        return {"model": {k: d[k] for k in MODEL_KEYS}, "moe": {k: d[k] for k in MOE_KEYS}}
+
+
+def refuse(where: str, key: str, value, why: str) -> CheckpointError:
+    return CheckpointError(f"{where}: {key}={json.dumps(value)} is not supported: {why}")
+
+
+def positive(cfg: dict, where: str, *keys: str) -> list[int]:
+    """The values of ``keys`` (the first present of each ``a|b`` alternative), each a positive
+    integer, else CheckpointError naming it."""
+    out = []
+    for spec in keys:
+        key = next((k for k in spec.split("|") if k in cfg), spec.split("|")[0])
+        if not isinstance(cfg.get(key), int) or isinstance(cfg[key], bool) or cfg[key] < 1:
+            raise CheckpointError(f"{where}: {key} must be a positive integer, got "
+                                  f"{json.dumps(cfg.get(key))}")
+        out.append(cfg[key])
+    return out
+
+
+def rope_theta(cfg: dict, where: str, default: float) -> float:
+    """rope_theta from ``rope_parameters`` (transformers 5) or the top level (4.x)."""
+    params = cfg.get("rope_parameters") or {}
+    if cfg.get("rope_scaling") not in (None, {}):
+        raise refuse(where, "rope_scaling", cfg["rope_scaling"], "moezero's RoPE is unscaled")
+    kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else None
+    if kind != "default" or set(params) - {"rope_type", "type", "rope_theta"}:
+        raise refuse(where, "rope_parameters", params, "only the default (unscaled) RoPE")
+    return float(params.get("rope_theta", cfg.get("rope_theta", default)))
+
+
+def check_common(cfg: dict, where: str) -> None:
+    """What no family's decoder in moezero computes (docs/hf.md, "Refused")."""
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise refuse(where, "hidden_act", cfg["hidden_act"], "experts are SwiGLU (silu)")
+    if cfg.get("attention_dropout", 0.0) not in (0, 0.0, None):
+        raise refuse(where, "attention_dropout", cfg["attention_dropout"], "moezero has no dropout")
+    if cfg.get("mlp_bias"):
+        raise refuse(where, "mlp_bias", cfg["mlp_bias"], "moezero's experts have no bias")
+    for key in ("kv_lora_rank", "q_lora_rank"):
+        if cfg.get(key) is not None:
+            raise refuse(where, key, cfg[key], "multi-head latent attention (MLA) is not built")
+
+
+def heads(cfg: dict, where: str, n_heads: int, dim: int) -> tuple[int, int]:
+    """(key/value heads, head dim), checked: kv heads divide the heads; an even head dim."""
+    kv = cfg.get("num_key_value_heads") or n_heads
+    if not isinstance(kv, int) or n_heads % kv:
+        raise refuse(where, "num_key_value_heads", kv, f"must divide num_attention_heads={n_heads}")
+    head_dim = cfg.get("head_dim") or dim // n_heads
+    if not isinstance(head_dim, int) or head_dim % 2 or (cfg.get("head_dim") is None and dim % n_heads):
+        raise refuse(where, "head_dim", cfg.get("head_dim", dim / n_heads),
+                     "the head dim must be an even integer (RoPE)")
+    return kv, head_dim
+
+
+def arch_of(manifest) -> Arch:
+    """The architecture of a moezero checkpoint: shapes from its layout, the rest (heads, RoPE
+    theta, norm eps, top-k, the options) from its config; CheckpointError (one line) if the
+    config records none of them."""
+    shapes = dict(manifest.layout.shapes)
+    cfg = manifest.config if isinstance(manifest.config, dict) else {}
+    flat = {**cfg.get("reference", {}).get("model", {}), **cfg.get("moe", {}),
+            **cfg.get("model", {})}
+    for key in ("n_heads", "rope_theta", "norm_eps", "top_k"):
+        if key not in flat:
+            raise CheckpointError(f"the checkpoint's manifest records no {key}: cannot write "
+                                  "config.json")
+    try:
+        vocab, dim = shapes["embed.weight"]
+        layers = sum(1 for fqn in shapes if fqn.endswith(".attn_norm.weight"))
+        experts = sum(1 for fqn in shapes if fqn.startswith("layers.0.moe.experts.")) // 3
+        ffn = shapes["layers.0.moe.experts.0.w1.weight"][0]
+    except (KeyError, ValueError):
+        raise CheckpointError("the checkpoint is not of moezero's decoder "
+                              "(no embed.weight or layers.0 experts)") from None
+    heads_ = int(flat["n_heads"])
+    options = {k: flat[k] for k in ("qk_norm", "attn_bias", "renormalize", "router_scoring",
+                                    "expert_bias", "shared_ffn_dim", "shared_gate") if k in flat}
+    return Arch(vocab, dim, layers, heads_, ffn, float(flat["rope_theta"]),
+                float(flat["norm_eps"]), experts, int(flat["top_k"]),
+                int(flat.get("n_kv_heads") or heads_), int(flat.get("head_dim") or dim // heads_),
+                **options)

@@ -1,0 +1,47 @@
+"""``moezero checkpoint export --format hf|hf-<model_type>``: any moezero checkpoint as a
+Hugging Face model directory ``from_pretrained`` loads (docs/hf.md, "Export").
+
+The family is the one named, or the one that holds the checkpoint's architecture (chosen by
+QK-norm and the shared expert); what it cannot hold is refused in one line. K/V projections
+keep their grouped-query shapes. One tensor is in memory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from moezero.checkpoint import tokenizer as hf_tokenizer
+from moezero.checkpoint.hf.arch import arch_of
+from moezero.checkpoint.hf.families import family_for
+from moezero.checkpoint.hf.names import hf_name
+from moezero.checkpoint.tools import write_weights
+from moezero.plan import store
+
+HF_CONFIG = "config.json"
+
+
+def export_hf(ckpt: Path, out: Path, dtype: str = "fp32", shard_bytes: int | None = None,
+              model_type: str | None = None) -> list[Path]:
+    """``config.json`` + safetensors shards + ``model.safetensors.index.json`` of family
+    ``model_type`` (None: the one that holds the architecture).
+
+    Raises:
+        CheckpointError: (one line) the checkpoint's architecture does not fit the family.
+    """
+    manifest = store.read_manifest(ckpt)
+    arch = arch_of(manifest)
+    family = family_for(arch, model_type)
+    tokenizer_files = hf_tokenizer.files_to_export(manifest.config)
+    items = [(hf_name(fqn, family), fqn, shape) for fqn, shape in manifest.layout.shapes]
+    files = write_weights(ckpt, manifest, out, items, dtype, shard_bytes=shard_bytes,
+                          meta={"format": "pt", "moezero.step": str(manifest.step)})
+    config = {**family.config(arch, dtype), **hf_tokenizer.config_ids(manifest.config)}
+    (out / HF_CONFIG).write_text(json.dumps(config, indent=2))
+    return [out / HF_CONFIG, *files, *hf_tokenizer.copy_export(tokenizer_files, out)]
+
+
+def num_params(manifest) -> int:
+    """Elements of every parameter of a checkpoint."""
+    return sum(math.prod(shape) for _, shape in manifest.layout.shapes)

@@ -1,0 +1,50 @@
+"""The Hugging Face MoE families moezero reads and writes, and how one is chosen: by
+``config.json``'s ``model_type`` on import, by the architecture on export."""
+
+from __future__ import annotations
+
+import json
+
+from moezero.checkpoint.hf import mixtral, olmoe, qwen2_moe, qwen3_moe
+from moezero.checkpoint.hf.arch import Arch, refuse
+from moezero.checkpoint.hf.family import Family
+from moezero.plan.store import CheckpointError
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY)}
+
+
+def family_of_config(cfg: dict, where: str) -> Family:
+    """The family of a ``config.json`` object, by ``model_type``; CheckpointError naming it."""
+    family = FAMILIES.get(cfg.get("model_type"))
+    if family is None:
+        raise refuse(where, "model_type", cfg.get("model_type"),
+                     f"moezero imports {', '.join(FAMILIES)}")
+    return family
+
+
+def family_for(arch: Arch, model_type: str | None = None) -> Family:
+    """The family that holds ``arch`` (``model_type``: that one, or chosen by QK-norm and the
+    shared expert); CheckpointError (one line) naming the moezero key it cannot hold."""
+    if model_type is None:
+        model_type = {"head": "qwen3_moe", "projection": "olmoe"}.get(
+            arch.qk_norm, "qwen2_moe" if arch.shared_ffn_dim else "mixtral")
+    if model_type not in FAMILIES:
+        raise CheckpointError(f"no Hugging Face family {model_type!r} (known: "
+                              f"{', '.join(FAMILIES)})")
+    family = FAMILIES[model_type]
+    why = _common_refusal(arch) or family.refusal(arch)
+    if why:
+        key, value, reason = why
+        raise CheckpointError(f"{key}={json.dumps(value)} cannot be exported as Hugging Face "
+                              f"{model_type}: {reason}")
+    return family
+
+
+def _common_refusal(arch: Arch):
+    if arch.router_scoring != "softmax":
+        return ("moe.router_scoring", arch.router_scoring,
+                "the exported families route with a softmax")
+    if arch.expert_bias:
+        return "moe.expert_bias", True, "the exported families have no expert bias"
+    return None

@@ -1,0 +1,67 @@
+"""What one Hugging Face MoE family is to moezero: its ``config.json`` reader and writer, its
+on-disk tensor names, and what of moezero's architecture it cannot hold.
+
+One module per family (``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``) defines a
+``FAMILY``; ``families`` lists them and picks one for a ``model_type`` or an ``Arch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from moezero.checkpoint.hf.arch import Arch
+
+EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A Hugging Face MoE family.
+
+    Attributes:
+        model_type: ``config.json``'s ``model_type``.
+        architecture: The ``*ForCausalLM`` class ``from_pretrained`` builds.
+        moe_block: The MoE block's name in a layer on disk (``block_sparse_moe``, ``mlp``).
+        expert_names: The on-disk names of moezero's ``w1``, ``w3``, ``w2`` (gate, up, down).
+        read: ``(config.json object, where) -> Arch``; one-line CheckpointError on what
+            moezero cannot represent.
+        write: ``Arch -> {key: value}``: the family's own ``config.json`` keys.
+        refusal: ``Arch -> (moezero key, value, why) or None``: what the family cannot hold.
+    """
+
+    model_type: str
+    architecture: str
+    moe_block: str
+    expert_names: tuple[str, str, str]
+    read: Callable[[dict, str], Arch]
+    write: Callable[[Arch], dict]
+    refusal: Callable[[Arch], tuple[str, object, str] | None]
+
+    def config(self, arch: Arch, dtype: str) -> dict:
+        """The exported ``config.json``: the keys every family shares, then its own."""
+        torch_dtype = EXPORT_DTYPES[dtype]
+        return {"architectures": [self.architecture], "model_type": self.model_type,
+                "vocab_size": arch.vocab_size, "hidden_size": arch.dim,
+                "num_hidden_layers": arch.n_layers, "num_attention_heads": arch.n_heads,
+                "num_key_value_heads": arch.n_kv_heads, "head_dim": arch.head_dim,
+                "hidden_act": "silu", "rms_norm_eps": arch.norm_eps,
+                "rope_theta": arch.rope_theta,
+                "rope_parameters": {"rope_type": "default", "rope_theta": arch.rope_theta},
+                "num_experts_per_tok": arch.top_k, "tie_word_embeddings": False,
+                "attention_dropout": 0.0, "output_router_logits": False,
+                **self.write(arch), "dtype": torch_dtype, "torch_dtype": torch_dtype}
+
+
+def token_ids(arch: Arch, **ids: int) -> dict:
+    """The family's default special-token ids, each None where the vocabulary is too small."""
+    return {k: v if v < arch.vocab_size else None for k, v in ids.items()}
+
+
+def sliding(cfg: dict, key: str = "use_sliding_window") -> tuple[str, object] | None:
+    """``(key, value)`` when the config turns a sliding attention window on, else None."""
+    if key == "sliding_window":
+        window, positions = cfg.get("sliding_window"), cfg.get("max_position_embeddings")
+        on = window not in (None, 0) and (positions is None or window < positions)
+        return (key, window) if on else None
+    return (key, cfg[key]) if cfg.get(key) else None

@@ -1,0 +1,147 @@
+"""``moezero import-hf``: a local Hugging Face MoE directory -> a weights-only moezero
+checkpoint (docs/hf.md, "Import").
+
+The family comes from ``config.json``'s ``model_type``. Everything is checked (the config, and
+every tensor's name and shape, from the safetensors headers) before anything is written; then
+each tensor is read as a slice of its file, cast to fp32 and written to its place in the plan's
+layout (``plan_layout(..., weights_only=True)``) under ``out/step_00000000/``, committed
+atomically with ``out/latest``, plus ``out/config.yaml``. One tensor is in memory at a time.
+Grouped-query K/V projections keep their shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+
+from moezero.checkpoint import tokenizer as hf_tokenizer
+from moezero.checkpoint.hf.arch import Arch
+from moezero.checkpoint.hf.families import family_of_config
+from moezero.checkpoint.hf.family import Family
+from moezero.checkpoint.hf.names import candidates
+from moezero.checkpoint.hf.reader import HFTensors
+from moezero.config import Config, dump_config
+from moezero.model.decoder import Decoder, ModelArgs
+from moezero.plan import plan_groups, plan_layout, store
+from moezero.plan.layout import RangeRecord
+from moezero.plan.store import CheckpointError
+from moezero.zero.groups import config_user_group, param_specs
+
+HF_CONFIG = "config.json"
+_IGNORED = re.compile(r".*\.rotary_emb\.inv_freq")  # a buffer some old checkpoints saved
+
+
+def read_hf_config(src: Path) -> tuple[Family, Arch, dict]:
+    """The family, the checked architecture and the raw ``config.json`` of a directory."""
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: no such directory")
+    path = src / HF_CONFIG
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{src}: no {HF_CONFIG} (not a Hugging Face model directory)") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable: {' '.join(str(exc).split())}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    family = family_of_config(raw, str(path))
+    return family, family.read(raw, str(path)), raw
+
+
+def import_config(arch: Arch, out: Path, where: str, tokenizer: dict | None = None) -> Config:
+    """The default recipe with ``arch``, ``checkpoint.load: out`` and the ``tokenizer`` section
+    (``out/config.yaml``)."""
+    sections = arch.sections()
+    ep = 2 if arch.num_experts % 2 == 0 else 1
+    data = {**sections, "moe": {**sections["moe"], "ep_size": ep},
+            "checkpoint": {"load": str(out.resolve())},
+            "data": {"synthetic_vocab": min(32, arch.vocab_size)}, "tokenizer": tokenizer or {}}
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise CheckpointError(f"{where}: maps to {loc}: {err['msg']}") from None
+
+
+def import_hf(src: str | Path, out: str | Path) -> Path:
+    """Write the Hugging Face model in ``src`` as a weights-only moezero checkpoint in ``out``.
+
+    Returns:
+        The committed step directory ``out/step_00000000``.
+
+    Raises:
+        CheckpointError: (one line) a missing or unsupported input, or ``out`` not empty.
+    """
+    src, out = Path(src), Path(out)
+    family, arch, raw = read_hf_config(src)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"--out {out}: exists and is not an empty directory")
+    cfg = import_config(arch, out, str(src / HF_CONFIG), hf_tokenizer.describe_import(src, out))
+    hf_tokenizer.copy_import(src, out)
+    tensors = HFTensors(src)
+    layout = _layout(arch, cfg)
+    sources = {fqn: _source(tensors, fqn, shape, arch, family, src)
+               for fqn, shape in layout.shapes}
+    _check_all_used(tensors, {key for key, _ in sources.values()}, arch, src)
+    final = _write(layout, tensors, sources, out, meta={
+        "config": cfg.model_dump(by_alias=True, mode="json"),
+        "topology": {"world_size": 1, "ep_sizes": [cfg.moe.ep_size], "zero_stage": None,
+                     "dtype": str(raw.get("dtype") or raw.get("torch_dtype") or "?"),
+                     "writer": "import-hf"},
+        "state": {"source": {"format": f"hf-{family.model_type}", "path": str(src.resolve()),
+                             "config": raw}}})
+    dump_config(cfg, out / "config.yaml")
+    return final
+
+
+def _write(layout, tensors: HFTensors, sources: dict, out: Path, meta: dict) -> Path:
+    """The plan's crash-safe save at W = 1: headers, one range per tensor, manifest, commit."""
+    partial = store.begin_save(out, 0)
+    records = store.write_headers(layout, partial)
+    for f in layout.model_files:
+        for t in f.tensors:
+            value = tensors.read(*sources[t.fqn]).contiguous().reshape(-1).numpy()
+            flat = value[t.start:t.stop]
+            crc = store.write_range(partial / f.name, f.data_start + t.begin, flat)
+            records.append(RangeRecord(f.name, f.data_start + t.begin, flat.nbytes, crc))
+        store.fsync_file(partial / f.name)
+    store.write_manifest(partial, layout, checksums=records, **meta)
+    return store.commit(partial)
+
+
+def _source(tensors: HFTensors, fqn: str, shape: tuple[int, ...], arch: Arch, family: Family,
+            where: Path) -> tuple[str, tuple]:
+    """The (HF key, index) holding ``fqn``, its shape checked (headers only)."""
+    options = candidates(fqn, arch, family)
+    key, index = next(((k, i) for k, i in options if k in tensors.files), (None, None))
+    if key is None:
+        raise CheckpointError(f"{where}: no tensor for {fqn} (looked for "
+                              f"{' or '.join(dict.fromkeys(k for k, _ in options))})")
+    tensors.check_shape(key, index, shape)
+    return key, index
+
+
+def _layout(arch: Arch, cfg: Config):
+    """The plan's layout of the default recipe's groups for this architecture (weights only),
+    so a run with the default grouping reads each group contiguously."""
+    args = ModelArgs(**arch.sections()["model"], **arch.sections()["moe"],
+                     ep_size=cfg.moe.ep_size)
+    with torch.device("meta"):
+        specs, _ = param_specs(Decoder(args), config_user_group(cfg))
+    groups = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
+                         split_by_expert=cfg.moe.split_groups_by_expert)
+    return plan_layout(groups, {s.fqn: s.shape for s in specs}, step=0, weights_only=True)
+
+
+def _check_all_used(tensors: HFTensors, used: set[str], arch: Arch, src: Path) -> None:
+    """Refuse a tensor moezero would silently drop (a bias, an extra norm, ...)."""
+    tied = {"lm_head.weight"} if arch.tie_embeddings else set()
+    left = sorted(k for k in set(tensors.files) - used - tied if not _IGNORED.fullmatch(k))
+    if left:
+        raise CheckpointError(f"{src}: tensor {left[0]} has no place in moezero's decoder "
+                              f"({len(left)} such tensors); refusing to drop it")

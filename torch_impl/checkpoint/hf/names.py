@@ -1,0 +1,61 @@
+"""moezero FQNs ↔ Hugging Face keys of one family (the mapping table of docs/hf.md)."""
+
+from __future__ import annotations
+
+import re
+
+from moezero.checkpoint.hf.arch import Arch
+from moezero.checkpoint.hf.family import Family
+from moezero.plan.store import CheckpointError
+
+_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight"}
+_BLOCK = {"attn_norm.weight": "input_layernorm.weight",
+          "ffn_norm.weight": "post_attention_layernorm.weight",
+          **{f"attn.w{x}.{p}": f"self_attn.{x}_proj.{p}" for x in "qkvo" for p in ("weight", "bias")},
+          "attn.q_norm.weight": "self_attn.q_norm.weight",
+          "attn.k_norm.weight": "self_attn.k_norm.weight",
+          "shared.w1.weight": "mlp.shared_expert.gate_proj.weight",
+          "shared.w3.weight": "mlp.shared_expert.up_proj.weight",
+          "shared.w2.weight": "mlp.shared_expert.down_proj.weight",
+          "shared.gate.weight": "mlp.shared_expert_gate.weight"}
+_IN_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(w[123])\.weight")
+_W = ("w1", "w3", "w2")
+
+
+def hf_name(fqn: str, family: Family) -> str:
+    """The Hugging Face key of a moezero FQN, in the per-expert on-disk form that every
+    transformers version reads (``{moe_block}.experts.{e}.{gate|up|down name}.weight``)."""
+    if fqn in _TOP:
+        return _TOP[fqn]
+    expert = _EXPERT.fullmatch(fqn)
+    if expert:
+        layer, e, w = expert.groups()
+        name = family.expert_names[_W.index(w)]
+        return f"model.layers.{layer}.{family.moe_block}.experts.{e}.{name}.weight"
+    block = _IN_BLOCK.fullmatch(fqn)
+    if block and block[2] == "moe.router.weight":
+        return f"model.layers.{block[1]}.{family.moe_block}.gate.weight"
+    if block and block[2] in _BLOCK:
+        return f"model.layers.{block[1]}.{_BLOCK[block[2]]}"
+    raise CheckpointError(f"parameter {fqn} has no Hugging Face {family.model_type} counterpart")
+
+
+def candidates(fqn: str, arch: Arch, family: Family) -> list[tuple[str, tuple]]:
+    """(HF key, leading-index slices) that may hold ``fqn``, preferred first: the per-expert
+    on-disk form, then transformers 5's fused in-memory form (``mlp.experts.gate_up_proj``
+    [E, 2F, D] = gate then up, ``mlp.experts.down_proj`` [E, D, F], ``mlp.gate``)."""
+    if fqn == "lm_head.weight" and arch.tie_embeddings:
+        return [("model.embed_tokens.weight", ())]
+    found = [(hf_name(fqn, family), ())]
+    expert = _EXPERT.fullmatch(fqn)
+    if expert:
+        layer, e, w = expert[1], int(expert[2]), expert[3]
+        fused, f = f"model.layers.{layer}.mlp.experts.", arch.ffn_dim
+        found.append({"w1": (fused + "gate_up_proj", (slice(e, e + 1), slice(0, f))),
+                      "w3": (fused + "gate_up_proj", (slice(e, e + 1), slice(f, 2 * f))),
+                      "w2": (fused + "down_proj", (slice(e, e + 1),))}[w])
+    elif fqn.endswith(".moe.router.weight") and family.moe_block != "mlp":
+        found.append((f"model.layers.{fqn.split('.')[1]}.mlp.gate.weight", ()))
+    return found

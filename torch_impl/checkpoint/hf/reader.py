@@ -1,0 +1,62 @@
+"""The tensors of a Hugging Face model directory: key -> file, headers checked, each tensor
+read as a slice of its file on demand (safetensors only, never pickled ``.bin`` weights)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moezero.plan.layout import INDEX_NAME
+from moezero.plan.store import CheckpointError
+
+
+class HFTensors:
+    """``files``: every tensor key of the directory and the file that holds it."""
+
+    def __init__(self, root: Path):
+        index = root / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index}: unreadable index: {exc}") from None
+            self.files = {k: root / v for k, v in weight_map.items()}
+        elif (root / "model.safetensors").is_file():
+            with safe_open(root / "model.safetensors", "pt") as f:
+                self.files = dict.fromkeys(f.keys(), root / "model.safetensors")
+        else:
+            raise CheckpointError(f"{root}: no model.safetensors or {INDEX_NAME} (only "
+                                  "safetensors weights are read, never pickled .bin files)")
+
+    def _open(self, key: str):
+        try:
+            return safe_open(self.files[key], "pt")
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{self.files[key]}: cannot read {key}: {exc}") from None
+
+    def check_shape(self, key: str, index: tuple, shape: tuple[int, ...]) -> None:
+        """CheckpointError unless ``key[index]`` (leading dim of a slice dropped) is ``shape``;
+        reads the header only."""
+        with self._open(key) as f:
+            try:
+                full = list(f.get_slice(key).get_shape())
+            except Exception as exc:  # safetensors raises its own error type
+                raise CheckpointError(f"{self.files[key]}: no tensor {key}: {exc}") from None
+        got = tuple(len(range(*s.indices(n))) for s, n in zip(index, full, strict=False))
+        got = (got + tuple(full[len(index):]))[1:] if index else tuple(full)
+        if got != shape:
+            raise CheckpointError(f"{self.files[key]}: {key}{_slice_text(index)} has shape "
+                                  f"{got}, config.json implies {shape}")
+
+    def read(self, key: str, index: tuple) -> torch.Tensor:
+        """``key[index]`` (leading dim of a slice dropped) as fp32."""
+        with self._open(key) as f:
+            part = f.get_slice(key)
+            return (part[index][0] if index else part[:]).float()
+
+
+def _slice_text(index: tuple) -> str:
+    return "[" + ", ".join(f"{s.start}:{s.stop}" for s in index) + "]" if index else ""

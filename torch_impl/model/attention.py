@@ -1,0 +1,87 @@
+"""Causal self-attention of the decoder: grouped-query heads, optional QK-norm and biases, RoPE.
+
+Semantics are docs/model.md ("Attention"); the JAX counterpart is ``reference/model.py:
+attention``. Legend: B batch, S sequence, D model dim, H query heads, G key/value heads,
+K head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QK_NORMS = ("none", "head", "projection")
+"""``model.qk_norm``: none; RMSNorm over each head's K dims (Qwen3-MoE); RMSNorm over the whole
+q and k projections, before the head split (OLMoE)."""
+
+ATTN_BIASES = ("none", "qkv", "all")
+"""``model.attn_bias``: no biases; on the q, k and v projections (Qwen2-MoE); on those and the
+output projection (``attention_bias`` of OLMoE and Qwen3-MoE)."""
+
+
+class RMSNorm(nn.Module):
+    """``x * rsqrt(mean(x², -1) + eps) * g``, computed in fp32, cast back to x's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def rope(x_BSHK: torch.Tensor, theta: float) -> torch.Tensor:
+    """Half-split rotary embedding (HF ``rotate_half`` convention), positions 0..S-1."""
+    seq, half = x_BSHK.shape[1], x_BSHK.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x_BSHK.device) / half)
+    angle_SK = torch.arange(seq, dtype=torch.float32, device=x_BSHK.device)[:, None] * inv_freq
+    cos, sin = angle_SK.cos()[None, :, None, :], angle_SK.sin()[None, :, None, :]
+    x1, x2 = x_BSHK.float()[..., :half], x_BSHK.float()[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BSHK.dtype)
+
+
+class Attention(nn.Module):
+    """Causal attention with H query heads sharing G key/value heads (G divides H; G = H is
+    multi-head attention). ``wq`` is [H·K, D], ``wk``/``wv`` [G·K, D], ``wo`` [D, H·K]: the
+    key/value projections are never expanded to H heads.
+
+    Args:
+        args: the decoder's ``ModelArgs`` (``dim``, ``n_heads``, ``kv_heads``, ``head_size``,
+            ``rope_theta``, ``norm_eps``, ``qk_norm``, ``attn_bias``).
+    """
+
+    def __init__(self, args):
+        super().__init__()
+        d, h, g, k = args.dim, args.n_heads, args.kv_heads, args.head_size
+        self.n_heads, self.n_kv_heads, self.head_dim = h, g, k
+        self.theta, self.qk_norm = args.rope_theta, args.qk_norm
+        qkv_bias = args.attn_bias != "none"
+        self.wq = nn.Linear(d, h * k, bias=qkv_bias)
+        self.wk = nn.Linear(d, g * k, bias=qkv_bias)
+        self.wv = nn.Linear(d, g * k, bias=qkv_bias)
+        self.wo = nn.Linear(h * k, d, bias=args.attn_bias == "all")
+        if args.qk_norm != "none":
+            per_head = args.qk_norm == "head"
+            self.q_norm = RMSNorm(k if per_head else h * k, args.norm_eps)
+            self.k_norm = RMSNorm(k if per_head else g * k, args.norm_eps)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x_BSD.shape
+        q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BSHK = q.view(b, s, self.n_heads, self.head_dim)
+        k_BSGK = k.view(b, s, self.n_kv_heads, self.head_dim)
+        v_BSGK = v.view(b, s, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q_BSHK, k_BSGK = self.q_norm(q_BSHK), self.k_norm(k_BSGK)
+        q_BSHK, k_BSGK = rope(q_BSHK, self.theta), rope(k_BSGK, self.theta)
+        # Query head h reads key/value head h // (H/G), as transformers' repeat_kv.
+        out = F.scaled_dot_product_attention(
+            q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2),
+            is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.wo(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))

@@ -1,0 +1,124 @@
+"""The MoE router: scores, the top-k choice and the gates, and the aux-loss-free expert bias.
+
+Variants (docs/model.md, "Router"): softmax or sigmoid scores; the top-k gates renormalised to
+sum 1 or not; an expert bias (DeepSeek-V3's aux-loss-free balancing) added to the scores for
+the choice only, updated after each optimizer step from the global expert loads, outside the
+optimizer. The JAX counterpart is ``reference/moe.py: route`` and ``update_expert_bias``.
+Legend: T tokens, D model dim, E experts, k top-k, L MoE layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+SCORINGS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    """How a router scores and gates (``moe.router_scoring``, ``moe.renormalize``,
+    ``moe.expert_bias``, ``moe.bias_update_rate``)."""
+
+    scoring: str = "softmax"
+    renormalize: bool = True
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+
+    def __post_init__(self):
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"moe.router_scoring: {self.scoring!r} is not one of {SCORINGS}")
+
+
+def route(logits_TE: torch.Tensor, top_k: int, *, scoring: str = "softmax",
+          renormalize: bool = True, bias_E: torch.Tensor | None = None):
+    """Scores, top-k and gates of fp32 router logits.
+
+    Returns:
+        ``(probs_TE, gates_Tk, experts_Tk)``: the scores normalised to sum 1 per token (the aux
+        loss's P; softmax: the scores themselves), the gates (the chosen experts' scores,
+        renormalised or not) and the chosen experts, best first. The choice ranks
+        ``scores + bias_E`` (ties: lower index first); the gates never include the bias.
+    """
+    scores_TE = logits_TE.softmax(dim=-1) if scoring == "softmax" else logits_TE.sigmoid()
+    choice_TE = scores_TE if bias_E is None else scores_TE + bias_E
+    experts_Tk = choice_TE.sort(dim=-1, descending=True, stable=True)[1][:, :top_k]
+    top_Tk = scores_TE.gather(1, experts_Tk)
+    gates_Tk = top_Tk / top_Tk.sum(dim=-1, keepdim=True) if renormalize else top_Tk
+    probs_TE = scores_TE if scoring == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
+    return probs_TE, gates_Tk, experts_Tk
+
+
+class Router(nn.Linear):
+    """Router weight [E, D] (FQN ``router.weight``, as a bias-free ``nn.Linear``) and, with
+    ``options.expert_bias``, the fp32 buffer ``router.expert_bias`` [E] (checkpointed, never
+    optimized) with the expert loads counted since the last update (not saved).
+
+    ``forward(x_TD)`` returns ``(logits_TE, probs_TE, gates_Tk, experts_Tk)``; the logits are
+    computed in fp32 (x and W upcast).
+    """
+
+    def __init__(self, dim: int, num_experts: int, top_k: int,
+                 options: RouterOptions = RouterOptions()):
+        super().__init__(dim, num_experts, bias=False)
+        self.num_experts, self.top_k, self.options = num_experts, top_k, options
+        self.register_buffer("expert_bias", torch.zeros(num_experts) if options.expert_bias
+                             else None)
+        if options.expert_bias:
+            self.register_buffer("pending_load", torch.zeros(num_experts, dtype=torch.int64),
+                                 persistent=False)
+
+    def forward(self, x_TD: torch.Tensor):
+        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        probs_TE, gates_Tk, experts_Tk = route(
+            logits_TE, self.top_k, scoring=self.options.scoring,
+            renormalize=self.options.renormalize, bias_E=self.expert_bias)
+        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
+            self.pending_load += torch.bincount(experts_Tk.reshape(-1), minlength=self.num_experts)
+        return logits_TE, probs_TE, gates_Tk, experts_Tk
+
+    @torch.no_grad()
+    def apply_load(self, load_E: torch.Tensor) -> None:
+        """``bias_e += rate · sign(mean load − load_e)``: underloaded experts rise (exact in
+        integers: ``sign(Σ load − E · load_e)``)."""
+        sign_E = torch.sign(load_E.sum() - self.num_experts * load_E).float()
+        self.expert_bias.add_(sign_E * self.options.bias_update_rate)
+
+    def _apply(self, fn, recurse=True):
+        """Moves and casts as any module, except the expert bias, which stays fp32 (its
+        ±rate steps would round away in bf16)."""
+        bias = self.expert_bias
+        super()._apply(fn, recurse)
+        if bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = bias.to(device=self.expert_bias.device, dtype=torch.float32)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, top_k={self.top_k}, {self.options}"
+
+
+def biased_routers(model: nn.Module) -> list[Router]:
+    """The routers of ``model`` that carry an expert bias, in module order."""
+    return [m for m in model.modules() if isinstance(m, Router) and m.expert_bias is not None]
+
+
+def update_expert_biases(model: nn.Module, *, distributed: bool, skip: bool = False) -> None:
+    """After an optimizer step: sum every biased router's load over all ranks (one all-reduce
+    on the world group, so every rank applies the same update) and step its bias; then start
+    counting afresh. ``skip`` (a step skipped on fp16 overflow, the same on every rank) drops
+    the loads without an update. Collective when ``distributed`` and a router has a bias."""
+    routers = biased_routers(model)
+    if not routers:
+        return
+    if not skip:
+        load_LE = torch.stack([r.pending_load for r in routers])
+        if distributed:
+            dist.all_reduce(load_LE)
+        for router, load_E in zip(routers, load_LE, strict=True):
+            router.apply_load(load_E)
+    for router in routers:
+        router.pending_load.zero_()
