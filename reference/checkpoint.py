@@ -177,22 +177,6 @@ def _write_groups(partial: Path, layout: Layout, state: TrainState) -> list[Rang
     return records
 
 
-def _write_files(partial: Path, layout, flat: dict) -> list:
-    """Headers, buffers and every group whole (the only DP rank of a dp_size = 1 partition),
-    fsynced; the checksum records."""
-    records = store.write_headers(layout, partial)
-    records += write_buffers(partial, layout, flat["master"])
-    for group in layout.groups:
-        part = partition_group(group, world_size=group.ep_size)
-        shards = {s: np.concatenate([_flat32(values[m.fqn])[m.start:m.stop]
-                                     for m in group.members])
-                  for s, values in flat.items()}
-        records += store.write_partition(partial, layout, part, 0, **shards, fsync=False)
-    for f in layout.files:
-        store.fsync_file(partial / f.name)
-    return records
-
-
 def _flat32(value) -> np.ndarray:
     arr = np.asarray(jax.device_get(value))
     if arr.dtype != np.float32:
