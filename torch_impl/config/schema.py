@@ -203,6 +203,9 @@ class CheckpointConfig(_Section):
     keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep; older ones are deleted.")
     load: str | None = Field(None, min_length=1, description="Resume from a step directory, or 'latest'.")
     async_save: bool = Field(False, alias="async", description="Write in the background (key: async).")
+    verify_on_load: bool = Field(
+        True, description="Check every range's crc32 while it is read and every file's header "
+                          "against the manifest; a mismatch stops the run before it starts.")
     dir: str | None = Field(None, description="Checkpoint root; None = <run dir>/checkpoints.")
 
     def resolve_dir(self, run_dir: str | os.PathLike) -> Path:
