@@ -19,16 +19,21 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from pydantic import ValidationError
 from tqdm import tqdm
 
 from moezero.checkpoint.core import CheckpointError, check_shapes, model_shapes, resolve_load
 from moezero.config import Config, ConfigError, dump_config
-from moezero.data import Batches, make_corpus
+from moezero.data import Batches, DataError, make_corpus
+from moezero.distributed.agree import broadcast_json
+from moezero.distributed.failures import rank_errors
 from moezero.distributed.launcher import launch
+from moezero.distributed.signals import Preempted, PreemptOptions, StopRequest
 from moezero.distributed.topology import Topology, build_topology
 from moezero.engine import Engine, initialize
 from moezero.model.decoder import Decoder, ModelArgs, init_weights
+from moezero.offload.aio import OffloadIOError
 from moezero.offload.options import IOOptions
 from moezero.plan import store
 from moezero.zero.groups import OptimizerGroups
@@ -37,6 +42,9 @@ ARCH_KEYS = {"model": ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "r
                        "norm_eps"),
              "moe": ("num_experts", "top_k")}
 """Config keys that define the model a checkpoint holds (shapes and forward numerics)."""
+
+EXPECTED_ERRORS = (CheckpointError, ConfigError, DataError, OffloadIOError, OSError)
+"""What a rank reports as one line (docs/reliability.md); anything else is a crash."""
 
 METRIC_KEYS = ("step", "loss", "ce", "aux_loss", "lr", "grad_norm", "loss_scale", "skipped",
                "tokens_per_s", "step_time_s", "peak_mem_bytes", "step_peak_engine_bytes")
@@ -177,8 +185,11 @@ def _mib(n: int) -> str:
 
 
 def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
-          io: IOOptions | None = None) -> dict:
-    """Train ``cfg.train.steps`` steps; returns the summary (rank 0's is the one printed)."""
+          io: IOOptions | None = None, stop: StopRequest | None = None) -> dict:
+    """Train ``cfg.train.steps`` steps; returns the summary (rank 0's is the one printed).
+
+    ``stop``: when any rank's request is set (a preemption signal), every rank finishes its
+    step, saves and raises ``Preempted`` (docs/reliability.md)."""
     run_dir = Path(run_dir)
     device = device or torch.device("cpu")
     engine, batches = setup(cfg, device, io)
@@ -196,8 +207,15 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
         print_group_table(engine.groups)
         if resumed is not None:
             print(f"moezero: resumed from {resumed} at step {engine.global_steps}", flush=True)
-    history = _loop(cfg, engine, batches, run_dir if lead else None, root,
-                    saved=engine.global_steps if resumed is not None else None)
+    try:
+        history = _loop(cfg, engine, batches, run_dir if lead else None, root,
+                        saved=engine.global_steps if resumed is not None else None, stop=stop)
+    except Preempted as done:
+        engine.close()
+        if lead:
+            print(f"moezero: preempted after step {done.step}: checkpoint {done.checkpoint}; "
+                  "resume with --set checkpoint.load=latest", flush=True)
+        raise
     engine.close()  # a clean exit: swap files are removed
     summary = summarize(history, batches.corpus)
     if lead:
@@ -210,7 +228,7 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
 
 
 def _loop(cfg: Config, engine: Engine, batches: Batches, run_dir: Path | None, root: Path, *,
-          saved: int | None) -> list[dict]:
+          saved: int | None, stop: StopRequest | None = None) -> list[dict]:
     """Train from ``engine.global_steps`` to ``train.steps``; save every ``checkpoint.every``
     steps and at the end (unless step ``saved`` is already on disk)."""
     every, start = cfg.checkpoint.every, engine.global_steps
@@ -235,6 +253,8 @@ def _loop(cfg: Config, engine: Engine, batches: Batches, run_dir: Path | None, r
                       f"{row['tokens_per_s']:.0f} tokens/s", flush=True)
             if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
                 saved = _save(engine, batches, root)
+            if stop is not None and stop.agree(engine.device):
+                _preempt(engine, batches, root, saved)
         if saved != engine.global_steps:
             _save(engine, batches, root)
         engine.wait_checkpoint()
@@ -243,6 +263,14 @@ def _loop(cfg: Config, engine: Engine, batches: Batches, run_dir: Path | None, r
         if metrics_file:
             metrics_file.close()
     return history
+
+
+def _preempt(engine: Engine, batches: Batches, root: Path, saved: int | None) -> None:
+    """Save this step (unless it is saved), wait for the save, raise ``Preempted``."""
+    if saved != engine.global_steps:
+        _save(engine, batches, root)
+    engine.wait_checkpoint()
+    raise Preempted(engine.global_steps, root / store.step_dir_name(engine.global_steps))
 
 
 def _save(engine: Engine, batches: Batches, root: Path) -> int:
@@ -308,11 +336,18 @@ def launch_training(cfg: Config, run_dir: Path, nproc: int, io: IOOptions | None
     ``io``: the engines' I/O options (the CLI's, read once from its environment)."""
     backend = cfg.dist.resolve_backend(cuda=torch.cuda.is_available())
     return launch(_train_rank, (cfg.model_dump(by_alias=True), str(run_dir), io), nproc=nproc,
-                  backend=backend, timeout_s=cfg.dist.timeout_s)
+                  backend=backend, timeout_s=cfg.dist.timeout_s,
+                  preempt=PreemptOptions.from_names(cfg.train.preempt_signals))
 
 
-def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None) -> None:
+def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None, *,
+                stop: StopRequest | None = None) -> None:
+    """One rank of ``moezero train``: rank 0's run directory on every rank (each torchrun
+    worker's CLI picked its own), expected errors as one line (``EXPECTED_ERRORS``)."""
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device(f"cuda:{torch.cuda.current_device()}")
-    train(Config.model_validate(cfg_data), Path(run_dir), device, io)
+    run_dir = Path(broadcast_json(str(run_dir), device=device))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with rank_errors(rank, run_dir / "logs", EXPECTED_ERRORS):
+        train(Config.model_validate(cfg_data), run_dir, device, io, stop)

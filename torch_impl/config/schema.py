@@ -49,6 +49,10 @@ class TrainConfig(_Section):
     seq_len: int = Field(128, ge=1, description="Tokens per sequence.")
     log_every: int = Field(10, ge=1, description="Print progress every this many steps.")
     out_dir: str | None = Field(None, description="Run directory; None lets the CLI pick one (--out sets it).")
+    preempt_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU"]] = Field(
+        ["SIGTERM", "SIGUSR1"],
+        description="Signals that make every rank finish its step, save and exit (code 75); "
+                    "a second one aborts at once. [] = off (default actions).")
 
 
 class ModelConfig(_Section):
