@@ -20,7 +20,6 @@ import torch
 
 import moezero.checkpoint.writer as cw
 from moezero.checkpoint.core import CheckpointError
-from moezero.cli import TEST_ENOSPC_ENV
 from moezero.config import Config
 from moezero.distributed.launcher import spawn
 from moezero.offload.options import IOOptions
@@ -29,6 +28,8 @@ from moezero.train import _train_rank, setup
 from tests.support.world import run_world
 from tests.torch_impl.test_checkpoint import ccfg
 from tests.torch_impl.test_cli import TINY, moezero
+
+TEST_ENOSPC_ENV = "MOEZERO_TEST_ENOSPC"  # moezero.cli.TEST_ENOSPC_ENV
 
 
 def _one_line(res) -> str:
