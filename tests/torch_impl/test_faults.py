@@ -62,11 +62,11 @@ def test_a_failed_save_removes_its_partial_and_keeps_latest(tmp_path, monkeypatc
     monkeypatch.setattr(store, "write_range", lambda path, offset, array: full(None, path, 0, 0))
     with pytest.raises(CheckpointError) as err:
         engine.save_checkpoint(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+    assert _step(tmp_path) == "step_00000001" and store.verify(tmp_path / "step_00000001") == []
     message = str(err.value)
     assert "\n" not in message and os.strerror(code) in message, message
     assert re.search(r"step_00000002\.partial/\S+\.safetensors: ", message), message
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
-    assert _step(tmp_path) == "step_00000001" and store.verify(tmp_path / "step_00000001") == []
 
 
 def test_injected_enospc_fails_only_its_rank_and_step(tmp_path):
