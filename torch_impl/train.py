@@ -36,14 +36,15 @@ from moezero.model.decoder import Decoder, ModelArgs, init_weights
 from moezero.offload.aio import OffloadIOError
 from moezero.offload.options import IOOptions
 from moezero.plan import store
-from moezero.zero.groups import OptimizerGroups
+from moezero.zero.groups import OptimizerGroups, PlanMismatchError
 
 ARCH_KEYS = {"model": ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "rope_theta",
                        "norm_eps"),
              "moe": ("num_experts", "top_k")}
 """Config keys that define the model a checkpoint holds (shapes and forward numerics)."""
 
-EXPECTED_ERRORS = (CheckpointError, ConfigError, DataError, OffloadIOError, OSError)
+EXPECTED_ERRORS = (CheckpointError, ConfigError, DataError, OffloadIOError, OSError,
+                   PlanMismatchError)
 """What a rank reports as one line (docs/reliability.md); anything else is a crash."""
 
 METRIC_KEYS = ("step", "loss", "ce", "aux_loss", "lr", "grad_norm", "loss_scale", "skipped",
