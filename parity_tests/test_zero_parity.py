@@ -244,10 +244,14 @@ def _twin_config(cfg: ZeroConfig) -> ZeroConfig:
     return dataclasses.replace(cfg, ep_size=1, max_group_size=None)  # one compile per W
 
 
-def jax_run(case: Case, initial: dict) -> list[dict]:
+def jax_run(case: Case, initial: dict, lr_factor: float = 1.0) -> list[dict]:
     """Trajectory: STEPS steps of the sharded step and of its twin from the torch initial
-    weights, each with its own forward and backward."""
+    weights, each with its own forward and backward. ``lr_factor``: a planted bug, the
+    reference's learning rate scaled (``test_trajectory_tolerances_catch_a_wrong_lr``)."""
     cfg = case.zero_config()
+    if lr_factor != 1.0:
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim,
+                                                                 lr=cfg.optim.lr * lr_factor))
     twin_cfg = _twin_config(cfg)
     mesh = make_mesh(case.world, case.ep)
     params = from_fqn_dict({k: np.asarray(v, np.float32) for k, v in initial.items()}, MODEL)
@@ -438,10 +442,49 @@ def _trajectory_limit(name: str, what: str, n: int) -> float | None:
     compared."""
     tol = ZERO[CASES[name].precision]
     if what in ("master", "params"):
-        return tol.master
+        return tol.master_1 if n == 0 else tol.master
     if n == 0 and what == "exp_avg":  # (1 − β1)·clip·reduced gradient
-        return tol.reduced
+        return tol.exp_avg_1
     return tol.moments
+
+
+def state_violations(name: str, runs: list[dict], steps: list[dict],
+                     report: bool = True) -> list[str]:
+    """Each step's fp32 state (and gathered params) beyond its trajectory tolerance
+    (``report``: recorded for PARITY_REPORT)."""
+    out = []
+    for n in range(STEPS):
+        for pair, (err, fqn) in step_errors(runs, steps[n], n).items():
+            limit = _trajectory_limit(name, pair.split("/")[0], n)
+            if limit is not None:
+                if report:
+                    record(f"zero trajectory {CASES[name].precision} {pair} n={min(n, 1)}",
+                           err, limit)
+                if err > limit:
+                    out.append(f"step {n + 1}: {pair} {fqn} off by {err:.2e} (tol {limit})")
+    return out
+
+
+def metric_violations(name: str, runs: list[dict], steps: list[dict],
+                      report: bool = True) -> list[str]:
+    """Each step's mean loss and (unskipped) grad norm beyond its trajectory tolerance
+    (``report``: recorded for PARITY_REPORT)."""
+    case, out = CASES[name], []
+    tol = ZERO[case.precision]
+    for n, jax_step in enumerate(steps):
+        mine = runs[0]["steps"][n]["metrics"]
+        loss = np.mean([r["steps"][n]["loss"] for r in runs])
+        for other in ("zero", "twin"):
+            checks = [("loss", rel_err(jax_step[other]["loss"], loss), tol.loss)]
+            if not mine["skipped"]:
+                checks.append(("grad_norm", rel_err(jax_step[other]["grad_norm"],
+                                                    mine["grad_norm"]), tol.grad_norm))
+            for what, err, limit in checks:
+                if report:
+                    record(f"zero trajectory {case.precision} {what}/torch-{other}", err, limit)
+                if err > limit:
+                    out.append(f"step {n + 1}: {what} vs {other} off by {err:.2e} (tol {limit})")
+    return out
 
 
 @pytest.mark.parametrize(("name", "stage"), CASE_STAGES)
@@ -449,13 +492,8 @@ def test_trajectory_state_by_fqn_after_every_step(trajectory, name, stage):
     """Each side's own 10-step run: fp32 master, exp_avg and exp_avg_sq, torch vs the sharded
     step and vs the twin (``ZERO``: why these are looser than the isolated step's)."""
     runs, steps = trajectory(name, stage)
-    for n in range(STEPS):
-        for pair, (err, fqn) in step_errors(runs, steps[n], n).items():
-            limit = _trajectory_limit(name, pair.split("/")[0], n)
-            if limit is not None:
-                record(f"zero trajectory {CASES[name].precision} {pair} n={min(n, 1)}", err,
-                       limit)
-                assert err <= limit, f"step {n + 1}: {pair} {fqn} off by {err:.2e} (tol {limit})"
+    bad = state_violations(name, runs, steps)
+    assert not bad, bad[:5]
     first, last = steps[0]["twin_state"][0], steps[-1]["twin_state"][0]
     assert max(rel_err(last[k], first[k]) for k in first) > 1e-3  # it trained
 
@@ -464,14 +502,24 @@ def test_trajectory_state_by_fqn_after_every_step(trajectory, name, stage):
 def test_trajectory_loss_grad_norm_lr_loss_scale_and_skips(trajectory, name, stage):
     runs, steps = trajectory(name, stage)
     case = CASES[name]
-    tol = ZERO[case.precision].reduced
-    for n, jax_step in enumerate(steps):
-        check_metrics(runs, jax_step, n, case, tol, "trajectory")
-        loss = np.mean([r["steps"][n]["loss"] for r in runs])
-        for other in ("zero", "twin"):
-            err = rel_err(jax_step[other]["loss"], loss)
-            record(f"zero trajectory {case.precision} loss/torch-{other}", err, tol)
-            assert err <= tol, (n, other)
+    for n, jax_step in enumerate(steps):  # skips, scales and lr exactly; the norm as below
+        check_metrics(runs, jax_step, n, case, ZERO[case.precision].grad_norm, "trajectory")
+    bad = metric_violations(name, runs, steps)
+    assert not bad, bad[:5]
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=() if n in FAST else (pytest.mark.slow,))
+    for n in CASES if CASES[n].precision != "fp32"])
+def test_trajectory_tolerances_catch_a_wrong_lr(trajectory, name):
+    """The bf16/fp16 trajectory tolerances are tight enough to matter: the reference run with
+    a learning rate 20% too high fails them (stage 2)."""
+    runs, _ = trajectory(name, 2)
+    initial = merge_params([r["initial"] for r in runs])
+    wrong = jax_run(CASES[name], initial, lr_factor=1.2)
+    bad = (state_violations(name, runs, wrong, report=False)
+           + metric_violations(name, runs, wrong, report=False))
+    assert bad, "a 20% wrong learning rate passed every trajectory tolerance"
 
 
 def _scale_experts(cfg, state, grads_W):

@@ -37,6 +37,10 @@ save. Read once by ``moezero train``; unset (0) in normal use."""
 HF_FORMATS = ("hf-mixtral", "hf-qwen2_moe", "hf-qwen3_moe", "hf-olmoe")
 """``checkpoint export --format`` values of the Hugging Face families (``checkpoint.hf``)."""
 
+TEST_ENOSPC_ENV = "MOEZERO_TEST_ENOSPC"
+"""Test hook: ``RANK:STEP``: that rank's checkpoint writes of that step fail with ENOSPC, as
+on a full disk (``IOOptions.test_enospc``). Read once by ``moezero train``; unset in normal use."""
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moezero", description=__doc__.splitlines()[0])
@@ -197,8 +201,17 @@ def _train(args: argparse.Namespace) -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: this node's ranks
     check_supported(cfg, numel=model_numel(cfg), share=local / world)
     preflight(cfg, run_dir)
-    io = IOOptions(test_save_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0") or 0))
+    io = IOOptions(test_save_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0") or 0),
+                   test_enospc=_rank_step(os.environ.get(TEST_ENOSPC_ENV)))
     return launch_training(cfg, run_dir, args.nproc, io)
+
+
+def _rank_step(value: str | None) -> tuple[int, int] | None:
+    """``"RANK:STEP"`` -> (rank, step); unset or empty -> None."""
+    if not value:
+        return None
+    rank, _, step = value.partition(":")
+    return int(rank), int(step)
 
 
 def main(argv: list[str] | None = None) -> int:

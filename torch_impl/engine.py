@@ -28,6 +28,7 @@ from moezero.checkpoint.buffers import buffer_shapes, buffer_targets, buffer_val
 from moezero.checkpoint.core import Checkpointer, model_shapes
 from moezero.checkpoint.options import CheckpointOptions
 from moezero.config import Config
+from moezero.distributed.agree import all_gather_json
 from moezero.distributed.topology import Topology, build_topology
 from moezero.model import determinism
 from moezero.model.moe import expert_tag
@@ -38,7 +39,7 @@ from moezero.plan import plan_layout
 from moezero.plan.records import EngineRecord, TopologyRecord
 from moezero.zero.adamw import LossScaler, lr_at
 from moezero.zero.build import build_optimizer
-from moezero.zero.groups import OptimizerGroups, build_groups
+from moezero.zero.groups import OptimizerGroups, build_groups, check_digests, plan_digest
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -72,6 +73,7 @@ class Engine:
         self.model = model.to(device=device, dtype=self.dtype)
         self.params = dict(self.model.named_parameters())
         self.groups: OptimizerGroups = build_groups(self.model, cfg, topology)
+        check_digests(all_gather_json(plan_digest(self.groups), device=device))
         check_supported(cfg)
         zero = cfg.zero_optimization
         self.optimizer = build_optimizer(

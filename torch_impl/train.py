@@ -21,21 +21,35 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from pydantic import ValidationError
 from tqdm import tqdm
 
 from moezero.checkpoint.core import CheckpointError, check_shapes, model_shapes, resolve_load
 from moezero.config import Config, ConfigError, dump_config
+from moezero.data import DataError
 from moezero.data.build import DataStream, build_batches
+from moezero.distributed.agree import broadcast_json
+from moezero.distributed.failures import rank_errors
 from moezero.distributed.launcher import launch
+from moezero.distributed.signals import Preempted, PreemptOptions, StopRequest
 from moezero.distributed.topology import Topology, build_topology
 from moezero.engine import Engine, initialize
 from moezero.model.decoder import Decoder, ModelArgs, init_weights
+from moezero.offload.aio import OffloadIOError
 from moezero.offload.options import IOOptions
 from moezero.plan import store
+from moezero.report import (
+    format_summary,
+    log_line,
+    param_groups_table,
+    plot_loss,
+    print_group_table,
+    summarize,
+)
 from moezero.telemetry import StepTelemetry
 from moezero.validation import evaluate
-from moezero.zero.groups import OptimizerGroups
+from moezero.zero.groups import PlanMismatchError
 
 ARCH_KEYS = {"model": ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "rope_theta",
                        "norm_eps", "n_kv_heads", "head_dim", "qk_norm", "attn_bias"),
@@ -46,6 +60,9 @@ ARCH_KEYS = {"model": ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "r
 ADOPTED_KEYS = {**ARCH_KEYS, "tokenizer": ("path", "sha256", "vocab_size", "bos_token_id",
                                            "eos_token_id", "pad_token_id")}
 """``ARCH_KEYS`` and the model's tokenizer: what a run resuming a checkpoint takes from it."""
+EXPECTED_ERRORS = (CheckpointError, ConfigError, DataError, OffloadIOError, OSError,
+                   PlanMismatchError)
+"""What a rank reports as one line (docs/reliability.md); anything else is a crash."""
 
 METRIC_KEYS = ("step", "loss", "ce", "aux_loss", "lr", "grad_norm", "loss_scale", "skipped",
                "tokens_per_s", "step_time_s", "peak_mem_bytes", "step_peak_engine_bytes", "mfu",
@@ -163,38 +180,12 @@ def resume(cfg: Config, engine: Engine, batches: DataStream, root: Path) -> Path
     return ckpt
 
 
-def param_groups_table(groups: OptimizerGroups) -> list[dict]:
-    """``param_groups.json``: every optimizer group with members and per-rank ranges."""
-    rows = []
-    for g, part in zip(groups.plan, groups.partitions, strict=True):
-        ranges = {str(r): list(part.rank_range(part.dp_rank(r))) for r in part.ranks}
-        rows.append({"name": g.name, "index": g.index, "user_group": g.user_group,
-                     "moe_group": g.moe_group, "ep_size": g.ep_size, "layer": g.layer,
-                     "expert": g.expert, "numel": g.numel, "padded_numel": part.padded_numel,
-                     "members": [{"fqn": m.fqn, "start": m.start, "stop": m.stop}
-                                 for m in g.members],
-                     "rank_ranges": ranges})
-    return rows
-
-
-def print_group_table(groups: OptimizerGroups, out=sys.stdout) -> None:
-    """Start-up table: group name, params, elements, bytes of fp32 optimizer state."""
-    print(f"{'optimizer group':<44} {'params':>6} {'elements':>10} {'fp32 state':>11}", file=out)
-    total = 0
-    for g in groups.plan:
-        state = g.numel * 12  # master + exp_avg + exp_avg_sq
-        total += state
-        print(f"{g.name:<44} {len(g.members):>6} {g.numel:>10,} {_mib(state):>11}", file=out)
-    print(f"{len(groups.plan)} groups, {_mib(total)} of fp32 optimizer state in all", file=out)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
 def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
-          io: IOOptions | None = None) -> dict:
-    """Train ``cfg.train.steps`` steps; returns the summary (rank 0's is the one printed)."""
+          io: IOOptions | None = None, stop: StopRequest | None = None) -> dict:
+    """Train ``cfg.train.steps`` steps; returns the summary (rank 0's is the one printed).
+
+    ``stop``: when any rank's request is set (a preemption signal), every rank finishes its
+    step, saves and raises ``Preempted`` (docs/reliability.md)."""
     run_dir = Path(run_dir)
     device = device or torch.device("cpu")
     engine, batches = setup(cfg, device, io)
@@ -216,7 +207,13 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
                          run_dir / "tensorboard" if lead else None)
     try:
         history = _loop(cfg, engine, batches, run_dir if lead else None, root, tele,
-                        saved=engine.global_steps if resumed is not None else None)
+                        saved=engine.global_steps if resumed is not None else None, stop=stop)
+    except Preempted as done:
+        engine.close()
+        if lead:
+            print(f"moezero: preempted after step {done.step}: checkpoint {done.checkpoint}; "
+                  "resume with --set checkpoint.load=latest", flush=True)
+        raise
     finally:
         tele.close()
     engine.close()  # a clean exit: swap files are removed
@@ -231,10 +228,11 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
 
 
 def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None, root: Path,
-          tele: StepTelemetry, *, saved: int | None) -> list[dict]:
+          tele: StepTelemetry, *, saved: int | None, stop: StopRequest | None = None) -> list[dict]:
     """Train from ``engine.global_steps`` to ``train.steps``; evaluate every
     ``train.eval_every`` steps and at the end; save every ``checkpoint.every`` steps and at the
-    end (unless step ``saved`` is already on disk)."""
+    end (unless step ``saved`` is already on disk); on an agreed preemption request, save and
+    raise ``Preempted``."""
     every, start, steps = cfg.checkpoint.every, engine.global_steps, cfg.train.steps
     history = _previous_metrics(run_dir, start) if run_dir else []
     # A bar on a terminal; in logs (no tty) one line every ``train.log_every`` steps instead.
@@ -256,6 +254,10 @@ def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None
                 print(log_line(history, steps, cfg.train.log_every), flush=True)
             if every and step % every == 0 and step < steps:
                 saved = _save(engine, batches, root)
+            if stop is not None and stop.agree(engine.device):
+                _preempt(engine, batches, root, saved)
+            if stop is not None and stop.agree(engine.device):
+                _preempt(engine, batches, root, saved)
         if saved != engine.global_steps:
             _save(engine, batches, root)
         engine.wait_checkpoint()
@@ -278,17 +280,12 @@ def _step(cfg: Config, engine: Engine, batches: DataStream, tele: StepTelemetry,
     return row
 
 
-def log_line(history: list[dict], steps: int, window: int) -> str:
-    """The progress line of a log: the last step, and the peak memory of the last ``window``
-    steps (the logging window)."""
-    row = history[-1]
-    peak = max(r.get("peak_mem_bytes") or 0 for r in history[-window:])
-    val = f" val {row['val_loss']:.3f}" if "val_loss" in row else ""
-    mfu = f" mfu {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
-    load = row.get("moe_imbalance_max")
-    return (f"step {row['step']}/{steps} loss {row['ce']:.3f}{val} lr {row['lr']:.1e} "
-            f"{row['tokens_per_s']:.0f} tokens/s{mfu} peak {_mib(peak)}"
-            + (f" expert imbalance {load:.2f}" if load is not None else ""))
+def _preempt(engine: Engine, batches: DataStream, root: Path, saved: int | None) -> None:
+    """Save this step (unless it is saved), wait for the save, raise ``Preempted``."""
+    if saved != engine.global_steps:
+        _save(engine, batches, root)
+    engine.wait_checkpoint()
+    raise Preempted(engine.global_steps, root / store.step_dir_name(engine.global_steps))
 
 
 def _save(engine: Engine, batches: DataStream, root: Path) -> int:
@@ -313,62 +310,23 @@ def _previous_metrics(run_dir: Path, start: int) -> list[dict]:
     return rows
 
 
-def summarize(history: list[dict], corpus) -> dict:
-    """Final loss (mean cross-entropy of the last 10 steps) and the last validation loss,
-    beside the corpus's references."""
-    tail = history[-10:]
-    final = sum(r["ce"] for r in tail) / max(len(tail), 1)
-    evals = [r for r in history if "val_loss" in r]
-    return {"steps": len(history), "final_loss": final,
-            "val_loss": evals[-1]["val_loss"] if evals else None,
-            "unigram_baseline": corpus.unigram_entropy, "entropy_floor": corpus.entropy_floor,
-            "median_tokens_per_s": sorted(r["tokens_per_s"] for r in history)[len(history) // 2]
-            if history else 0.0}
-
-
-def format_summary(s: dict, run_dir: Path) -> str:
-    floor = f"{s['entropy_floor']:.3f}" if s["entropy_floor"] is not None else "n/a (text data)"
-    val = "n/a" if s.get("val_loss") is None else \
-        f"{s['val_loss']:.3f} (perplexity {math.exp(min(s['val_loss'], 700.0)):.2f})"
-    return (f"done: {s['steps']} steps | final loss {s['final_loss']:.3f} nats/token | "
-            f"val loss {val} | unigram baseline {s['unigram_baseline']:.3f} | "
-            f"entropy floor {floor} | {s['median_tokens_per_s']:.0f} tokens/s per rank | "
-            f"run dir {run_dir}")
-
-
-def plot_loss(history: list[dict], summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in history], [r["ce"] for r in history], label="train loss (CE)")
-    evals = [r for r in history if "val_loss" in r]
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-",
-                color="tab:orange", label="validation loss")
-    ax.axhline(summary["unigram_baseline"], color="gray", ls="--", label="unigram baseline")
-    if summary["entropy_floor"] is not None:
-        ax.axhline(summary["entropy_floor"], color="green", ls=":", label="entropy floor")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("nats / token")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def launch_training(cfg: Config, run_dir: Path, nproc: int, io: IOOptions | None = None) -> int:
     """Train with ``nproc`` local ranks (or join the torchrun world); returns an exit code.
     ``io``: the engines' I/O options (the CLI's, read once from its environment)."""
     backend = cfg.dist.resolve_backend(cuda=torch.cuda.is_available())
     return launch(_train_rank, (cfg.model_dump(by_alias=True), str(run_dir), io), nproc=nproc,
-                  backend=backend, timeout_s=cfg.dist.timeout_s)
+                  backend=backend, timeout_s=cfg.dist.timeout_s,
+                  preempt=PreemptOptions.from_names(cfg.train.preempt_signals))
 
 
-def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None) -> None:
+def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None, *,
+                stop: StopRequest | None = None) -> None:
+    """One rank of ``moezero train``: rank 0's run directory on every rank (each torchrun
+    worker's CLI picked its own), expected errors as one line (``EXPECTED_ERRORS``)."""
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device(f"cuda:{torch.cuda.current_device()}")
-    train(Config.model_validate(cfg_data), Path(run_dir), device, io)
+    run_dir = Path(broadcast_json(str(run_dir), device=device))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with rank_errors(rank, run_dir / "logs", EXPECTED_ERRORS):
+        train(Config.model_validate(cfg_data), run_dir, device, io, stop)

@@ -87,11 +87,13 @@ def _resolve(root: Path, name: object, base: str) -> Path:
 
 def read_param(ckpt_dir: str | os.PathLike, manifest: Manifest, fqn: str, start: int = 0,
                stop: int | None = None, state: str = MASTER, *,
-               out: np.ndarray | None = None) -> np.ndarray:
+               out: np.ndarray | None = None, reader=None) -> np.ndarray:
     """Elements ``[start, stop)`` of flattened parameter ``fqn``'s ``state``, from any plan.
 
     Gathers from every file and fragment that holds part of the range (one ``pread`` per
     piece). ``stop=None`` means the end. Returns a 1-D float32 array (``out`` if given).
+    ``reader``: reads the bytes instead of a plain ``pread`` (``checked.CheckedReader``
+    verifies every range it touches).
     """
     pieces = manifest.layout.pieces(fqn, state)
     numel = math.prod(manifest.layout.shape(fqn))
@@ -103,13 +105,13 @@ def read_param(ckpt_dir: str | os.PathLike, manifest: Manifest, fqn: str, start:
         lo, hi = max(start, t.start), min(stop, t.stop)
         if lo < hi:
             offset = f.data_start + t.begin + (lo - t.start) * ITEMSIZE
-            pread_into(Path(ckpt_dir) / f.name, out[lo - start:hi - start], offset)
+            _read(reader, ckpt_dir, f.name, out[lo - start:hi - start], offset)
     return out
 
 
 def read_range(ckpt_dir: str | os.PathLike, manifest: Manifest, partition: Partition,
                dp_rank: int, state: str = MASTER, *,
-               out: np.ndarray | None = None) -> np.ndarray:
+               out: np.ndarray | None = None, reader=None) -> np.ndarray:
     """Fast path: one contiguous read of a rank's shard of a group saved with the same members.
 
     Works for any world size or alignment as long as the group is unchanged (ValueError
@@ -120,26 +122,26 @@ def read_range(ckpt_dir: str | os.PathLike, manifest: Manifest, partition: Parti
     if where is None:
         raise CheckpointError(f"{ckpt_dir}: a weights-only checkpoint has no {state}")
     out = _output(out, partition.shard_numel)
-    pread_into(Path(ckpt_dir) / where.file, out[:ranges.numel], where.offset)
+    _read(reader, ckpt_dir, where.file, out[:ranges.numel], where.offset)
     out[ranges.numel:] = 0
     return out
 
 
 def read_shard(ckpt_dir: str | os.PathLike, manifest: Manifest, partition: Partition,
                dp_rank: int, state: str = MASTER, *,
-               out: np.ndarray | None = None) -> np.ndarray:
+               out: np.ndarray | None = None, reader=None) -> np.ndarray:
     """A rank's shard of a group under the current plan, whatever plan saved it.
 
     Uses ``read_range`` when the group was saved with the same members, else gathers each
-    member slice with ``read_param``. Padding is zeroed.
+    member slice with ``read_param``. Padding is zeroed. ``reader`` as in ``read_param``.
     """
     if same_group(manifest.layout, partition):
-        return read_range(ckpt_dir, manifest, partition, dp_rank, state, out=out)
+        return read_range(ckpt_dir, manifest, partition, dp_rank, state, out=out, reader=reader)
     out = _output(out, partition.shard_numel)
     out[:] = 0
     for piece, offset in partition.rank_slices(dp_rank):
         read_param(ckpt_dir, manifest, piece.fqn, piece.start, piece.stop, state,
-                   out=out[offset:offset + piece.numel])
+                   out=out[offset:offset + piece.numel], reader=reader)
     return out
 
 
@@ -152,6 +154,15 @@ def read_tensors(ckpt_dir: str | os.PathLike, manifest: Manifest,
             for fqn, shape in manifest.layout.shapes + buffers}
 
 
+def _read(reader, ckpt_dir, name: str, out: np.ndarray, offset: int) -> None:
+    """``out`` from file ``name`` at ``offset``: through ``reader`` when given, else a plain
+    ``pread``."""
+    if reader is None:
+        pread_into(Path(ckpt_dir) / name, out, offset)
+    else:
+        reader.read_into(name, out, offset)
+
+
 def _output(out: np.ndarray | None, numel: int) -> np.ndarray:
     if out is None:
         return np.empty(numel, np.float32)
@@ -161,8 +172,9 @@ def _output(out: np.ndarray | None, numel: int) -> np.ndarray:
     return out
 
 
-def verify(ckpt_dir: str | os.PathLike) -> list[str]:
-    """Recompute every range checksum; one line per problem, in file order (empty if sound)."""
+def verify(ckpt_dir: str | os.PathLike, *, chunk: int = CHUNK) -> list[str]:
+    """Recompute every range checksum, reading ``chunk`` bytes at a time; one line per
+    problem, in file order (empty if sound)."""
     root = Path(ckpt_dir)
     try:
         manifest = read_manifest(root)
@@ -170,7 +182,7 @@ def verify(ckpt_dir: str | os.PathLike) -> list[str]:
         return [str(err)]
     problems = []
     for r in manifest.checksums:
-        crc = _crc_range(root / r.file, r.offset, r.length)
+        crc = _crc_range(root / r.file, r.offset, r.length, chunk)
         if crc != r.crc32:
             problems.append(f"{root}: {r.file} bytes [{r.offset}, {r.offset + r.length}): "
                             f"crc32 {crc:08x}, manifest says {r.crc32:08x}")
@@ -182,11 +194,11 @@ def verify(ckpt_dir: str | os.PathLike) -> list[str]:
     return problems
 
 
-def _crc_range(path: Path, offset: int, length: int) -> int:
+def _crc_range(path: Path, offset: int, length: int, chunk: int = CHUNK) -> int:
     crc = 0
     with open(path, "rb") as f:
-        for pos in range(offset, offset + length, CHUNK):
-            crc = zlib.crc32(os.pread(f.fileno(), min(CHUNK, offset + length - pos), pos), crc)
+        for pos in range(offset, offset + length, chunk):
+            crc = zlib.crc32(os.pread(f.fileno(), min(chunk, offset + length - pos), pos), crc)
     return crc
 
 

@@ -289,6 +289,7 @@ def _run(root: Path, groups: dict[str, int]) -> list[tuple[str, int]]:
                 path = swap.allocate(name, state, 4 * numel)
                 assert path == root / "moezero-swap" / "rank00003" / swap_name(name, state)
                 aio.write(path, filled(numel, torch.float32)).result()
+    swap.release()  # the job ends: its files stay for the next one to take over
     return swap.listing()
 
 
@@ -310,14 +311,15 @@ def test_allocate_rounds_resizes_and_reserves(tmp_path):
 def test_cleanup_removes_ours_and_leaves_foreign_files(tmp_path):
     _run(tmp_path, GROUPS)
     (tmp_path / "theirs.bin").write_bytes(b"x")
-    SwapDir(tmp_path, 3).cleanup()
+    SwapDir(tmp_path, 3).acquire().cleanup()  # the dead run's folder, taken over
     assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs.bin"]
     _run(tmp_path, GROUPS)
-    swap = SwapDir(tmp_path, 3)
+    swap = SwapDir(tmp_path, 3).acquire()
     (swap.folder / "notes.txt").write_text("mine")
     swap.cleanup()
     assert swap.listing() == [("notes.txt", 4)]
-    SwapDir(tmp_path, 9).cleanup()  # nothing there: a no-op
+    SwapDir(tmp_path, 9).cleanup()  # never held: a no-op
+    assert not (tmp_path / "moezero-swap" / "rank00009").exists()
 
 
 def _tree(root: Path) -> list[str]:

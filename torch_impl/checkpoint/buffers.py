@@ -37,14 +37,15 @@ def buffer_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def read_buffers(targets: dict[str, torch.Tensor], where: Path, manifest) -> None:
+def read_buffers(targets: dict[str, torch.Tensor], where: Path, manifest, reader=None) -> None:
     """Each target buffer from the checkpoint, or zero (its initial value, e.g. the expert
     bias of an imported model) where the checkpoint has none. Check the shapes first
-    (``plan.buffer_io.check_buffers``)."""
+    (``plan.buffer_io.check_buffers``); ``reader`` verifies what it reads
+    (``plan.checked.CheckedReader``)."""
     saved = dict(manifest.layout.buffers)
     for fqn, buf in targets.items():
         if fqn not in saved:
             buf.zero_()
             continue
-        value = store.read_param(where, manifest, fqn).reshape(buf.shape)
+        value = store.read_param(where, manifest, fqn, reader=reader).reshape(buf.shape)
         buf.copy_(torch.from_numpy(value))

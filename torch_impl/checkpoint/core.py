@@ -124,7 +124,9 @@ class Checkpointer:
         self.wait()
         error, state = None, {}
         try:
-            state = read_checkpoint(path, targets, shapes, self.rank, buffers or {})
+            state = read_checkpoint(path, targets, shapes, self.rank, buffers or {},
+                                    verify=self.options.verify_on_load,
+                                    chunk=self.options.io.chunk_bytes)
         except (CheckpointError, OSError, ValueError) as exc:
             error = f"rank {self.rank}: {one_line(exc)}"
         self.group.agree(error, f"checkpoint load from {path}")

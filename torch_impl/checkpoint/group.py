@@ -44,6 +44,9 @@ class CheckpointGroup:
 
 
 def one_line(exc: BaseException) -> str:
-    """An exception as one line (its type named unless it is a checkpoint or OS error)."""
+    """An exception as one line (its type named unless it is a checkpoint or OS error; an OS
+    error that names its file as ``<path>: <cause>``)."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if isinstance(exc, (CheckpointError, OSError)) else f"{type(exc).__name__}: {text}"

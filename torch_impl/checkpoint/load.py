@@ -5,7 +5,11 @@ state, or the NVMe swap files) and returns this rank's JSON state; it never sees
 Each target is read under the *current* plan with ``store.read_shard``, whatever world size,
 ``ep``, stage or group cap saved it; a swap-file target whose group the checkpoint holds
 unchanged is filled file to file (``store.copy_range``), any other through a host buffer. The
-manifest and shapes are checked before anything is read. Only JSON and safetensors are read.
+manifest and shapes are checked before anything is read; with ``verify`` (the default,
+``checkpoint.verify_on_load``) every byte is read through ``moezero.plan.checked.CheckedReader``,
+which checks each range's crc32 while reading it and each file's header against the manifest,
+so a damaged checkpoint fails in one line naming the file and byte range, and the caller
+derives nothing from it. Only JSON and safetensors are read.
 Reference counterpart: ``moezero.plan.store`` and ``moezero.reference.checkpoint``.
 """
 
@@ -24,8 +28,8 @@ from moezero.checkpoint.save import RANK_KEYS
 from moezero.plan import store
 from moezero.plan.buffer_io import check_buffers
 from moezero.plan.bytes_io import CHUNK
+from moezero.plan.checked import CheckedReader, PlainReader
 from moezero.plan.layout import ITEMSIZE, rank_ranges, same_group
-from moezero.plan.manifest import Manifest
 from moezero.plan.rules import STATES
 from moezero.plan.store import CheckpointError, find_checkpoint
 from moezero.zero.shards import StateShard
@@ -56,23 +60,26 @@ def resolve_load(value: str, root: str | os.PathLike) -> Path:
 
 def read_checkpoint(path: str | os.PathLike, targets: Iterable[StateShard],
                     shapes: dict[str, tuple[int, ...]], rank: int,
-                    buffers: dict | None = None) -> dict:
+                    buffers: dict | None = None, *, verify: bool = True,
+                    chunk: int = CHUNK) -> dict:
     """Fill ``targets`` from the checkpoint at ``path`` (a step directory or a root: its
     newest complete checkpoint) and return ``rank``'s state: the saved JSON state with each
     per-rank entry (``save.RANK_KEYS``) replaced by this rank's (``rank % saved world``: a rank
     that did not exist at save takes another's), or {} for a weights-only checkpoint, whose
     moments are zeroed. ``buffers`` (``{fqn: tensor}``) are filled too (zero where the
-    checkpoint has none). Raises CheckpointError, OSError or ValueError (one line)."""
+    checkpoint has none). ``verify``: check every range read and every header (``chunk``
+    bytes per read). Raises CheckpointError, OSError or ValueError (one line)."""
     where = find_checkpoint(path)
     manifest = store.read_manifest(where)
     store.check_shapes(manifest, shapes, where)
     buffers = buffers or {}
     check_buffers(manifest, {k: tuple(t.shape) for k, t in buffers.items()}, where)
     saved = ("master",) if manifest.layout.weights_only else STATES
+    reader = (CheckedReader if verify else PlainReader)(where, manifest, chunk=chunk)
     for target in targets:
         fill = _fill_files if target.files is not None else _fill_tensors
-        fill(where, manifest, target, saved)
-    read_buffers(buffers, where, manifest)
+        fill(reader, target, saved)
+    read_buffers(buffers, where, manifest, reader)
     if manifest.layout.weights_only:
         return {}
     state = dict(manifest.state)
@@ -83,15 +90,15 @@ def read_checkpoint(path: str | os.PathLike, targets: Iterable[StateShard],
     return state
 
 
-def _fill_tensors(where: Path, manifest: Manifest, target: StateShard, saved) -> None:
+def _fill_tensors(reader: PlainReader, target: StateShard, saved) -> None:
     """Each state of one target from the checkpoint (a state it lacks is zeroed)."""
     part = target.partition
     for s, t in target.tensors.items():
         if s not in saved:
             t.detach().zero_()
         elif t.numel():
-            _read_into(t, partial(store.read_shard, where, manifest, part, target.dp_rank, s),
-                       part.shard_numel)
+            _read_into(t, partial(store.read_shard, reader.root, reader.manifest, part,
+                                  target.dp_rank, s, reader=reader), part.shard_numel)
 
 
 def _read_into(tensor: torch.Tensor, read: Callable, numel: int) -> None:
@@ -105,24 +112,26 @@ def _read_into(tensor: torch.Tensor, read: Callable, numel: int) -> None:
     tensor.detach().view(-1).copy_(torch.from_numpy(host[:tensor.numel()]))
 
 
-def _fill_files(where: Path, manifest: Manifest, target: StateShard, saved) -> None:
+def _fill_files(reader: PlainReader, target: StateShard, saved) -> None:
     """A swap-file target: file to file where the checkpoint holds the group unchanged (any
     world size: the rank's range is then one byte range per state), else read and written
     through a host buffer. Padding and the states the checkpoint lacks become zeros."""
     part, size = target.partition, target.partition.shard_numel * ITEMSIZE
+    manifest = reader.manifest
     if same_group(manifest.layout, part):
         ranges = rank_ranges(manifest.layout, part, target.dp_rank)
         for s, path in target.files.items():
             where_s, done = getattr(ranges, s), 0
             if s in saved and where_s is not None and where_s.length:
-                store.copy_range(where / where_s.file, where_s.offset, path, 0, where_s.length)
+                reader.copy_to(where_s.file, where_s.offset, where_s.length, path, 0)
                 done = where_s.length
             _zero_fill(path, done, size)
         return
     for s, path in target.files.items():
         host = np.zeros(part.shard_numel, np.float32)
         if s in saved:
-            store.read_shard(where, manifest, part, target.dp_rank, s, out=host)
+            store.read_shard(reader.root, manifest, part, target.dp_rank, s, out=host,
+                             reader=reader)
         store.write_range(path, 0, host)
 
 

@@ -16,8 +16,10 @@ Reference counterpart: ``moezero.plan.store`` (the byte mover this module drives
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -91,14 +93,27 @@ def make_job(root, step: int, layout: Layout, shards: Iterable[StateShard], stat
 
 def write(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
           refused: set[int]) -> Path:
-    """The save protocol of docs/checkpoint.md; every rank agrees on each failure.
+    """The save protocol of docs/checkpoint.md; every rank agrees on each failure, and a
+    failed save's ``.partial`` directory is removed (by rank 0, once every rank has stopped
+    writing: failures are agreed after the writes), so it holds no space; ``latest`` and the
+    committed checkpoints are untouched.
 
     ``refused``: ``st_dev`` of filesystems where O_DIRECT was refused (kept by the caller
     across saves).
     """
+    partial = Path(job.root) / (store.step_dir_name(job.step) + store.PARTIAL)
+    try:
+        return _protocol(group, job, options, refused, partial)
+    except CheckpointError:
+        if group.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _protocol(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
+              refused: set[int], partial: Path) -> Path:
     what = f"checkpoint save of step {job.step} under {job.root}"
-    partial, error = Path(job.root) / (store.step_dir_name(job.step) + store.PARTIAL), None
-    headers, flush = [], None
+    error, headers, flush = None, [], None
     if group.rank == 0:
         try:
             partial = store.begin_save(job.root, job.step)
@@ -106,7 +121,7 @@ def write(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
             headers = store.write_headers(job.layout, partial)
             headers += write_buffers(partial, job.layout, job.buffers)
         except Exception as exc:
-            error = one_line(exc)
+            error = f"rank 0: {one_line(exc)}"
     try:
         group.agree(error, what)
         records, error = _write_partitions(group.rank, job, partial, flush, options, refused)
@@ -120,7 +135,7 @@ def write(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
         try:
             _finish(job, partial, headers, gathered, options)
         except Exception as exc:
-            error = one_line(exc)
+            error = f"rank 0: {one_line(exc)}"
     outcome = group.all_gather(error)[0]
     if outcome:
         raise CheckpointError(f"{what}: {outcome}")
@@ -144,6 +159,7 @@ def _write_partitions(rank: int, job: SaveJob, partial: Path,
     """This rank's ranges, flushed: (records, None), or what has been written and the error."""
     records = []
     try:
+        _fault(options, rank, job.step, partial / job.layout.files[0].name)
         with flush or _folder_flush(partial, options) as flush:
             with ckpt_write.RangeWriter(options.io, refused) as writer:
                 for shard in job.shards:
@@ -161,6 +177,12 @@ def _write_partitions(rank: int, job: SaveJob, partial: Path,
     except Exception as exc:
         return records, f"rank {rank}: {one_line(exc)}"
     return records, None
+
+
+def _fault(options: CheckpointOptions, rank: int, step: int, path: Path) -> None:
+    """The test hook ``io.test_enospc``: this rank's writes of this step find the disk full."""
+    if options.io.test_enospc is not None and tuple(options.io.test_enospc) == (rank, step):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
 def _copy_partition(ckpt_dir: Path, layout: Layout, shard: _Shard) -> list:

@@ -56,6 +56,10 @@ class TrainConfig(_Section):
     deterministic: bool = Field(
         False, description="CUDA: deterministic kernels (torch.use_deterministic_algorithms, "
                            "cuDNN, cuBLAS workspace); slower. No effect on CPU (docs/model.md).")
+    preempt_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU"]] = Field(
+        ["SIGTERM", "SIGUSR1"],
+        description="Signals that make every rank finish its step, save and exit (code 75); "
+                    "a second one aborts at once. [] = off (default actions).")
 
 
 class ModelConfig(_Section):
@@ -244,6 +248,9 @@ class CheckpointConfig(_Section):
     keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep; older ones are deleted.")
     load: str | None = Field(None, min_length=1, description="Resume from a step directory, or 'latest'.")
     async_save: bool = Field(False, alias="async", description="Write in the background (key: async).")
+    verify_on_load: bool = Field(
+        True, description="Check every range's crc32 while it is read and every file's header "
+                          "against the manifest; a mismatch stops the run before it starts.")
     dir: str | None = Field(None, description="Checkpoint root; None = <run dir>/checkpoints.")
 
     def resolve_dir(self, run_dir: str | os.PathLike) -> Path:

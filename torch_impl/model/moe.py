@@ -116,6 +116,7 @@ class MoE(nn.Module):
         self.group_name = rules.expert_group_name(expert_group_name, ep_size=ep_size)
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = Router(dim, num_experts, top_k, router or RouterOptions())
+        self._expert_source = (expert,)  # a tuple: a template module is not a submodule
         self.experts = nn.ModuleDict({str(e): _make_expert(expert, e) for e in self.local_experts})
         for e, module in self.experts.items():
             for p in module.parameters():
@@ -130,6 +131,27 @@ class MoE(nn.Module):
     def local_experts(self) -> range:
         first = self.ep_rank * self.num_local
         return range(first, first + self.num_local)
+
+    def expert_shapes(self, e: int) -> dict[str, tuple[int, ...]]:
+        """Parameter shapes of expert ``e`` (global index) by name within the expert: this
+        rank's module, the template, or the factory's module built on the meta device (no
+        memory), so every rank plans every expert from its own shapes (``zero.groups``).
+
+        Raises ValueError (one line) when the factory cannot build it on the meta device.
+        """
+        source = self._expert_source[0]
+        if str(e) in self.experts:
+            module = self.experts[str(e)]
+        elif isinstance(source, nn.Module):
+            module = source
+        else:
+            try:
+                with torch.device("meta"):
+                    module = source(e)
+            except Exception as exc:
+                raise ValueError(f"expert {e}: cannot be built on the meta device to read its "
+                                 f"shapes: {type(exc).__name__}: {exc}") from None
+        return {name: tuple(p.shape) for name, p in module.named_parameters()}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (output shaped like x, weighted aux loss = aux_coef*aux + z_coef*z)."""

@@ -29,6 +29,8 @@ class IOOptions:
             enough (``checkpoint.writer.FolderFlush``); False: ``fsync`` file by file.
         test_save_delay_s: Test hook: seconds to sleep before each partition write, the
             manifest and the commit, so crash tests can land a SIGKILL inside a save.
+        test_enospc: Test hook: ``(rank, step)``: that rank's checkpoint writes of that
+            step fail with ENOSPC, as on a full disk (docs/reliability.md).
     """
 
     direct_io: bool = True
@@ -37,3 +39,4 @@ class IOOptions:
     chunk_bytes: int = CHUNK
     syncfs: bool = True
     test_save_delay_s: float = 0.0
+    test_enospc: tuple[int, int] | None = None

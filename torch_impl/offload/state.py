@@ -1,6 +1,7 @@
 """ZeRO state in NVMe swap files: the optimizer state of the tiled step and stage-3 param shards.
 
-One swap file per (optimizer group, state) and rank (``offload.SwapDir``), holding exactly the
+One swap file per (optimizer group, state) and rank (``offload.SwapDir``, a folder this job
+holds under a lock), holding exactly the
 rank's padded partition of that group: ``master``/``exp_avg``/``exp_avg_sq`` in fp32 and, at
 stage 3 with ``offload_param.device: nvme``, ``param`` in the compute dtype. The checkpoint
 layout stores the same contiguous ranges, so a save or load copies file to file
@@ -141,25 +142,45 @@ def _wait(futures: list[Future]) -> None:
 
 def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
           options: IOOptions | None = None) -> tuple:
-    """(optimizer SwapState or None, param SwapState or None) for the configured tiers, after
-    the free-space check of every folder (nothing is written before it passes)."""
+    """(optimizer SwapState or None, param SwapState or None) for the configured tiers: each
+    folder held by this job (``SwapDir.acquire``), checked for space (nothing is written to
+    it before that passes), cleared of a dead job's other swap files, then allocated."""
     optim = param = io = None
     options = options or IOOptions()
     new_io = lambda: AsyncIO(chunk_bytes=options.chunk_bytes, direct=options.direct_io)
+    folders: dict[str, SwapDir] = {}  # one per path: both tiers may share a folder
+    folder = lambda path: folders.setdefault(os.path.abspath(path), SwapDir(path, rank))
     if cfg_zero.offload_optimizer.device == "nvme":
         io = new_io()
-        optim = SwapState(SwapDir(cfg_zero.offload_optimizer.nvme_path, rank), io, slots,
+        optim = SwapState(folder(cfg_zero.offload_optimizer.nvme_path), io, slots,
                           STATES, torch.float32, key=OPTIMIZER_KEY, meter=meter)
     if cfg_zero.stage == 3 and cfg_zero.offload_param.device == "nvme":
         io = io or new_io()
-        param = SwapState(SwapDir(cfg_zero.offload_param.nvme_path, rank), io, slots,
+        param = SwapState(folder(cfg_zero.offload_param.nvme_path), io, slots,
                           ("param",), dtype, key=PARAM_KEY, meter=meter)
     stores = [s for s in (optim, param) if s is not None]
-    for s in stores:
-        s.check_space([o for o in stores if o is not s])
+    _prepare(stores, folders.values())
+    return optim, param
+
+
+def _prepare(stores: list[SwapState], folders) -> None:
+    """Hold and check every folder (releasing them all on a refusal), then prune and
+    allocate the swap files."""
+    try:
+        for s in stores:
+            s.folder.check_path(s.key)
+            s.folder.acquire()
+        for s in stores:
+            s.check_space([o for o in stores if o is not s])
+    except Exception:
+        for f in folders:
+            f.cleanup()
+        raise
+    for f in folders:
+        f.prune({s.path(slot, st).name for s in stores if s.folder is f
+                 for slot in s.slots for st in s.states})
     for s in stores:
         s.allocate()
-    return optim, param
 
 
 def check_paths(cfg_zero, *, numel: int, share: float, param_bytes: int) -> None:

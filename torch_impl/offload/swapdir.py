@@ -1,8 +1,9 @@
 """Per-rank NVMe swap files: stable names and the folder that holds them.
 
 ``SwapDir`` names one rank's swap files from the optimizer group name and state (stable across
-runs, never ``id()``), checks free space before training and removes its files at exit
-(DESIGN.md §1.4, §3). A swap file holds a contiguous partition range like the checkpoint
+runs, never ``id()``), holds its folder under an ``flock`` for the job's lifetime (a second job
+on the same path gets a folder of its own), checks free space before training and removes its
+files at exit (DESIGN.md §1.4, §3). A swap file holds a contiguous partition range like the checkpoint
 layout, so save/load are ``moezero.plan.store.copy_range`` file-to-file copies.
 Reference counterpart: none (the reference keeps every state in memory).
 """
@@ -10,20 +11,25 @@ Reference counterpart: none (the reference keeps every state in memory).
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 
 from moezero.config import ConfigError
 from moezero.offload.aio import OffloadIOError, aligned_size
 
-__all__ = ["OPTIMIZER_KEY", "PARAM_KEY", "SwapDir", "swap_name"]
+__all__ = ["MAX_FOLDERS", "OPTIMIZER_KEY", "PARAM_KEY", "SwapDir", "swap_name"]
 
 OPTIMIZER_KEY = "zero_optimization.offload_optimizer.nvme_path"
 PARAM_KEY = "zero_optimization.offload_param.nvme_path"
 SWAP_SUFFIX = ".swap"
+LOCK_NAME = "lock"
+MAX_FOLDERS = 64
+"""Swap folders per rank and ``nvme_path`` (one per job running at once)."""
 
 _STATE = re.compile(r"[a-z][a-z0-9_]*")
 _PLAIN = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")
@@ -58,19 +64,54 @@ def _encode(name: str, i: int) -> str:
 
 
 class SwapDir:
-    """One rank's swap files, ``<nvme_path>/moezero-swap/rank<rank:05d>/<swap_name>``.
+    """One rank's swap files in a folder this job holds: ``<nvme_path>/moezero-swap/
+    rank<rank:05d>/<swap_name>`` (or ``rank<rank:05d>-<k>`` when other live jobs hold the
+    first ones).
 
-    Sized to multiples of ``ALIGN``, overwritten in place by later runs. Only ``*.swap`` files
-    in the rank folder are ours; anything else there is left alone.
+    ``acquire`` (called by the first ``path``/``allocate`` when not called before) takes an
+    exclusive ``flock`` on the folder's ``lock`` file, held until ``release``/``cleanup`` or
+    the process's end, so two jobs on one ``nvme_path`` never share files. A folder whose lock
+    is free was left by a dead job: it is taken over and its swap files are reused (same
+    names, overwritten in place) or removed (``prune``). Only ``*.swap`` files and the lock
+    are ours; anything else there is left alone.
     """
 
     def __init__(self, nvme_path: str | os.PathLike, rank: int):
-        self.root = Path(nvme_path)
-        self.folder = self.root / "moezero-swap" / f"rank{rank:05d}"
+        self.root, self.rank = Path(nvme_path), rank
+        self.folder = self._candidate(1)
+        self._lock: int | None = None
+
+    def _candidate(self, k: int) -> Path:
+        name = f"rank{self.rank:05d}" + ("" if k == 1 else f"-{k}")
+        return self.root / "moezero-swap" / name
+
+    @property
+    def held(self) -> bool:
+        """This object holds its folder's lock."""
+        return self._lock is not None
+
+    def acquire(self) -> SwapDir:
+        """Take the first folder no live job holds (creating it); OffloadIOError (one line)
+        when ``MAX_FOLDERS`` are held. Idempotent."""
+        if self._lock is not None:
+            return self
+        for k in range(1, MAX_FOLDERS + 1):
+            fd = _try_lock(self._candidate(k))
+            if fd is not None:
+                self.folder, self._lock = self._candidate(k), fd
+                return self
+        raise OffloadIOError(f"{self.root / 'moezero-swap'}: all {MAX_FOLDERS} swap folders "
+                             f"of rank {self.rank} are in use by running jobs")
+
+    def release(self) -> None:
+        """Let go of the folder's lock (its files stay for the next job to take over)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def path(self, group_name: str, state: str) -> Path:
         """The file of ``state`` (``master``, ``exp_avg``, ``exp_avg_sq``, ``param``) of a group."""
-        return self.folder / swap_name(group_name, state)
+        return self.acquire().folder / swap_name(group_name, state)
 
     def allocate(self, group_name: str, state: str, nbytes: int) -> Path:
         """Create or resize a swap file to ``aligned_size(nbytes)``, blocks reserved, never read.
@@ -78,7 +119,6 @@ class SwapDir:
         Raises OffloadIOError (one line) when the space cannot be reserved (ENOSPC, ...).
         """
         path, size = self.path(group_name, state), aligned_size(nbytes)
-        self.folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             if os.fstat(fd).st_size != size:
@@ -89,14 +129,32 @@ class SwapDir:
             os.close(fd)
         return path
 
-    def check(self, total_bytes: int, key: str = OPTIMIZER_KEY) -> None:
-        """Before training: can the folder hold ``total_bytes`` of swap files? Writes nothing.
+    def prune(self, keep: set[str]) -> None:
+        """Remove the held folder's swap files whose names are not in ``keep`` (a dead job's)."""
+        for path, _ in self._ours():
+            if path.name not in keep:
+                path.unlink(missing_ok=True)
 
-        ``total_bytes``: this rank's sum of ``aligned_size`` over its files. Our ``*.swap``
-        files already there count as free (they get overwritten); foreign ones do not.
-        Raises ConfigError (one line naming ``key`` and the path): missing, not a directory,
-        not writable, or fewer free bytes than needed.
+    def check(self, total_bytes: int, key: str = OPTIMIZER_KEY) -> None:
+        """Can this job's swap files (``total_bytes``) fit? Writes nothing.
+
+        ``total_bytes``: this rank's sum of ``aligned_size`` over its files. Free space counts,
+        plus the swap files this job will overwrite or remove: those of its held folder or,
+        before it holds one (the CLI's check before start), those of folders no live job
+        holds. Other jobs' files do not count. Raises ConfigError (one line naming ``key`` and
+        the path): missing, not a directory, not writable, or fewer free bytes than needed.
         """
+        self.check_path(key)
+        root = self.root
+        free = shutil.disk_usage(root).free + self._reclaimable()
+        if free < total_bytes:
+            gib = lambda n: f"{n / (1 << 30):.2f} GiB"
+            raise ConfigError(key, f"swap files need {total_bytes} bytes ({gib(total_bytes)}), "
+                                   f"only {free} bytes ({gib(free)}) free", str(root))
+
+    def check_path(self, key: str = OPTIMIZER_KEY) -> None:
+        """ConfigError (one line naming ``key`` and the path) unless ``nvme_path`` is an
+        existing, writable directory. Writes nothing."""
         root = self.root
         if not root.exists():
             raise ConfigError(key, "no such directory for swap files", str(root))
@@ -105,16 +163,20 @@ class SwapDir:
         deepest = next(p for p in (self.folder, self.folder.parent, root) if p.is_dir())
         if not os.access(deepest, os.W_OK | os.X_OK):
             raise ConfigError(key, "swap directory is not writable", str(deepest))
-        free = shutil.disk_usage(root).free + sum(s.st_blocks * 512 for _, s in self._ours())
-        if free < total_bytes:
-            gib = lambda n: f"{n / (1 << 30):.2f} GiB"
-            raise ConfigError(key, f"swap files need {total_bytes} bytes ({gib(total_bytes)}), "
-                                   f"only {free} bytes ({gib(free)}) free", str(root))
+
+    def _reclaimable(self) -> int:
+        folders = [self.folder] if self.held else _unheld_folders(self.root / "moezero-swap")
+        return sum(st.st_blocks * 512 for folder in folders for _, st in _swap_files(folder))
 
     def cleanup(self) -> None:
-        """Remove our swap files, then the rank folder and ``moezero-swap`` if left empty."""
+        """Remove our swap files and lock, then the folder and ``moezero-swap`` if left empty;
+        release the lock. Only a holder removes anything."""
+        if self._lock is None:
+            return
         for path, _ in self._ours():
             path.unlink(missing_ok=True)
+        (self.folder / LOCK_NAME).unlink(missing_ok=True)  # still held: nobody else is inside
+        self.release()
         for folder in (self.folder, self.folder.parent):
             try:
                 folder.rmdir()
@@ -122,17 +184,68 @@ class SwapDir:
                 return
 
     def listing(self) -> list[tuple[str, int]]:
-        """``(name, size)`` of every regular file in the rank folder, sorted by name."""
+        """``(name, size)`` of every regular file in the folder (but the lock), by name."""
         if not self.folder.is_dir():
             return []
         return sorted((e.name, e.stat().st_size) for e in os.scandir(self.folder)
-                      if e.is_file(follow_symlinks=False))
+                      if e.is_file(follow_symlinks=False) and e.name != LOCK_NAME)
 
     def _ours(self) -> list[tuple[Path, os.stat_result]]:
-        if not self.folder.is_dir():
-            return []
-        return [(Path(e.path), e.stat()) for e in os.scandir(self.folder)
-                if e.name.endswith(SWAP_SUFFIX) and e.is_file(follow_symlinks=False)]
+        return _swap_files(self.folder) if self.held else []
+
+
+def _swap_files(folder: Path) -> list[tuple[Path, os.stat_result]]:
+    if not folder.is_dir():
+        return []
+    return [(Path(e.path), e.stat()) for e in os.scandir(folder)
+            if e.name.endswith(SWAP_SUFFIX) and e.is_file(follow_symlinks=False)]
+
+
+def _try_lock(folder: Path) -> int | None:
+    """An open descriptor holding ``folder/lock`` exclusively (the folder created if need
+    be), or None when a live job holds it. Re-checks that the locked file is still the one
+    at that path (a holder may have removed it on its way out) and retries if not."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_NAME
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+            return fd
+        os.close(fd)
+        folder.mkdir(parents=True, exist_ok=True)
+
+
+def _unheld_folders(base: Path) -> list[Path]:
+    """The folders under ``base`` whose lock no live job holds (probed, then let go)."""
+    out = []
+    for folder in sorted(base.iterdir()) if base.is_dir() else ():
+        lock = folder / LOCK_NAME
+        if not folder.is_dir() or not lock.exists():
+            out += [folder] if folder.is_dir() else []
+            continue
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:  # its job just removed it on the way out
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            out.append(folder)
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)
+    return out
 
 
 def _reserve(fd: int, size: int, path: Path) -> None:

@@ -10,20 +10,26 @@ a caller's function. Reference counterpart: ``reference/plan/grouping.py``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from moezero.config import Config
 from moezero.distributed.topology import Topology
-from moezero.model.moe import MoE, expert_tag
+from moezero.model.moe import ExpertTag, MoE, expert_tag
 from moezero.plan.grouping import GroupPlan, plan_groups
 from moezero.plan.partition import Partition, plan_partitions
 from moezero.plan.rules import expert_fqn, parse_expert_fqn, weight_decay_applies
 from moezero.plan.specs import ParamSpec, UserGroup
 
 UserGroupFn = Callable[[str, nn.Parameter], UserGroup]
+
+
+class PlanMismatchError(ValueError):
+    """The ranks' optimizer plans differ (one line, the same on every rank)."""
 
 
 @dataclass(frozen=True)
@@ -75,27 +81,63 @@ def config_user_group(cfg: Config) -> UserGroupFn:
 
 
 def param_specs(model: nn.Module, user_group: UserGroupFn) -> tuple[list[ParamSpec], list[UserGroup]]:
-    """Specs of every parameter of the *global* model and the user groups they use."""
+    """Specs of every parameter of the *global* model and the user groups they use.
+
+    Each expert of a MoE layer is specified from its own shapes (``MoE.expert_shapes``), also
+    the experts other EP ranks hold, so experts of different shapes plan alike everywhere.
+    Raises ValueError (one line naming the layer) when an expert cannot be sized.
+    """
     specs: dict[str, ParamSpec] = {}
     groups: dict[str, UserGroup] = {}
-    for fqn, param in model.named_parameters():
-        ug = user_group(fqn, param)
-        groups.setdefault(ug.name, ug)
+    present, done = dict(model.named_parameters()), set()
+    for fqn, param in present.items():
         tag = expert_tag(param)
         if tag is None:
+            ug = groups.setdefault(*_user_group(user_group, fqn, param))
             specs[fqn] = ParamSpec(fqn, tuple(param.shape), _dtype(param), ug.name)
             continue
-        parts = parse_expert_fqn(fqn)
-        if parts is None:
-            raise ValueError(f"{fqn}: expert parameter outside an 'experts.<index>' module")
-        moe = model.get_submodule(parts.layer)
-        if not isinstance(moe, MoE):
-            raise ValueError(f"{fqn}: expert parameter whose layer {parts.layer!r} is not a MoE")
-        for e in range(moe.num_experts):  # every expert, wherever it lives
-            name = expert_fqn(parts.layer, e, parts.rest)
-            specs[name] = ParamSpec(name, tuple(param.shape), _dtype(param), ug.name,
-                                    tag.group_name, tag.ep_size, parts.layer, e)
+        layer, moe = _moe_layer(model, fqn)
+        for e in range(moe.num_experts) if layer not in done else ():
+            for rest, shape in _shapes(moe, layer, e).items():
+                name = expert_fqn(layer, e, rest)
+                target = present.get(name)
+                if target is None:  # held by another EP rank
+                    target = _meta_param(shape, ExpertTag(tag.group_name, tag.ep_size, e))
+                ug = groups.setdefault(*_user_group(user_group, name, target))
+                specs[name] = ParamSpec(name, shape, _dtype(param), ug.name, tag.group_name,
+                                        tag.ep_size, layer, e)
+        done.add(layer)
     return list(specs.values()), list(groups.values())
+
+
+def _user_group(user_group: UserGroupFn, fqn: str, param) -> tuple[str, UserGroup]:
+    ug = user_group(fqn, param)
+    return ug.name, ug
+
+
+def _moe_layer(model: nn.Module, fqn: str) -> tuple[str, MoE]:
+    parts = parse_expert_fqn(fqn)
+    if parts is None:
+        raise ValueError(f"{fqn}: expert parameter outside an 'experts.<index>' module")
+    moe = model.get_submodule(parts.layer)
+    if not isinstance(moe, MoE):
+        raise ValueError(f"{fqn}: expert parameter whose layer {parts.layer!r} is not a MoE")
+    return parts.layer, moe
+
+
+def _shapes(moe: MoE, layer: str, e: int) -> dict[str, tuple[int, ...]]:
+    try:
+        return moe.expert_shapes(e)
+    except ValueError as exc:
+        raise ValueError(f"{layer}: {exc}") from None
+
+
+def _meta_param(shape: tuple[int, ...], tag: ExpertTag) -> nn.Parameter:
+    """A stand-in for another rank's expert parameter (shape and tag, no memory) for the
+    user-group function."""
+    param = nn.Parameter(torch.empty(shape, device="meta"))
+    param.moe = tag
+    return param
 
 
 def build_groups(model: nn.Module, cfg: Config, topology: Topology, *,
@@ -114,3 +156,20 @@ def build_groups(model: nn.Module, cfg: Config, topology: Topology, *,
 
 def _dtype(param: nn.Parameter) -> str:
     return str(param.dtype).removeprefix("torch.")
+
+
+def plan_digest(groups: OptimizerGroups) -> str:
+    """A short digest of the plan, partitions and user groups: equal on every rank exactly
+    when they plan alike (the ranks compare it at start-up)."""
+    text = repr((groups.plan, groups.partitions, groups.user_groups))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_digests(digests: list[str]) -> None:
+    """PlanMismatchError unless every rank's ``plan_digest`` (in rank order) is the same."""
+    other = next((r for r, d in enumerate(digests) if d != digests[0]), None)
+    if other is not None:
+        raise PlanMismatchError(
+            f"optimizer plans differ across ranks: rank 0 plans {digests[0]}, rank {other} "
+            f"plans {digests[other]}; every rank must see the same parameters and expert shapes "
+            "(give MoE an expert factory by global index, not a per-rank template)")

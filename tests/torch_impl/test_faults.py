@@ -1,0 +1,165 @@
+"""Clean failures (issue 15, items 4 and 5): an expected error on any rank (disk full, a path
+that is not a directory, a damaged checkpoint) ends ``moezero train`` with one line naming the
+rank, the path and the cause, exit code 2, and the traceback in ``<run>/logs/rank<r>.log``; a
+failed save removes its ``.partial`` directory and leaves ``latest`` alone; every rank writes
+into rank 0's run directory. Faults are injected through ``IOOptions.test_enospc`` (the CLI's
+``MOEZERO_TEST_ENOSPC``), a regular file where a directory should be, flipped bytes, or a
+writer that raises.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import moezero.checkpoint.writer as cw
+from moezero.checkpoint.core import CheckpointError
+from moezero.config import Config
+from moezero.distributed.launcher import spawn
+from moezero.offload.options import IOOptions
+from moezero.plan import store
+from moezero.train import _train_rank, setup
+from tests.support.world import run_world
+from tests.torch_impl.test_checkpoint import ccfg
+from tests.torch_impl.test_cli import TINY, moezero
+
+TEST_ENOSPC_ENV = "MOEZERO_TEST_ENOSPC"  # moezero.cli.TEST_ENOSPC_ENV
+
+
+def _one_line(res) -> str:
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    return lines[0]
+
+
+def _step(root: Path) -> str | None:
+    found = store.find_latest(root)
+    return None if found is None else found.name
+
+
+# ---------------------------------------------------------------------------- in process
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES])
+def test_a_failed_save_removes_its_partial_and_keeps_latest(tmp_path, monkeypatch, code):
+    """The second save's writes fail (disk full, permission): one-line CheckpointError naming
+    the file and the cause, no ``.partial`` left, ``latest`` still the first save."""
+    cfg = Config.model_validate(ccfg(world=1, stage=2))
+    engine, batches = setup(cfg, torch.device("cpu"), IOOptions(direct_min_bytes=0))
+    engine.train_step([torch.from_numpy(batches.next())])
+    engine.save_checkpoint(tmp_path)
+    engine.train_step([torch.from_numpy(batches.next())])
+
+    def full(self, path, offset, array):
+        raise OSError(code, os.strerror(code), str(path))
+
+    monkeypatch.setattr(cw.RangeWriter, "__call__", full)
+    monkeypatch.setattr(store, "write_range", lambda path, offset, array: full(None, path, 0, 0))
+    with pytest.raises(CheckpointError) as err:
+        engine.save_checkpoint(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+    assert _step(tmp_path) == "step_00000001" and store.verify(tmp_path / "step_00000001") == []
+    message = str(err.value)
+    assert "\n" not in message and os.strerror(code) in message, message
+    assert re.search(r"step_00000002\.partial/\S+\.safetensors: ", message), message
+
+
+def test_injected_enospc_fails_only_its_rank_and_step(tmp_path):
+    """``IOOptions.test_enospc = (rank, step)``: the hook the CLI tests use."""
+    cfg = Config.model_validate(ccfg(world=1, stage=2))
+    engine, batches = setup(cfg, torch.device("cpu"), IOOptions(test_enospc=(0, 2)))
+    for step in (1, 2, 3):
+        engine.train_step([torch.from_numpy(batches.next())])
+        if step == 2:
+            with pytest.raises(CheckpointError, match="rank 0: .*No space left on device"):
+                engine.save_checkpoint(tmp_path)
+        else:
+            engine.save_checkpoint(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001",
+                                                          "step_00000003"]
+
+
+# ---------------------------------------------------------------------------- one run dir
+def _rank_with_its_own_dir(cfg_data: dict, tmp: str) -> None:
+    """Each rank proposes its own run directory, as torchrun workers without --out do."""
+    import torch.distributed as dist
+
+    _train_rank(cfg_data, f"{tmp}/run{dist.get_rank()}")
+
+
+def test_every_rank_writes_into_rank_0s_run_directory(tmp_path):
+    cfg = Config.model_validate(ccfg(world=2, stage=2, ep=2))
+    cfg.train.steps, cfg.checkpoint.every = 2, 1
+    run_world(_rank_with_its_own_dir, 2, tmp_path / "world", cfg.model_dump(by_alias=True),
+              str(tmp_path))
+    assert not (tmp_path / "run1").exists()
+    assert len((tmp_path / "run0" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert _step(tmp_path / "run0" / "checkpoints") == "step_00000002"
+    assert store.verify(tmp_path / "run0" / "checkpoints" / "step_00000002") == []
+
+
+# ---------------------------------------------------------------------------- the CLI
+def test_disk_full_on_one_rank_is_one_line_and_latest_survives(tmp_path):
+    out = tmp_path / "run"
+    res = moezero("train", *TINY, "--set", "train.steps=4", "--set", "checkpoint.every=2",
+                  "--out", str(out), env={**os.environ, TEST_ENOSPC_ENV: "1:4"})
+    line = _one_line(res)
+    assert res.returncode == 2, res.stderr
+    assert line.startswith("moezero: error: checkpoint save of step 4 under ")
+    assert "rank 1: " in line and "No space left on device" in line, line
+    assert "step_00000004.partial/" in line and f"traceback: {out / 'logs'}" in line, line
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]
+    assert _step(root) == "step_00000002" and store.verify(root / "step_00000002") == []
+    logs = sorted(p.name for p in (out / "logs").iterdir())
+    assert "rank1.log" in logs and "Traceback" in (out / "logs" / "rank1.log").read_text()
+
+
+def test_a_path_that_is_a_file_is_one_line_naming_it(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    res = moezero("train", *TINY, "--set", "train.steps=1",
+                  "--set", f"checkpoint.dir={tmp_path / 'file' / 'ckpt'}",
+                  "--out", str(tmp_path / "run"))
+    line = _one_line(res)
+    assert res.returncode == 2, res.stderr
+    assert "rank 0: " in line and f"{tmp_path / 'file'}" in line, line
+    assert "Not a directory" in line or "File exists" in line, line
+
+
+def test_a_damaged_checkpoint_stops_the_run_before_its_first_step(tmp_path):
+    first = tmp_path / "first"
+    assert moezero("train", *TINY, "--set", "train.steps=1", "--out", str(first)).returncode == 0
+    step = first / "checkpoints" / "step_00000001"
+    bad = shutil.copytree(step, tmp_path / "bad" / step.name)
+    record = max(store.read_manifest(bad).checksums, key=lambda r: r.length)
+    data = bytearray((bad / record.file).read_bytes())
+    data[record.offset + record.length // 2] ^= 0x40
+    (bad / record.file).write_bytes(data)
+    out = tmp_path / "run"
+    res = moezero("train", *TINY, "--set", "train.steps=3", "--set", f"checkpoint.load={bad}",
+                  "--out", str(out))
+    line = _one_line(res)
+    assert res.returncode == 2, res.stderr
+    assert f"{record.file} bytes [{record.offset}, {record.offset + record.length})" in line, line
+    assert "crc32" in line and "rank " in line, line
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
+def _fails_with_a_bug() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise RuntimeError("a bug, not a fault")
+    dist.barrier()
+
+
+def test_a_crash_still_shows_its_traceback(capfd):
+    """Only expected errors are shortened: a bug keeps its traceback (exit code 1)."""
+    assert spawn(_fails_with_a_bug, 2, timeout_s=60) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" in err and "a bug, not a fault" in err

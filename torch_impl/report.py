@@ -1,0 +1,98 @@
+"""What a training run reports: the optimizer-group table, progress lines, the summary line and
+the loss plot (``moezero.train`` calls these; no training logic here)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from moezero.zero.groups import OptimizerGroups
+
+
+def param_groups_table(groups: OptimizerGroups) -> list[dict]:
+    """``param_groups.json``: every optimizer group with members and per-rank ranges."""
+    rows = []
+    for g, part in zip(groups.plan, groups.partitions, strict=True):
+        ranges = {str(r): list(part.rank_range(part.dp_rank(r))) for r in part.ranks}
+        rows.append({"name": g.name, "index": g.index, "user_group": g.user_group,
+                     "moe_group": g.moe_group, "ep_size": g.ep_size, "layer": g.layer,
+                     "expert": g.expert, "numel": g.numel, "padded_numel": part.padded_numel,
+                     "members": [{"fqn": m.fqn, "start": m.start, "stop": m.stop}
+                                 for m in g.members],
+                     "rank_ranges": ranges})
+    return rows
+
+
+def print_group_table(groups: OptimizerGroups, out=sys.stdout) -> None:
+    """Start-up table: group name, params, elements, bytes of fp32 optimizer state."""
+    print(f"{'optimizer group':<44} {'params':>6} {'elements':>10} {'fp32 state':>11}", file=out)
+    total = 0
+    for g in groups.plan:
+        state = g.numel * 12  # master + exp_avg + exp_avg_sq
+        total += state
+        print(f"{g.name:<44} {len(g.members):>6} {g.numel:>10,} {_mib(state):>11}", file=out)
+    print(f"{len(groups.plan)} groups, {_mib(total)} of fp32 optimizer state in all", file=out)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def log_line(history: list[dict], steps: int, window: int) -> str:
+    """The progress line of a log: the last step, and the peak memory of the last ``window``
+    steps (the logging window)."""
+    row = history[-1]
+    peak = max(r.get("peak_mem_bytes") or 0 for r in history[-window:])
+    val = f" val {row['val_loss']:.3f}" if "val_loss" in row else ""
+    mfu = f" mfu {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
+    load = row.get("moe_imbalance_max")
+    return (f"step {row['step']}/{steps} loss {row['ce']:.3f}{val} lr {row['lr']:.1e} "
+            f"{row['tokens_per_s']:.0f} tokens/s{mfu} peak {_mib(peak)}"
+            + (f" expert imbalance {load:.2f}" if load is not None else ""))
+
+
+def summarize(history: list[dict], corpus) -> dict:
+    """Final loss (mean cross-entropy of the last 10 steps) and the last validation loss,
+    beside the corpus's references."""
+    tail = history[-10:]
+    final = sum(r["ce"] for r in tail) / max(len(tail), 1)
+    evals = [r for r in history if "val_loss" in r]
+    return {"steps": len(history), "final_loss": final,
+            "val_loss": evals[-1]["val_loss"] if evals else None,
+            "unigram_baseline": corpus.unigram_entropy, "entropy_floor": corpus.entropy_floor,
+            "median_tokens_per_s": sorted(r["tokens_per_s"] for r in history)[len(history) // 2]
+            if history else 0.0}
+
+
+def format_summary(s: dict, run_dir: Path) -> str:
+    floor = f"{s['entropy_floor']:.3f}" if s["entropy_floor"] is not None else "n/a (text data)"
+    val = "n/a" if s.get("val_loss") is None else \
+        f"{s['val_loss']:.3f} (perplexity {math.exp(min(s['val_loss'], 700.0)):.2f})"
+    return (f"done: {s['steps']} steps | final loss {s['final_loss']:.3f} nats/token | "
+            f"val loss {val} | unigram baseline {s['unigram_baseline']:.3f} | "
+            f"entropy floor {floor} | {s['median_tokens_per_s']:.0f} tokens/s per rank | "
+            f"run dir {run_dir}")
+
+
+def plot_loss(history: list[dict], summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in history], [r["ce"] for r in history], label="train loss (CE)")
+    evals = [r for r in history if "val_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-",
+                color="tab:orange", label="validation loss")
+    ax.axhline(summary["unigram_baseline"], color="gray", ls="--", label="unigram baseline")
+    if summary["entropy_floor"] is not None:
+        ax.axhline(summary["entropy_floor"], color="green", ls=":", label="entropy floor")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("nats / token")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
