@@ -31,6 +31,7 @@ from moezero.distributed.topology import Topology, build_topology
 from moezero.model import determinism
 from moezero.model.materialize import KeyedInit, materialize
 from moezero.model.moe import expert_tag
+from moezero.model.recompute import checkpoint_blocks
 from moezero.offload import state as offload_state
 from moezero.offload.options import IOOptions
 from moezero.plan import plan_layout
@@ -74,6 +75,8 @@ class Engine:
         if init is not None:
             materialize(model, init, device=device, dtype=self.dtype, values=zero.stage < 3)
         self.model = model.to(device=device, dtype=self.dtype)
+        if cfg.activation_checkpointing.enabled:
+            checkpoint_blocks(self.model, cfg.activation_checkpointing.every_n_layers)
         self.params = dict(self.model.named_parameters())
         self.groups: OptimizerGroups = build_groups(self.model, cfg, topology)
         check_supported(cfg)
