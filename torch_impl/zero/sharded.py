@@ -65,15 +65,13 @@ class ShardedOptimizer(Optimizer):
             memory (the params' device, or the host for ``cpu`` offload).
         swap_factory: ``(slots, meter) -> (optimizer SwapState | None, param SwapState |
             None)`` for NVMe offload (``moezero.offload.state.build``).
-        initial: FQN -> the param's initial value, read instead of the params (stage 3 with
-            params built without storage: ``moezero.model.materialize``).
     """
 
     def __init__(self, params: dict[str, nn.Parameter], groups: OptimizerGroups,
                  topology: Topology, *, stage: int, bucket_size: int, overlap: bool,
                  model: nn.Module | None = None, prefetch: bool = True,
                  state_device: torch.device | None = None, param_device: torch.device | None = None,
-                 swap_factory=None, initial=None):
+                 swap_factory=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"zero_optimization.stage: ShardedOptimizer runs 1-3, got {stage}")
         if stage == 3 and model is None:
@@ -87,9 +85,7 @@ class ShardedOptimizer(Optimizer):
         self.param_device = param_device or self._device
         self.optim_swap, self.param_swap = (swap_factory(self.slots, self.meter) if swap_factory
                                             else (None, None))
-        self._initial = initial or (lambda fqn: self.params[fqn].data)
         self._init_state()
-        self._initial = None  # drops the init source's cached param
         self._build_reduction(bucket_size=bucket_size, overlap=overlap, all_reduce=False,
                               release=stage >= 2)
         self.gatherer = None
@@ -129,7 +125,7 @@ class ShardedOptimizer(Optimizer):
         lo, hi = slot.rank_range(slot.dp_rank)
         master = torch.zeros(slot.shard, dtype=torch.float32, device=self._device)
         if lo < hi:
-            read_members(slot.columns, lo, hi, master, self._initial)
+            read_members(slot.columns, lo, hi, master, lambda fqn: self.params[fqn].data)
         if self.stage == 3:
             self._init_param_shard(slot, master, dtype)
         if self.optim_swap is not None:
