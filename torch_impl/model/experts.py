@@ -46,8 +46,13 @@ class SwiGLU(nn.Module):
 
 
 def is_builtin(modules: Sequence[nn.Module]) -> bool:
-    """True when every module is exactly the built-in ``SwiGLU`` (not a subclass)."""
-    return len(modules) > 0 and all(type(m) is SwiGLU for m in modules)
+    """True when every module is exactly the built-in ``SwiGLU`` (not a subclass) and all have
+    the same weight shapes (a factory may build experts of different widths: those take the
+    generic loop, since one grouped GEMM needs one shape)."""
+    if not modules or any(type(m) is not SwiGLU for m in modules):
+        return False
+    shapes = {tuple(tuple(p.shape) for p in m.parameters()) for m in modules}
+    return len(shapes) == 1
 
 
 def has_grouped_kernel(device: torch.device, dtype: torch.dtype) -> bool:
