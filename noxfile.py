@@ -81,7 +81,8 @@ def bench(session: nox.Session) -> None:
     """Benchmarks side by side with peers; writes BENCHMARKS.md (``-- --quick`` for a short run).
 
     ``-- --quick`` takes under 10 minutes on 2 cores; ``-- --series NAME`` reruns one table's
-    series (main, sweep, tiled, state, ckpt; see ``benchmarks/specs.py``).
+    series (main, sweep, tiled, state, ckpt, collectives; see ``benchmarks/specs.py``); tiled
+    and collectives alone rewrite only their sections of BENCHMARKS.md.
 
     moezero (and FSDP2, part of torch) run in this session's venv. DeepSpeed gets its own venv,
     ``MOEZERO_PEER_VENV`` (default ``.nox/bench-peers``), so its dependencies never change the

@@ -1,15 +1,18 @@
 """Statistics, targets, plots and the ``BENCHMARKS.md`` text, from raw run results.
 
 Everything in the report is computed from ``results.json`` (written by ``benchmarks.run``);
-nothing is typed in by hand.
+nothing is typed in by hand. A run of only self-contained series (``SERIES_SECTIONS``)
+rewrites only their sections of an existing report.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks import plots, tables_io, tables_memory
+from benchmarks import plots, tables_comm, tables_io, tables_memory
 from benchmarks.fmt import mbs, mib, ok, table, verdict
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
 from benchmarks.stats import by_name, limits, param_count
@@ -190,6 +193,7 @@ def render(results: dict, plot_links: dict[str, str]) -> str:
         _sweep_section(results, plot_links),
         tables_memory.slots_section(results),
         tables_io.swap_section(results),
+        tables_comm.collectives_section(results),
         _failure_section(results),
     ]
     return "\n\n".join("\n".join(section) for section in sections) + "\n"
@@ -236,8 +240,11 @@ def _sweep_section(results: dict, plot_links: dict[str, str]) -> list[str]:
                     "", f"Per-run throughput: ![tokens/s per run]({plot_links['throughput']})"]
 
 
+FAILURES = "## Not run, rejected or failed"
+
+
 def _failure_section(results: dict) -> list[str]:
-    lines = ["## Not run, rejected or failed", ""]
+    lines = [FAILURES, ""]
     peer = results["peer"]
     if "error" in peer:
         lines.append(f"- DeepSpeed peer setup: {peer['error']}")
@@ -273,8 +280,35 @@ NOTES_RESULTS = [
     "- FSDP2 has no expert parallelism: it shards every parameter over both ranks and runs all "
     "experts on each; moezero and DeepSpeed use expert parallelism ep = 2.",
 ]
-def write(results: dict, out: Path, plots_dir: Path) -> str:
-    """Plots then BENCHMARKS.md; returns the text."""
+SERIES_SECTIONS = {"collectives": (tables_comm.collectives_section,),
+                   "tiled": (tables_memory.tiled_section,)}
+"""Series whose report sections read no other series' runs: a run of only these series
+replaces only these sections of an existing report (``write(..., only=...)``)."""
+
+
+def splice(text: str, sections: Sequence[list[str]]) -> str:
+    """``text`` (a report) with each section replaced by the one with the same heading line,
+    or inserted before the failures section when it has none."""
+    chunks = re.split(r"\n\n(?=## )", text.rstrip("\n"))
+    for lines in sections:
+        new = "\n".join(lines)
+        at = next((i for i, c in enumerate(chunks) if c.split("\n", 1)[0] == lines[0]), None)
+        if at is not None:
+            chunks[at] = new
+        else:
+            tail = next((i for i, c in enumerate(chunks) if c.startswith(FAILURES)), len(chunks))
+            chunks.insert(tail, new)
+    return "\n\n".join(chunks) + "\n"
+
+
+def write(results: dict, out: Path, plots_dir: Path, only: Sequence[str] = ()) -> str:
+    """Plots then BENCHMARKS.md; returns the text. With ``only`` (the series that ran) all in
+    ``SERIES_SECTIONS`` and ``out`` existing: only those sections of ``out`` are rewritten
+    (returns them)."""
+    if only and out.exists() and all(s in SERIES_SECTIONS for s in only):
+        sections = [f(results) for s in dict.fromkeys(only) for f in SERIES_SECTIONS[s]]
+        out.write_text(splice(out.read_text(), sections))
+        return "\n\n".join("\n".join(lines) for lines in sections)
     plots_dir.mkdir(parents=True, exist_ok=True)
     files = {"memory": plots_dir / "memory_vs_experts.png",
              "throughput": plots_dir / "throughput.png"}
@@ -288,7 +322,10 @@ def write(results: dict, out: Path, plots_dir: Path) -> str:
 
 
 def console_summary(text: str) -> str:
-    """The results, ratios and targets sections, for the terminal."""
+    """The results, ratios and targets sections, for the terminal (the whole text when it has
+    none: the sections of a single-series run)."""
+    if "## Results" not in text or "## Tiled vs untiled" not in text:
+        return text.rstrip()
     start = text.index("## Results")
     end = text.index("## Tiled vs untiled")
     return text[start:end].rstrip()

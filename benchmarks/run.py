@@ -65,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="append", default=[], metavar="TEXT",
                    help="run only configurations whose name contains TEXT (repeatable)")
     p.add_argument("--series", action="append", default=[], metavar="NAME",
-                   help="run only this series: main, sweep, tiled, world, ckpt (repeatable)")
+                   help="run only this series: main, sweep, tiled, state, ckpt, collectives "
+                        "(repeatable); tiled and collectives alone rewrite only their sections "
+                        "of an existing report")
     p.add_argument("--from-json", help="render the report from this results.json; run nothing")
     return p
 
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run_all(args, size, repeats, work)
         results["elapsed_s"] = time.perf_counter() - start
         (work / "results.json").write_text(json.dumps(results, indent=1))
-    text = report.write(results, Path(args.out), Path(args.plots_dir))
+    text = report.write(results, Path(args.out), Path(args.plots_dir), only=args.series)
     print(report.console_summary(text))
     print(f"wrote {args.out} ({time.perf_counter() - start:.0f} s)")
     return 0

@@ -7,7 +7,8 @@ A string option may name ``{work}``: the run's work directory (e.g. an NVMe swap
 Series (each run's ``series``): ``main`` (the compared configurations, round by round),
 ``sweep`` (per-rank memory vs experts), ``tiled`` (tiled vs untiled step) and ``state``
 (stages vs FSDP2, and per-rank memory vs W) on a model whose optimizer state dominates,
-``ckpt`` (checkpoint save/load of a few-hundred-MB model).
+``ckpt`` (checkpoint save/load of a few-hundred-MB model), ``collectives`` (collectives per
+step against the number of optimizer groups, bucketed vs per-group all-gathers).
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ CKPT_SYSTEMS: list[tuple[str, str, dict]] = [
 """Checkpoint save/load on ``size["ckpt_model"]`` (one training step, then save, save, load);
 the NVMe row also times a plain copy of its optimizer swap files after each save."""
 
+COLLECTIVE_STAGES = (2, 3)
+GATHER_MODES: dict[str, dict] = {"bucketed": {},
+                                 "per-group": {"zero_optimization.allgather_bucket_size": None}}
+"""The ``collectives`` series: each stage with the default all-gather buckets and with one
+all-gather per optimizer group (``allgather_bucket_size: null``), at every
+``size["coll_caps"]`` (``moe.max_group_size``: fewer to more groups) on ``size["coll_model"]``
+(ep 1, so every group, experts too, is sharded over both ranks)."""
+
 TARGET_CONFIG = "moezero stage 2"
 """The moezero configuration the issue's targets name (the CLI default once it lands)."""
 
@@ -100,6 +109,9 @@ SIZES = {
               "ckpt_model": {"vocab_size": 256, "dim": 256, "n_layers": 2, "n_heads": 4,
                              "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
               "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
+              "coll_model": {"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4,
+                             "ffn_dim": 64, "num_experts": 16, "top_k": 2, "ep_size": 1},
+              "coll_train": {**_SHORT, "timed": 2}, "coll_caps": (None, 2048, 256),
               "swap_mib": 256},
     "full": {"model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
                        "ffn_dim": 512, "num_experts": 8, "top_k": 2, "ep_size": 2},
@@ -114,6 +126,9 @@ SIZES = {
              "ckpt_model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
                             "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
              "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
+             "coll_model": {"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4,
+                            "ffn_dim": 64, "num_experts": 16, "top_k": 2, "ep_size": 1},
+             "coll_train": {**_SHORT, "timed": 3}, "coll_caps": (None, 8192, 2048, 512, 256),
              "swap_mib": 1024},
 }
 """Shared model and loop per mode. ``ep_size`` applies to moezero and DeepSpeed (expert
@@ -171,4 +186,19 @@ def extra_specs(size: dict) -> list[dict]:
     specs += state_specs(size)
     specs += [run_spec(name, system, opts, size, series="ckpt", model=size["ckpt_model"],
                        train=size["ckpt_train"]) for name, system, opts in CKPT_SYSTEMS]
-    return specs
+    return specs + collectives_specs(size)
+
+
+def collective_name(stage: int, mode: str, cap: int | None) -> str:
+    return f"stage {stage}, {mode} all-gathers, max_group_size {cap or 'none'}"
+
+
+def collectives_specs(size: dict) -> list[dict]:
+    """The ``collectives`` series (``GATHER_MODES`` x ``COLLECTIVE_STAGES`` x group caps), each
+    run counting its collectives per step."""
+    return [{**run_spec(collective_name(stage, mode, cap), "moezero",
+                        {"zero_optimization.stage": stage, "moe.max_group_size": cap, **opts},
+                        size, checkpoint=False, series="collectives", model=size["coll_model"],
+                        train=size["coll_train"]), "count_collectives": True}
+            for cap in size["coll_caps"] for stage in COLLECTIVE_STAGES
+            for mode, opts in GATHER_MODES.items()]
