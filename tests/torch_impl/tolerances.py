@@ -4,3 +4,11 @@
 from __future__ import annotations
 
 RTOL = {"fp32": 1e-5}
+
+BF16_REDUCE_ATOL = 4 * 2.0**-8
+"""``reduce_dtype: bf16`` against fp32: the largest elementwise difference of a reduced gradient,
+relative to the tensor's largest element (bf16 keeps 8 bits: each input and the sum rounded)."""
+
+HOST_VS_DEVICE = {"rtol": 1e-5, "atol": 1e-7}
+"""The offloaded step (host AdamW, CPU kernels) against the device step (CUDA kernels), fp32,
+after a few steps (``np.testing.assert_allclose`` arguments)."""
