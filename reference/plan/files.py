@@ -42,6 +42,17 @@ def pread_into(path: Path, out: np.ndarray, offset: int) -> None:
         os.close(fd)
 
 
+def read_json(path: Path, missing: str) -> object:
+    """The JSON at ``path``; CheckpointError ``missing`` when there is no such file, else one
+    line naming the file when it cannot be read or parsed."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(missing) from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: unreadable: {' '.join(str(err).split())}") from None
+
+
 def write_json(path: Path, obj: object) -> None:
     """Write JSON (strict: no NaN) to a temporary file, fsync it, rename over ``path``."""
     tmp = path.with_name(path.name + ".tmp")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moezero.plan.files import CHUNK, CheckpointError, check_file, pread_into
+from moezero.plan.files import CHUNK, CheckpointError, check_file, pread_into, read_json
 from moezero.plan.layout import (
     INDEX_NAME,
     ITEMSIZE,
@@ -41,12 +41,7 @@ def read_manifest(ckpt_dir: str | os.PathLike) -> Manifest:
     """
     root = Path(ckpt_dir)
     path = root / MANIFEST_NAME
-    try:
-        obj = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{root}: no {MANIFEST_NAME} (incomplete checkpoint)") from None
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: unreadable: {err}") from None
+    obj = read_json(path, f"{root}: no {MANIFEST_NAME} (incomplete checkpoint)")
     base = os.path.realpath(root)
     for name in _named_files(obj):
         _resolve(root, name, base)

@@ -11,7 +11,6 @@ Grouped-query K/V projections keep their shapes.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from moezero.checkpoint.hf.reader import HFTensors
 from moezero.config import Config, dump_config
 from moezero.model.decoder import Decoder, ModelArgs
 from moezero.plan import plan_groups, plan_layout, store
+from moezero.plan.files import read_json
 from moezero.plan.layout import RangeRecord
 from moezero.plan.store import CheckpointError
 from moezero.zero.groups import config_user_group, param_specs
@@ -40,12 +40,7 @@ def read_hf_config(src: Path) -> tuple[Family, Arch, dict]:
     if not src.is_dir():
         raise CheckpointError(f"{src}: no such directory")
     path = src / HF_CONFIG
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{src}: no {HF_CONFIG} (not a Hugging Face model directory)") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: unreadable: {' '.join(str(exc).split())}") from None
+    raw = read_json(path, f"{src}: no {HF_CONFIG} (not a Hugging Face model directory)")
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: not a JSON object")
     family = family_of_config(raw, str(path))
