@@ -1,5 +1,6 @@
-"""The pure plans inside the optimizers, without processes: the reduction's buckets
-(``moezero.zero.buckets``) and the stage-3 gather units (``moezero.zero.gather.plan_units``).
+"""The pure plans inside the optimizers, without processes: the reduction's buckets and the
+all-gather buckets (``moezero.zero.buckets``, unpacked by ``moezero.zero.allgather``) and the
+stage-3 gather units (``moezero.zero.gather.plan_units``).
 
 Expectations are built here by brute force (element by element) or written out by hand.
 """
@@ -16,7 +17,15 @@ from moezero.model.decoder import Decoder
 from moezero.plan.partition import Partition
 from moezero.plan.specs import Slice
 from moezero.train import model_args
-from moezero.zero.buckets import GroupColumns, full_columns, plan_buckets, scatter_columns
+from moezero.zero.allgather import Launched, launch
+from moezero.zero.buckets import (
+    GatherBucket,
+    GroupColumns,
+    full_columns,
+    plan_buckets,
+    plan_gathers,
+    scatter_columns,
+)
 from moezero.zero.gather import GatherUnit, param_kind, plan_units, unit_modules
 
 
@@ -168,3 +177,93 @@ def test_group_columns_are_frozen():
     with pytest.raises(AttributeError):
         g.rows = 2  # type: ignore[misc]
     assert isinstance(g, GroupColumns)
+
+
+# ---------------------------------------------------------------------------- gather buckets
+channels_st = st.lists(st.tuples(st.sampled_from(["world", "edp2"]), st.integers(1, 30)),
+                       min_size=1, max_size=12)
+
+
+def gather_groups(specs: list[tuple[str, int]], rows: dict[str, int]) -> list:
+    """(key, channel, scatter columns) of one-member groups of the given sizes."""
+    return [(10 + i, channel, scatter_columns(partition(f"g{i}", [(f"p{i}", 0, n)], rows[channel])))
+            for i, (channel, n) in enumerate(specs)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(specs=channels_st, world=st.integers(1, 4), cap=st.one_of(st.none(), st.integers(1, 50)))
+def test_gather_buckets_tile_each_channel_within_the_cap(specs, world, cap):
+    rows = {"world": world, "edp2": max(1, world // 2)}
+    groups = gather_groups(specs, rows)
+    buckets = plan_gathers(groups, cap)
+    assert plan_gathers(groups, cap) == buckets  # deterministic, comparable data
+    seen = list(dict.fromkeys(channel for _, channel, _ in groups))
+    assert list(dict.fromkeys(b.channel for b in buckets)) == seen  # channel by channel
+    for channel in seen:
+        mine = [b for b in buckets if b.channel == channel]
+        members = [(key, c) for key, ch, c in groups if ch == channel]
+        assert all(b.rows == rows[channel] for b in mine)
+        pieces = [p for b in mine for p in b.pieces]
+        # every group's columns once, in the listed order, contiguous
+        assert [(k, a, b) for k, a, b in pieces if a < b] == pieces
+        for key, c in members:
+            spans = [(a, b) for k, a, b in pieces if k == key]
+            assert spans[0][0] == 0 and spans[-1][1] == c.cols
+            assert all(z == a for (_, z), (a, _) in zip(spans, spans[1:], strict=False))
+        assert [k for k, _, _ in pieces] == sorted((k for k, _, _ in pieces),
+                                                   key=[k for k, _ in members].index)
+        if cap is None:  # one bucket per group
+            assert [b.pieces for b in mine] == [((k, 0, c.cols),) for k, c in members]
+        else:  # as few buckets as the cap allows: flat in the number of groups
+            per = max(1, cap // rows[channel])
+            assert all(b.rows * b.cols <= max(cap, b.rows) for b in mine)
+            assert len(mine) == -(-sum(c.cols for _, c in members) // per)
+
+
+def test_gather_buckets_written_out_by_hand():
+    rows = {"world": 2, "edp2": 1}
+    groups = gather_groups([("world", 4), ("edp2", 3), ("world", 6), ("world", 1)], rows)
+    # world: shards of 2, 3 and 1 columns (2 rows), cap 6 elements = 3 columns per bucket
+    buckets = plan_gathers(groups, 6)
+    assert buckets == (GatherBucket("world", 2, ((10, 0, 2), (12, 0, 1))),
+                       GatherBucket("world", 2, ((12, 1, 3), (13, 0, 1))),
+                       GatherBucket("edp2", 1, ((11, 0, 3),)))
+    assert (buckets[0].cols, buckets[1].cols, buckets[2].cols) == (3, 3, 3)
+    columns = {key: c for key, _, c in groups}
+    assert [b.whole(columns[b.pieces[0][0]]) for b in buckets] == [False, False, True]
+    single = plan_gathers(groups[:1], None)[0]
+    assert single.whole(groups[0][2])  # 4 elements = 2 rows x 2 columns, no padding
+    padded = gather_groups([("world", 5)], rows)[0][2]  # 5 elements in 2 x 3
+    assert not plan_gathers([(0, "world", padded)], None)[0].whole(padded)
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs=channels_st, world=st.integers(1, 4), cap=st.one_of(st.none(), st.integers(1, 50)))
+def test_gathered_buckets_rebuild_every_group(specs, world, cap):
+    """Simulated all-gathers (each rank's send buffer stacked, as the collective returns it)
+    unpacked by ``Launched.unpack``: every group's elements come back, padding never written."""
+    rows = {"world": world, "edp2": max(1, world // 2)}
+    groups = gather_groups(specs, rows)
+    columns = {key: c for key, _, c in groups}
+    full = {key: torch.arange(c.numel, dtype=torch.float32) + 100 * key for key, c in columns.items()}
+
+    def shard(key: int, d: int) -> torch.Tensor:
+        c = columns[key]
+        out = torch.full((c.cols,), float("nan"))  # padding: never unpacked
+        got = full[key][d * c.cols:(d + 1) * c.cols]
+        out[:got.numel()] = got
+        return out
+
+    rebuilt = {key: torch.full((c.numel,), -1.0) for key, c in columns.items()}
+    for bucket in plan_gathers(groups, cap):
+        if bucket.rows == 1:  # no collective: the pieces are read as they are
+            done = launch(bucket, lambda k: shard(k, 0), group=None)
+            assert done.recv is None and done.held == 0
+        else:
+            sends = [torch.cat([shard(k, d)[a:b] for k, a, b in bucket.pieces])
+                     for d in range(bucket.rows)]
+            done = Launched(bucket, [sends[0]], torch.stack(sends), held=0)
+        for key in dict.fromkeys(k for k, _, _ in bucket.pieces):
+            done.unpack(key, columns[key], lambda lo, hi, v, key=key: rebuilt[key][lo:hi].copy_(v))
+    for key in columns:
+        assert torch.equal(rebuilt[key], full[key]), key

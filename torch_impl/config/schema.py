@@ -223,6 +223,12 @@ class ZeroConfig(_Section):
     tiled_step: bool = Field(True, description="Step one optimizer group at a time (bounded fp32 peak).")
     reduce_bucket_size: int = Field(int(5e7), ge=1, description="Elements per gradient-reduction bucket.")
     overlap_comm: bool = Field(True, description="Overlap gradient reduction with backward.")
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype gradients are reduce-scattered / all-reduced in (upcast to "
+                            "fp32 for the step); bf16 halves the bytes sent.")
+    allgather_bucket_size: int | None = Field(
+        int(5e7), ge=1, description="Elements per parameter all-gather bucket (stages 1-3); "
+                                    "null = one all-gather per optimizer group.")
     offload_optimizer: OffloadConfig = Field(
         default_factory=OffloadConfig, description="Optimizer state offload (stage >= 1).")
     offload_param: OffloadConfig = Field(

@@ -12,7 +12,15 @@ shard. The replicated optimizer all-reduces: one row of ``numel`` columns.
 expected to finish the groups: by the registration (~forward) order of their first parameter,
 last first. Every rank of a data-parallel group computes the same plan, so every rank issues
 its collectives in the same order. Used by ``moezero.zero.reduce``.
-Reference counterpart: the ``psum_scatter`` of ``reference/zero.py``.
+
+**Gather buckets** (``plan_gathers``): the other way round, the parameter all-gathers of
+stages 1-3 (after the step at stages 1-2, per gather unit at stage 3). Each listed group's
+shard columns, channel by channel (groups sharing a process group), cut into buckets of at
+most ``cap`` elements of receive buffer (rows x cols): every rank sends its columns of the
+bucket's groups, concatenated, and receives every rank's, so the number of all-gathers grows
+with the bytes gathered, not with the number of optimizer groups. ``cap=None`` gives one
+bucket per group (the per-group gathers of before). Used by ``moezero.zero.allgather``.
+Reference counterpart: the ``psum_scatter`` and ``all_gather`` of ``reference/zero.py``.
 """
 
 from __future__ import annotations
@@ -102,19 +110,26 @@ def plan_buckets(kinds: Sequence[Sequence[GroupColumns]], order: Mapping[str, in
 def _kind_buckets(k: int, groups: Sequence[GroupColumns], order: Mapping[str, int],
                   cols_cap: int) -> list[Bucket]:
     first_use = [min(order[m.fqn] for m, _ in g.partition.offsets) for g in groups]
-    buckets, pieces, cols = [], [], 0
-    for gi in sorted(range(len(groups)), key=lambda i: -first_use[i]):
-        a, width = 0, groups[gi].cols
+    ordered = sorted(range(len(groups)), key=lambda i: -first_use[i])
+    return [_bucket(k, groups, pieces)
+            for pieces in _cut([(gi, groups[gi].cols) for gi in ordered], cols_cap)]
+
+
+def _cut(widths: Sequence[tuple[int, int]], cols_cap: int) -> Iterator[list]:
+    """(key, width) items' columns, in order, as lists of (key, start, stop) pieces of
+    ``cols_cap`` columns each (the last may be shorter)."""
+    pieces, cols = [], 0
+    for key, width in widths:
+        a = 0
         while a < width:
             b = min(width, a + cols_cap - cols)
-            pieces.append((gi, a, b))
+            pieces.append((key, a, b))
             cols, a = cols + b - a, b
             if cols == cols_cap:
-                buckets.append(_bucket(k, groups, pieces))
+                yield pieces
                 pieces, cols = [], 0
     if pieces:
-        buckets.append(_bucket(k, groups, pieces))
-    return buckets
+        yield pieces
 
 
 def _bucket(k: int, groups: Sequence[GroupColumns], pieces: list) -> Bucket:
@@ -123,3 +138,52 @@ def _bucket(k: int, groups: Sequence[GroupColumns], pieces: list) -> Bucket:
         for _, lo, hi in groups[gi].cells(a, b):
             fqns.update((fqn, None) for fqn, *_ in groups[gi].members_in(lo, hi))
     return Bucket(k, tuple(pieces), tuple(fqns))
+
+
+@dataclass(frozen=True)
+class GatherBucket:
+    """Shard columns of groups on one process group, all-gathered by one collective.
+
+    Every rank sends its columns ``[a, b)`` of each piece's shard, concatenated in piece order
+    (``cols`` elements); the result is a [rows, cols] matrix whose row d is DP rank d's.
+    """
+
+    channel: str  # the process group's name (``Kind.channel``)
+    rows: int  # its size (the groups' dp_size)
+    pieces: tuple[tuple[int, int, int], ...]  # (group key, column start, stop)
+
+    @property
+    def cols(self) -> int:
+        return sum(b - a for _, a, b in self.pieces)
+
+    def whole(self, columns: GroupColumns) -> bool:
+        """One piece holding all of one unpadded group: rank d's row is the group's elements
+        ``[d * cols, (d + 1) * cols)``, so the gather can land in the group's storage as is."""
+        if len(self.pieces) != 1:
+            return False
+        _, a, b = self.pieces[0]
+        return a == 0 and b == columns.cols and columns.rows * columns.cols == columns.numel
+
+
+def plan_gathers(groups: Sequence[tuple[int, str, GroupColumns]],
+                 cap: int | None) -> tuple[GatherBucket, ...]:
+    """The all-gather buckets of ``groups``, channel by channel in first-seen order.
+
+    Args:
+        groups: (key, channel, columns) of each group to gather, in gather order; its
+            columns are the reduce-scatter view (``scatter_columns``: a row per DP rank).
+        cap: ``allgather_bucket_size``: elements of one bucket's receive buffer (at least one
+            column); None: one bucket per group, whole.
+    """
+    channels: dict[str, list[tuple[int, GroupColumns]]] = {}
+    for key, channel, columns in groups:
+        channels.setdefault(channel, []).append((key, columns))
+    buckets = []
+    for channel, members in channels.items():
+        rows = members[0][1].rows
+        if cap is None:
+            cuts = [[(key, 0, c.cols)] for key, c in members if c.cols]
+        else:
+            cuts = _cut([(key, c.cols) for key, c in members], max(1, cap // rows))
+        buckets += [GatherBucket(channel, rows, tuple(pieces)) for pieces in cuts]
+    return tuple(buckets)

@@ -9,6 +9,7 @@ from torch import nn
 from moezero.distributed.topology import Topology
 from moezero.zero.groups import OptimizerGroups
 from moezero.zero.optimizer import Optimizer
+from moezero.zero.options import ZeroOptions
 from moezero.zero.replicated import ReplicatedOptimizer
 from moezero.zero.sharded import ShardedOptimizer
 
@@ -21,14 +22,13 @@ def build_optimizer(params: dict[str, nn.Parameter], groups: OptimizerGroups,
     ``swap_factory(slots, meter)`` builds the NVMe swap files (``moezero.offload.state.build``;
     handed in, so this layer never imports ``offload``); stage 0 takes no offload.
     """
+    options = ZeroOptions.from_config(zero)
     if zero.stage == 0:
-        return ReplicatedOptimizer(params, groups, topology, bucket_size=zero.reduce_bucket_size,
-                                   overlap=zero.overlap_comm)
+        return ReplicatedOptimizer(params, groups, topology, options)
     device = next(iter(params.values())).device
     host = torch.device("cpu")
     return ShardedOptimizer(
-        params, groups, topology, stage=zero.stage, bucket_size=zero.reduce_bucket_size,
-        overlap=zero.overlap_comm, model=model,
+        params, groups, topology, options, stage=zero.stage, model=model,
         state_device=host if zero.offload_optimizer.device != "none" else device,
         param_device=host if zero.offload_param.device != "none" else device,
         swap_factory=swap_factory)

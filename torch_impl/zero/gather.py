@@ -13,9 +13,11 @@ big dense group every dense param is gathered at once.
 FQN, the optimizer's slots (each group's members and partition) and a fetch function giving a
 slot's param shard on the compute device; it never calls back into the optimizer.
 
-**Forward.** A unit's forward pre-hook gathers its groups (all-gather of each group's shard
-into a padded temporary, copied into the params' own storage, which is re-allocated for the
-purpose) and starts the next unit's gathers asynchronously (prefetch); its forward hook
+**Forward.** A unit's forward pre-hook gathers its groups (the groups neither resident nor in
+flight, in buckets of ``allgather_bucket_size`` elements: ``moezero.zero.buckets.plan_gathers``,
+so one all-gather per unit and pass rather than one per group; each bucket's receive buffer is
+copied into the params' own storage, which is re-allocated for the purpose) and starts the
+next unit's gathers asynchronously (prefetch); its forward hook
 releases them (``untyped_storage().resize_(0)``: the params keep their shape, autograd keeps
 its references) and, when grad is enabled, routes the outputs through ``_Regather``, whose
 backward gathers the unit again before the unit's own backward runs (and prefetches the unit
@@ -40,13 +42,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from moezero.model.moe import MoE, expert_tag
+from moezero.zero.allgather import Launched, launch
+from moezero.zero.buckets import GatherBucket, plan_gathers
 from moezero.zero.shards import Slot
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -111,16 +112,10 @@ def _closure(fqns: set[str], slots_of: dict[str, set[int]],
 
 
 @dataclass(eq=False)
-class _Gathering:
-    work: object
-    buffer: torch.Tensor
-
-
-@dataclass(eq=False)
 class _State:
     refs: list[int]
     resident: set[int] = field(default_factory=set)
-    inflight: dict[int, _Gathering] = field(default_factory=dict)
+    inflight: dict[int, list[Launched]] = field(default_factory=dict)  # the buckets holding it
 
 
 class ParamGatherer:
@@ -133,12 +128,15 @@ class ParamGatherer:
         fetch: ``fetch(slot)``: the slot's param shard on the compute device.
         groups: Process group by channel name (``distributed.topology.gather_groups``).
         prefetch: Start the next unit's gathers while a unit runs.
+        bucket_size: ``allgather_bucket_size``, elements per all-gather (None: one per group).
     """
 
     def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], slots: Sequence[Slot],
-                 fetch: Callable[[Slot], torch.Tensor], groups: dict, *, prefetch: bool = True):
+                 fetch: Callable[[Slot], torch.Tensor], groups: dict, *, prefetch: bool = True,
+                 bucket_size: int | None):
         self.params, self.slots, self.fetch = params, slots, fetch
-        self.groups, self.prefetch = groups, prefetch
+        self.groups, self.prefetch, self.bucket_size = groups, prefetch, bucket_size
+        self._plans: dict[tuple[int, ...], tuple[GatherBucket, ...]] = {}
         modules = unit_modules(model)
         self.units = plan_units([n for n, _ in modules],
                                 {fqn: param_kind(p) for fqn, p in model.named_parameters()},
@@ -202,9 +200,9 @@ class ParamGatherer:
 
     def drain(self) -> None:
         """Wait for gathers in flight and drop them (their buffers are freed)."""
-        for gathering in self.state.inflight.values():
-            if gathering.work is not None:
-                gathering.work.wait()
+        for launched in self.state.inflight.values():
+            for bucket in launched:
+                bucket.wait()
         self.state.inflight.clear()
 
     # ------------------------------------------------------------------ groups
@@ -229,34 +227,48 @@ class ParamGatherer:
                         storage.resize_(0)
 
     def _start(self, slots: tuple[int, ...]) -> None:
-        """Launch the all-gather of every listed group neither resident nor in flight."""
+        """Launch the all-gathers of the listed groups neither resident nor in flight, in
+        buckets (every rank holds the same groups at the same point: the same buckets)."""
         st = self.state
-        for i in slots:
-            if i in st.resident or i in st.inflight:
-                continue
-            slot = self.slots[i]
-            shard = self.fetch(slot)
-            part = slot.partition
-            if part.dp_size == 1:
-                st.inflight[i] = _Gathering(None, shard)
-                continue
-            buffer = shard.new_empty(part.padded_numel)
-            work = _all_gather(buffer, shard, group=self.groups[slot.channel], async_op=True)
-            st.inflight[i] = _Gathering(work, buffer)
+        needed = tuple(i for i in slots if i not in st.resident and i not in st.inflight)
+        if not needed:
+            return
+        shards: dict[int, torch.Tensor] = {}
 
-    def _scatter(self, i: int, gathering: _Gathering) -> None:
-        """Wait for group ``i``'s gather and copy it into its members' (re-allocated) storage."""
-        if gathering.work is not None:
-            gathering.work.wait()
+        def shard_of(i: int) -> torch.Tensor:
+            if i not in shards:
+                shards[i] = self.fetch(self.slots[i])
+            return shards[i]
+
+        for bucket in self._plan(needed):
+            launched = launch(bucket, shard_of, self.groups[bucket.channel])
+            for i in dict.fromkeys(key for key, _, _ in bucket.pieces):
+                st.inflight.setdefault(i, []).append(launched)
+
+    def _plan(self, needed: tuple[int, ...]) -> tuple[GatherBucket, ...]:
+        if needed not in self._plans:
+            self._plans[needed] = plan_gathers(
+                [(i, self.slots[i].channel, self.slots[i].columns) for i in needed],
+                self.bucket_size)
+        return self._plans[needed]
+
+    def _scatter(self, i: int, launched: list[Launched]) -> None:
+        """Wait for group ``i``'s buckets and copy it into its members' (re-allocated) storage."""
+        columns = self.slots[i].columns
         with torch.no_grad():
-            for member, off in self.slots[i].partition.offsets:
-                param = self.params[member.fqn].data
-                storage = param.untyped_storage()
+            for member, _ in self.slots[i].partition.offsets:
+                storage = self.params[member.fqn].data.untyped_storage()
                 if storage.nbytes() == 0:
-                    storage.resize_(param.numel() * param.element_size())
-                param.view(-1)[member.start:member.stop].copy_(
-                    gathering.buffer[off:off + member.numel])
+                    storage.resize_(self.params[member.fqn].numel()
+                                    * self.params[member.fqn].element_size())
+            for bucket in launched:
+                bucket.unpack(i, columns, lambda lo, hi, v: self._write(columns, lo, hi, v))
         self.state.resident.add(i)
+
+    def _write(self, columns, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Group elements [lo, hi) into the members' storage."""
+        for fqn, start, at, count in columns.members_in(lo, hi):
+            self.params[fqn].data.view(-1)[start:start + count].copy_(values[at:at + count])
 
 
 class _Regather(torch.autograd.Function):

@@ -36,6 +36,7 @@ from moezero.zero.adamw import adamw_, clip_coef
 from moezero.zero.buckets import GroupColumns
 from moezero.zero.buffers import attach_grad_views, build_kinds, flatten_params, param_positions
 from moezero.zero.groups import OptimizerGroups
+from moezero.zero.options import ZeroOptions
 from moezero.zero.reduce import GradReduction
 from moezero.zero.shards import MemoryMeter, Slot, StateShard, nbytes
 
@@ -74,11 +75,12 @@ class Optimizer:
         if full_grads:
             attach_grad_views(self.params, self.kinds, self.where)
 
-    def _build_reduction(self, *, bucket_size: int, overlap: bool, all_reduce: bool,
-                         release: bool) -> None:
-        self.reduction = GradReduction(self.params, self.kinds, bucket_size=bucket_size,
-                                       overlap=overlap, all_reduce=all_reduce, release=release,
-                                       world_size=self.topology.world_size)
+    def _build_reduction(self, options: ZeroOptions, *, all_reduce: bool, release: bool) -> None:
+        self.reduction = GradReduction(self.params, self.kinds,
+                                       bucket_size=options.reduce_bucket_size,
+                                       overlap=options.overlap_comm, all_reduce=all_reduce,
+                                       release=release, world_size=self.topology.world_size,
+                                       dtype=options.reduce_dtype)
 
     @property
     def _device(self) -> torch.device:

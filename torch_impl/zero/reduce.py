@@ -1,13 +1,15 @@
 """Gradient reduction of every stage: buckets of group columns (``moezero.zero.buckets``),
 reduced from gradient hooks while backward runs.
 
-**Reduction.** A bucket's send buffer is [rows, cols] in fp32, filled from the local gradients.
+**Reduction.** A bucket's send buffer is [rows, cols] in the reduce dtype
+(``zero_optimization.reduce_dtype``: fp32 by default, or bf16), filled from the local gradients.
 The sharded optimizer (rows = dp_size) reduce-scatters it: one ``reduce_scatter_single`` (sum)
 gives every rank its columns of its shard; the replicated one (one row) all-reduces it. The
 sums are divided by W (DESIGN.md §2: dense grads averaged over W; expert grads summed over the
 EDP group and divided by W, i.e. the gradient of the global mean loss) and downcast into
-``Slot.grad`` (the shard, or the whole group's range of the flat gradients). Sums are taken in
-fp32 (one rounding for bf16/fp16 grads; on CPU the extra bandwidth is not the bottleneck). With
+``Slot.grad`` (the shard, or the whole group's range of the flat gradients). In fp32 the sums
+round once for bf16/fp16 grads; in bf16 they travel at half the bytes, are upcast to fp32 before
+the division and are stepped in fp32 like any gradient (FSDP2's ``reduce_dtype``). With
 ``overlap_comm``, a ``register_post_accumulate_grad_hook`` on every parameter counts ready
 params during the *last* micro-batch's backward (earlier ones only accumulate locally) and
 launches a bucket asynchronously once all its params are ready, strictly in a fixed order per
@@ -87,11 +89,13 @@ class GradReduction:
         all_reduce: All-reduce whole groups (replicated) instead of reduce-scattering shards.
         release: Free each ``param.grad`` once every bucket reading it has been sent.
         world_size: W, the divisor of the sums.
+        dtype: The reduce dtype (send buffers and sums).
     """
 
     def __init__(self, params: dict, kinds: Sequence[Kind], *, bucket_size: int, overlap: bool,
-                 all_reduce: bool, release: bool, world_size: int):
-        self.params, self.kinds, self.world_size = params, kinds, world_size
+                 all_reduce: bool, release: bool, world_size: int,
+                 dtype: torch.dtype = torch.float32):
+        self.params, self.kinds, self.world_size, self.dtype = params, kinds, world_size, dtype
         self._all_reduce, self._release_sent = all_reduce, release
         self._device = next(iter(params.values())).device
         order = {fqn: i for i, fqn in enumerate(params)}
@@ -132,7 +136,7 @@ class GradReduction:
         bucket = self.buckets[index]
         kind = self.kinds[bucket.kind]
         rows = kind.slots[0].columns.rows
-        send = torch.zeros(rows, bucket.cols, dtype=torch.float32, device=self._device)
+        send = torch.zeros(rows, bucket.cols, dtype=self.dtype, device=self._device)
         col = 0
         for si, a, b in bucket.pieces:
             slot = kind.slots[si]
@@ -153,7 +157,7 @@ class GradReduction:
             return send[0], None
         if self._all_reduce:
             return send[0], dist.all_reduce(send[0], group=kind.group, async_op=True)
-        out = torch.empty(send.shape[1], dtype=torch.float32, device=self._device)
+        out = torch.empty(send.shape[1], dtype=self.dtype, device=self._device)
         return out, _reduce_scatter(out, send.view(-1), group=kind.group, async_op=True)
 
     def _read_grads(self, kind: Kind, slot: Slot, lo: int, hi: int, dst: torch.Tensor) -> None:
@@ -180,6 +184,7 @@ class GradReduction:
         """Wait for a bucket's collective; put (sum / W) into the slots' gradients."""
         if work is not None:
             work.wait()
+        out = out.float()  # the sums in the reduce dtype, upcast (no copy in fp32)
         out.div_(self.world_size)
         bucket, col = self.buckets[index], 0
         for si, a, b in bucket.pieces:

@@ -23,6 +23,7 @@ from moezero.distributed.topology import Topology
 from moezero.zero.buckets import full_columns
 from moezero.zero.groups import OptimizerGroups
 from moezero.zero.optimizer import Optimizer
+from moezero.zero.options import ZeroOptions
 from moezero.zero.shards import Slot
 
 __all__ = ["ReplicatedOptimizer"]
@@ -34,14 +35,13 @@ class ReplicatedOptimizer(Optimizer):
     clone_fp32_grads = False  # the full gradients are dropped after the step: use them in place
 
     def __init__(self, params: dict[str, nn.Parameter], groups: OptimizerGroups,
-                 topology: Topology, *, bucket_size: int, overlap: bool):
+                 topology: Topology, options: ZeroOptions):
         super().__init__(params, topology)
         self._build_buffers(groups, full_columns, flat=True, full_grads=True)
         flat = {slot: kind for kind in self.kinds for slot in kind.slots}
         for slot in self.slots:
             self._init_state(slot, flat[slot].params, flat[slot].grads)
-        self._build_reduction(bucket_size=bucket_size, overlap=overlap, all_reduce=True,
-                              release=False)
+        self._build_reduction(options, all_reduce=True, release=False)
 
     def _init_state(self, slot: Slot, params: torch.Tensor, grads: torch.Tensor) -> None:
         """The group's views of the flat params and gradients, its fp32 master (the params'

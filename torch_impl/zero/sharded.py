@@ -20,8 +20,10 @@ partitions, launched from gradient hooks during the last micro-batch's backward.
 
 **Step** (``moezero.zero.optimizer.Optimizer.step``): the shared tiled step on the partitions;
 the updated master is downcast into the grad partition's storage, and finally the updated
-params are all-gathered (``all_gather_single``) group by group, straight into the flat buffers
-(a padded group goes through one temporary of its size).
+params are all-gathered in buckets across groups (``moezero.zero.allgather``: the plan's
+``plan_gathers``, ``allgather_bucket_size`` elements each), so the number of all-gathers does not
+grow with the number of groups; a bucket that is one whole unpadded group lands straight in the
+flat buffer, others go through a receive buffer of the bucket's size.
 
 **Stage 3** keeps no flat buffer: each param keeps its own storage, freed between uses, and
 each group's shard of the params (``Slot.param``, the master itself in fp32) is gathered by
@@ -38,18 +40,17 @@ Reference counterpart: ``reference/plan/partition.py`` and ``reference/zero.py``
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from moezero.distributed.topology import Topology, gather_groups
-from moezero.zero.buckets import scatter_columns
+from moezero.zero.allgather import gather_all
+from moezero.zero.buckets import plan_gathers, scatter_columns
 from moezero.zero.gather import ParamGatherer
 from moezero.zero.groups import OptimizerGroups
 from moezero.zero.optimizer import Optimizer
-from moezero.zero.shards import Slot, nbytes, read_members
+from moezero.zero.options import ZeroOptions
+from moezero.zero.shards import Slot, read_members
 
-# torch 2.13 renamed the tensor forms; older versions only have the *_tensor names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 __all__ = ["ShardedOptimizer"]
 
 
@@ -59,7 +60,7 @@ class ShardedOptimizer(Optimizer):
     Args:
         params, groups, topology: The model's params by FQN, the plan's groups, the ranks.
         stage: 1 (shard the state), 2 (and the gradients) or 3 (and the params).
-        bucket_size, overlap: ``reduce_bucket_size`` and ``overlap_comm``.
+        options: Reduction and all-gather buckets, reduce dtype, the offloaded step's window.
         model: Stage 3 only: its modules are the gather units.
         state_device, param_device: Where the fp32 state / stage-3 param shards live in
             memory (the params' device, or the host for ``cpu`` offload).
@@ -68,7 +69,7 @@ class ShardedOptimizer(Optimizer):
     """
 
     def __init__(self, params: dict[str, nn.Parameter], groups: OptimizerGroups,
-                 topology: Topology, *, stage: int, bucket_size: int, overlap: bool,
+                 topology: Topology, options: ZeroOptions, *, stage: int,
                  model: nn.Module | None = None, prefetch: bool = True,
                  state_device: torch.device | None = None, param_device: torch.device | None = None,
                  swap_factory=None):
@@ -86,12 +87,14 @@ class ShardedOptimizer(Optimizer):
         self.optim_swap, self.param_swap = (swap_factory(self.slots, self.meter) if swap_factory
                                             else (None, None))
         self._init_state()
-        self._build_reduction(bucket_size=bucket_size, overlap=overlap, all_reduce=False,
-                              release=stage >= 2)
+        self._build_reduction(options, all_reduce=False, release=stage >= 2)
+        self.gather_plan = plan_gathers([(i, s.channel, s.columns) for i, s in enumerate(self.slots)],
+                                        options.allgather_bucket_size)
         self.gatherer = None
         if stage == 3:
             self.gatherer = ParamGatherer(model, params, self.slots, self.param_shard,
-                                          gather_groups(topology), prefetch=prefetch)
+                                          gather_groups(topology), prefetch=prefetch,
+                                          bucket_size=options.allgather_bucket_size)
 
     # ------------------------------------------------------------------ construction
     def _init_state(self) -> None:
@@ -202,28 +205,14 @@ class ShardedOptimizer(Optimizer):
         return slot.param.to(self._device)
 
     def _gather(self, shard_of, dest: list[torch.Tensor]) -> None:
-        """All-gather every group's shard (``shard_of(slot)``) into the flat buffers ``dest``.
-
-        One collective per group, straight into the buffer when the group has no padding (no
-        temporary: the bound is the group, not a bucket); otherwise through a padded copy.
-        """
-        pending = []
-        for k, kind in enumerate(self.kinds):
-            for slot in kind.slots:
-                region = dest[k][slot.offset:slot.offset + slot.numel]
-                if kind.dp_size == 1:
-                    region.copy_(shard_of(slot)[:slot.numel])
-                elif slot.partition.padded_numel == slot.numel:
-                    pending.append(_all_gather(region, shard_of(slot), group=kind.group,
-                                               async_op=True))
-                else:
-                    recv = region.new_empty(slot.partition.padded_numel)
-                    self.meter.hold(nbytes(recv))
-                    _all_gather(recv, shard_of(slot), group=kind.group)
-                    region.copy_(recv[:slot.numel])
-                    self.meter.drop(nbytes(recv))
-        for work in pending:
-            work.wait()
+        """All-gather every group's shard (``shard_of(slot)``) into the flat buffers ``dest``,
+        bucket by bucket (``gather_plan``: ``allgather_bucket_size`` elements each, two in
+        flight); a bucket that is one whole unpadded group lands in the buffer directly."""
+        kind_of = {slot: k for k, kind in enumerate(self.kinds) for slot in kind.slots}
+        regions = [dest[kind_of[s]][s.offset:s.offset + s.numel] for s in self.slots]
+        channels = {kind.channel: kind.group for kind in self.kinds}
+        gather_all(self.gather_plan, [s.columns for s in self.slots],
+                   lambda i: shard_of(self.slots[i]), channels.get, regions, meter=self.meter)
 
     # ------------------------------------------------------------------ inspection
     def full_gradients(self) -> dict[str, torch.Tensor]:

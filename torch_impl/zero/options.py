@@ -1,0 +1,39 @@
+"""What the optimizers are told about communication and the offloaded step: one frozen object,
+built from the ``zero_optimization`` config section by ``ZeroOptions.from_config`` (in
+``moezero.zero.build``) and passed to the optimizer; tests and benchmarks pass their own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    """Attributes:
+        reduce_bucket_size: Elements of one gradient-reduction bucket's send buffer.
+        overlap_comm: Launch reduction buckets from gradient hooks during backward.
+        reduce_dtype: dtype gradients are summed in across ranks (fp32: bit-identical to an
+            fp32 sum; bf16: half the bytes, then upcast for the step).
+        allgather_bucket_size: Elements of one parameter all-gather bucket's receive buffer
+            (stages 1-3); None: one all-gather per optimizer group.
+        host_window: Offloaded step: elements of fp32 state stepped by one vectorised
+            (``torch._foreach_*``) AdamW on the host, a window of consecutive groups (at least
+            one group). Bounds the host temporaries at about 16 B per element of the window.
+    """
+
+    reduce_bucket_size: int = int(5e7)
+    overlap_comm: bool = True
+    reduce_dtype: torch.dtype = torch.float32
+    allgather_bucket_size: int | None = int(5e7)
+    host_window: int = 1 << 22
+
+    @classmethod
+    def from_config(cls, zero) -> ZeroOptions:
+        """From the ``zero_optimization`` section (``moezero.config.schema.ZeroConfig``)."""
+        return cls(reduce_bucket_size=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
+                   reduce_dtype=REDUCE_DTYPES[zero.reduce_dtype],
+                   allgather_bucket_size=zero.allgather_bucket_size)
