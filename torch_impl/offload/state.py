@@ -6,8 +6,10 @@ rank's padded partition of that group: ``master``/``exp_avg``/``exp_avg_sq`` in 
 stage 3 with ``offload_param.device: nvme``, ``param`` in the compute dtype. The checkpoint
 layout stores the same contiguous ranges, so a save or load copies file to file
 (``moezero.checkpoint``, which receives the swap files' paths as the optimizer's shards).
-``SwapState.stepping`` pipelines the tiled step: while group g is stepped, group g+1 is being
-read and group g-1 written back; only those three groups' fp32 state is in memory. The engine
+``SwapState.stepping`` pipelines the offloaded step over windows of groups (``ZeroOptions.
+host_window``): while window w is stepped, window w+1 is being read and window w-1 written
+back; only those three windows' fp32 state is in memory. Host buffers are pinned when CUDA is
+available (so the step's host-to-device copies are asynchronous), plain otherwise. The engine
 builds these objects (``build``); ``zero.sharded.ShardedOptimizer`` only calls them.
 Reference counterpart: none (the reference keeps every state in memory).
 """
@@ -30,9 +32,9 @@ class SwapState:
     """Some states of every local group in swap files of one folder (one per rank)."""
 
     def __init__(self, folder: SwapDir, io: AsyncIO, slots: Sequence, states: tuple[str, ...],
-                 dtype: torch.dtype, *, key: str, meter=None):
+                 dtype: torch.dtype, *, key: str, meter=None, pin: bool = False):
         self.folder, self.io, self.slots, self.states = folder, io, list(slots), states
-        self.dtype, self.key, self.meter = dtype, key, meter
+        self.dtype, self.key, self.meter, self.pin = dtype, key, meter, pin
 
     def nbytes(self) -> int:
         """Bytes of this rank's swap files (each rounded up to the alignment)."""
@@ -49,8 +51,9 @@ class SwapState:
         return self.folder.path(slot.group.name, state)
 
     def buffers(self, slot) -> dict[str, torch.Tensor]:
-        """Fresh aligned host buffers for ``slot``'s states (counted by the meter while alive)."""
-        bufs = {s: aligned_empty(slot.shard, self.dtype) for s in self.states}
+        """Fresh aligned host buffers for ``slot``'s states (counted by the meter while alive;
+        pinned with ``pin`` where CUDA is available)."""
+        bufs = {s: aligned_empty(slot.shard, self.dtype, pin=self.pin) for s in self.states}
         if self.meter is not None:
             self.meter.hold(sum(b.numel() * b.element_size() for b in bufs.values()))
         return bufs
@@ -87,32 +90,33 @@ class SwapState:
         self.store(slot, bufs)
         self.drop(bufs)
 
-    def stepping(self, slots: Sequence) -> Iterator[tuple[object, dict[str, torch.Tensor]]]:
-        """Yield (slot, its states in host buffers) in order; what the caller changes in the
-        buffers is written back. Reads run one group ahead, writes one group behind."""
-        slots = list(slots)
+    def stepping(self, windows: Sequence[Sequence]) -> Iterator[list[dict[str, torch.Tensor]]]:
+        """Yield, window by window, each slot's states in host buffers; what the caller changes
+        in them is written back. Reads run one window ahead, writes one window behind."""
         ahead = None
-        writing: list[tuple[dict, list[Future]]] = []
-        for i, slot in enumerate(slots):
+        writing: list[tuple[list[dict], list[Future]]] = []
+        for i, window in enumerate(windows):
             if ahead is None:
-                ahead = self._start_read(slot)
+                ahead = self._start_read(window)
             bufs, reads = ahead
-            ahead = self._start_read(slots[i + 1]) if i + 1 < len(slots) else None
+            ahead = self._start_read(windows[i + 1]) if i + 1 < len(windows) else None
             _wait(reads)
-            yield slot, bufs
-            writing.append((bufs, self.write(slot, bufs)))
+            yield bufs
+            writing.append((bufs, [f for slot, b in zip(window, bufs, strict=True)
+                                   for f in self.write(slot, b)]))
             while len(writing) > 1:
                 self._finish(*writing.pop(0))
         for done in writing:
             self._finish(*done)
 
-    def _start_read(self, slot) -> tuple[dict, list[Future]]:
-        bufs = self.buffers(slot)
-        return bufs, self.read(slot, bufs)
+    def _start_read(self, window: Sequence) -> tuple[list[dict], list[Future]]:
+        bufs = [self.buffers(slot) for slot in window]
+        return bufs, [f for slot, b in zip(window, bufs, strict=True) for f in self.read(slot, b)]
 
-    def _finish(self, bufs: dict, futures: list[Future]) -> None:
+    def _finish(self, bufs: list[dict], futures: list[Future]) -> None:
         _wait(futures)
-        self.drop(bufs)
+        for b in bufs:
+            self.drop(b)
 
     def reopen(self) -> None:
         """Close the cached descriptors of every file (after they were written behind the
@@ -141,11 +145,13 @@ def _wait(futures: list[Future]) -> None:
 
 
 def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
-          options: IOOptions | None = None) -> tuple:
+          options: IOOptions | None = None, *, pin: bool | None = None) -> tuple:
     """(optimizer SwapState or None, param SwapState or None) for the configured tiers: each
     folder held by this job (``SwapDir.acquire``), checked for space (nothing is written to
-    it before that passes), cleared of a dead job's other swap files, then allocated."""
+    it before that passes), cleared of a dead job's other swap files, then allocated.
+    ``pin``: pin the host buffers (default: where CUDA is available)."""
     optim = param = io = None
+    pin = torch.cuda.is_available() if pin is None else pin
     options = options or IOOptions()
     new_io = lambda: AsyncIO(chunk_bytes=options.chunk_bytes, direct=options.direct_io)
     folders: dict[str, SwapDir] = {}  # one per path: both tiers may share a folder
@@ -153,11 +159,11 @@ def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
     if cfg_zero.offload_optimizer.device == "nvme":
         io = new_io()
         optim = SwapState(folder(cfg_zero.offload_optimizer.nvme_path), io, slots,
-                          STATES, torch.float32, key=OPTIMIZER_KEY, meter=meter)
+                          STATES, torch.float32, key=OPTIMIZER_KEY, meter=meter, pin=pin)
     if cfg_zero.stage == 3 and cfg_zero.offload_param.device == "nvme":
         io = io or new_io()
         param = SwapState(folder(cfg_zero.offload_param.nvme_path), io, slots,
-                          ("param",), dtype, key=PARAM_KEY, meter=meter)
+                          ("param",), dtype, key=PARAM_KEY, meter=meter, pin=pin)
     stores = [s for s in (optim, param) if s is not None]
     _prepare(stores, folders.values())
     return optim, param

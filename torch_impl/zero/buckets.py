@@ -187,3 +187,21 @@ def plan_gathers(groups: Sequence[tuple[int, str, GroupColumns]],
             cuts = _cut([(key, c.cols) for key, c in members], max(1, cap // rows))
         buckets += [GatherBucket(channel, rows, tuple(pieces)) for pieces in cuts]
     return tuple(buckets)
+
+
+def plan_windows(sizes: Sequence[int], limit: int) -> tuple[tuple[int, ...], ...]:
+    """Consecutive indices of ``sizes`` in windows whose sizes sum to at most ``limit`` (an
+    item larger than ``limit`` is a window alone): the offloaded step's windows of groups
+    (``ZeroOptions.host_window``), each stepped by one vectorised AdamW."""
+    windows: list[tuple[int, ...]] = []
+    window: list[int] = []
+    total = 0
+    for i, n in enumerate(sizes):
+        if window and total + n > limit:
+            windows.append(tuple(window))
+            window, total = [], 0
+        window.append(i)
+        total += n
+    if window:
+        windows.append(tuple(window))
+    return tuple(windows)

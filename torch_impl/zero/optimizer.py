@@ -16,7 +16,11 @@ so stage 0's norm equals the sharded stages' bit for bit) and of a non-finite co
 overflow: every rank skips). Then, group by group (``tiled``): upcast the gradient to fp32 ->
 unscale -> x clip coefficient -> AdamW on the fp32 master (``adamw.adamw_``) -> downcast, so
 only one group's fp32 gradients are alive. The untiled step upcasts every group first and runs
-the same per-group ops, hence bit-identical results. Reference counterpart:
+the same per-group ops, hence bit-identical results. The offloaded tiers (``host_step``) run
+the same ops window by window (``buckets.plan_windows``): a window's fp32 gradients are copied
+to the host (``transfer.HostTransfer``: pinned, on a side stream, while the previous window
+steps), stepped by ``adamw.adamw_foreach_`` (one vectorised call per hyperparameter set; on CPU
+bit for bit ``adamw_``) and the masters copied back. Reference counterpart:
 ``reference/zero.py`` (the sharded step) and ``reference/optim.py``.
 """
 
@@ -32,13 +36,14 @@ from torch import nn
 from moezero.distributed.topology import Topology
 from moezero.plan.layout import STATES
 from moezero.plan.partition import Partition
-from moezero.zero.adamw import adamw_, clip_coef
-from moezero.zero.buckets import GroupColumns
+from moezero.zero.adamw import adamw_, adamw_foreach_, clip_coef
+from moezero.zero.buckets import GroupColumns, plan_windows
 from moezero.zero.buffers import attach_grad_views, build_kinds, flatten_params, param_positions
 from moezero.zero.groups import OptimizerGroups
 from moezero.zero.options import ZeroOptions
 from moezero.zero.reduce import GradReduction
 from moezero.zero.shards import MemoryMeter, Slot, StateShard, nbytes
+from moezero.zero.transfer import HostTransfer, Staged
 
 ADAMW_TEMPORARIES = 2  # adamw_ allocates m_hat and denom, each the size of its input
 
@@ -59,6 +64,8 @@ class Optimizer:
         self.meter = MemoryMeter()
         self.state_device = self._device
         self.full_grads = False
+        self.transfer = HostTransfer(self._device)
+        self.host_windows: tuple[tuple[Slot, ...], ...] | None = None  # the offloaded step's
 
     def _build_buffers(self, groups: OptimizerGroups, columns: Callable[[Partition], GroupColumns],
                        *, flat: bool, full_grads: bool) -> None:
@@ -74,6 +81,13 @@ class Optimizer:
                            meter=self.meter)
         if full_grads:
             attach_grad_views(self.params, self.kinds, self.where)
+
+    def _plan_host_step(self, options: ZeroOptions) -> None:
+        """With ``options.host_step``: the windows of the offloaded step, in plan order."""
+        if options.host_step:
+            self.host_windows = tuple(
+                tuple(self.slots[i] for i in w)
+                for w in plan_windows([s.shard for s in self.slots], options.host_window))
 
     def _build_reduction(self, options: ZeroOptions, *, all_reduce: bool, release: bool) -> None:
         self.reduction = GradReduction(self.params, self.kinds,
@@ -126,16 +140,73 @@ class Optimizer:
         grad_norm = math.sqrt(sq) / scale
         clip = clip_coef(grad_norm, max_norm)
         adam = {"step": step, "beta1": betas[0], "beta2": betas[1], "eps": eps}
+        if self.host_windows is not None:
+            self._step_host(upcast, 1.0 / scale, clip, lr, adam)
+        else:
+            self._step_groups(upcast, 1.0 / scale, clip, lr, adam)
+        self._after_step()
+        return grad_norm, False
+
+    def _step_groups(self, upcast: list | None, unscale: float, clip: float, lr: float,
+                     adam: dict) -> None:
+        """Group by group where the state lives (the device, without offload)."""
         for i, (slot, st) in enumerate(self._states()):
             g32, held = upcast[i] if upcast is not None else self._upcast(slot)
             if upcast is not None:
                 upcast[i] = None
-            g32.mul_(1.0 / scale).mul_(clip)
+            g32.mul_(unscale).mul_(clip)
             self._adamw(slot, st, g32, held, lr, adam)
             del g32
             self._downcast(slot, st["master"])
-        self._after_step()
-        return grad_norm, False
+
+    def _step_host(self, upcast: list | None, unscale: float, clip: float, lr: float,
+                   adam: dict) -> None:
+        """The offloaded step, window by window: the next window's gradients travel to the
+        host while this one is stepped there (``adamw_window``) and its masters travel back."""
+        index = {slot: i for i, slot in enumerate(self.slots)}
+        windows = self.host_windows
+        staged = self._stage(windows[0], upcast, index, unscale, clip)
+        for w, pairs in enumerate(self._window_states(windows)):
+            ahead = (self._stage(windows[w + 1], upcast, index, unscale, clip)
+                     if w + 1 < len(windows) else None)
+            (host, held), staged = staged, ahead
+            grads = host.wait()
+            temporaries = ADAMW_TEMPORARIES * sum(nbytes(g) for g in grads)
+            self.meter.hold(temporaries)
+            adamw_window(pairs, grads, lr, adam)
+            self.meter.drop(temporaries + held)
+            del grads, host
+            for slot, st in pairs:
+                self._downcast(slot, st["master"])
+        self.transfer.finish()
+
+    def _stage(self, window: tuple[Slot, ...], upcast: list | None, index: dict,
+               unscale: float, clip: float) -> tuple[Staged, int]:
+        """The window's fp32 gradients, unscaled and clipped on the device, on their way to
+        the host; and the bytes they hold (on the device, and their host copies)."""
+        grads, held = [], 0
+        for slot in window:
+            i = index[slot]
+            g32, h = upcast[i] if upcast is not None else self._upcast(slot)
+            if upcast is not None:
+                upcast[i] = None
+            grads.append(g32.mul_(unscale).mul_(clip))
+            held += h
+        staged = self.transfer.to_host(grads)
+        copies = sum(nbytes(h) for h, g in zip(staged.tensors, grads, strict=True) if h is not g)
+        self.meter.hold(copies)
+        return staged, held + copies
+
+    def _window_states(self, windows) -> Iterator[list[tuple[Slot, dict[str, torch.Tensor]]]]:
+        """Each window's (slot, states) pairs: the tensors, or swap files' contents in host
+        buffers (read a window ahead, written back a window behind)."""
+        if self.optim_swap is not None:
+            for window, bufs in zip(windows, self.optim_swap.stepping(windows), strict=True):
+                yield list(zip(window, bufs, strict=True))
+            return
+        for window in windows:
+            yield [(slot, {"master": slot.master, "exp_avg": slot.exp_avg,
+                           "exp_avg_sq": slot.exp_avg_sq}) for slot in window]
 
     def _adamw(self, slot: Slot, st: dict, g32: torch.Tensor, held: int, lr: float,
                adam: dict) -> None:
@@ -182,7 +253,9 @@ class Optimizer:
         """(slot, {"master", "exp_avg", "exp_avg_sq": fp32 tensors}) in plan order: the
         tensors themselves, or swap files' contents in host buffers that are written back."""
         if self.optim_swap is not None:
-            yield from self.optim_swap.stepping(self.slots)
+            for slot, (bufs,) in zip(self.slots, self.optim_swap.stepping([[s] for s in self.slots]),
+                                     strict=True):
+                yield slot, bufs
             return
         for slot in self.slots:
             yield slot, {"master": slot.master, "exp_avg": slot.exp_avg,
@@ -265,3 +338,20 @@ class Optimizer:
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+
+def adamw_window(pairs: list[tuple[Slot, dict[str, torch.Tensor]]], grads: list[torch.Tensor],
+                 lr: float, adam: dict) -> None:
+    """One window of the offloaded step: ``adamw_foreach_`` once per (lr, weight decay) of its
+    groups, on the host, with the same arguments ``Optimizer._adamw`` gives ``adamw_``."""
+    sets: dict[tuple[float, float], tuple[list, list, list, list]] = {}
+    for (slot, st), g32 in zip(pairs, grads, strict=True):
+        hp = slot.group.hparams
+        key = (lr * hp.get("lr_scale", 1.0), hp.get("weight_decay", 0.0))
+        n = st["master"].numel()
+        for into, t in zip(sets.setdefault(key, ([], [], [], [])),
+                           (st["master"], g32[:n], st["exp_avg"][:n], st["exp_avg_sq"][:n]),
+                           strict=True):
+            into.append(t)
+    for (group_lr, weight_decay), tensors in sets.items():
+        adamw_foreach_(*tensors, lr=group_lr, weight_decay=weight_decay, **adam)

@@ -20,15 +20,19 @@ class ZeroOptions:
             fp32 sum; bf16: half the bytes, then upcast for the step).
         allgather_bucket_size: Elements of one parameter all-gather bucket's receive buffer
             (stages 1-3); None: one all-gather per optimizer group.
-        host_window: Offloaded step: elements of fp32 state stepped by one vectorised
-            (``torch._foreach_*``) AdamW on the host, a window of consecutive groups (at least
-            one group). Bounds the host temporaries at about 16 B per element of the window.
+        host_step: Step the fp32 state on the host, window by window (the ``cpu`` and
+            ``nvme`` optimizer offload tiers): gradients copied to the host while the previous
+            window steps, one vectorised AdamW per window, masters copied back.
+        host_window: Elements of fp32 state in one window of consecutive groups (at least one
+            group). Two windows' fp32 gradients and one window's AdamW temporaries (8 B per
+            element) are alive at a time.
     """
 
     reduce_bucket_size: int = int(5e7)
     overlap_comm: bool = True
     reduce_dtype: torch.dtype = torch.float32
     allgather_bucket_size: int | None = int(5e7)
+    host_step: bool = False
     host_window: int = 1 << 22
 
     @classmethod
@@ -36,4 +40,5 @@ class ZeroOptions:
         """From the ``zero_optimization`` section (``moezero.config.schema.ZeroConfig``)."""
         return cls(reduce_bucket_size=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
                    reduce_dtype=REDUCE_DTYPES[zero.reduce_dtype],
-                   allgather_bucket_size=zero.allgather_bucket_size)
+                   allgather_bucket_size=zero.allgather_bucket_size,
+                   host_step=zero.offload_optimizer.device != "none")

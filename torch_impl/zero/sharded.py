@@ -87,6 +87,7 @@ class ShardedOptimizer(Optimizer):
         self.optim_swap, self.param_swap = (swap_factory(self.slots, self.meter) if swap_factory
                                             else (None, None))
         self._init_state()
+        self._plan_host_step(options)
         self._build_reduction(options, all_reduce=False, release=stage >= 2)
         self.gather_plan = plan_gathers([(i, s.channel, s.columns) for i, s in enumerate(self.slots)],
                                         options.allgather_bucket_size)
@@ -150,10 +151,11 @@ class ShardedOptimizer(Optimizer):
             self.meter.add_persistent(slot.param)
 
     def _host_or_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``t`` on ``device``; host copies are pinned only when an accelerator is used."""
+        """``t`` on ``device``; host copies are pinned only when CUDA is used (CPU builds of
+        torch refuse ``pin_memory``)."""
         if device == t.device:
             return t
-        return t.to(device).pin_memory() if self._device.type == "cuda" else t.to(device)
+        return t.to(device).pin_memory() if self.transfer.pin else t.to(device)
 
     # ------------------------------------------------------------------ hooks and exit
     def after_backward(self) -> None:
@@ -190,10 +192,11 @@ class ShardedOptimizer(Optimizer):
             self.param_swap.put(slot, {"param": master})
             return
         target = slot.param if self.stage == 3 else slot.grad
-        if target is not master:
-            target[:master.numel()].copy_(master)
+        if target is not master:  # a host master to the device: non-blocking on CUDA
+            self.transfer.copy(target[:master.numel()], master)
 
     def _after_step(self) -> None:
+        self.transfer.finish()  # what follows reads the copied params on the compute stream
         if self.stage < 3:
             self._gather(lambda slot: slot.grad, [k.params for k in self.kinds])
 
@@ -201,8 +204,8 @@ class ShardedOptimizer(Optimizer):
         """Stage 3: ``slot``'s param shard on the compute device (read from its swap file, or
         copied from the host, when offloaded), the source of its all-gather."""
         if self.param_swap is not None:
-            return self.param_swap.load(slot)["param"].to(self._device)
-        return slot.param.to(self._device)
+            return self.transfer.fetch(self.param_swap.load(slot)["param"])
+        return self.transfer.fetch(slot.param)
 
     def _gather(self, shard_of, dest: list[torch.Tensor]) -> None:
         """All-gather every group's shard (``shard_of(slot)``) into the flat buffers ``dest``,
