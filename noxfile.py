@@ -81,9 +81,10 @@ def bench(session: nox.Session) -> None:
     """Benchmarks side by side with peers; writes BENCHMARKS.md (``-- --quick`` for a short run).
 
     ``-- --quick`` takes under 10 minutes on 2 cores; ``-- --series NAME`` reruns one table's
-    series (main, sweep, tiled, state, ckpt, grouped, data; see ``benchmarks/specs.py``); a run
-    of only ``grouped`` or ``data`` rewrites only its own section of BENCHMARKS.md. The GPU
-    benchmark is ``python -m benchmarks.gpu`` on a GPU machine (not part of this session).
+    series (main, sweep, tiled, state, ckpt, grouped, data, collectives; see
+    ``benchmarks/specs.py``); a run of only grouped, data, tiled or collectives rewrites only
+    their sections of BENCHMARKS.md. The GPU benchmark is ``python -m benchmarks.gpu`` on a GPU
+    machine (not part of this session).
 
     moezero (and FSDP2, part of torch) run in this session's venv. DeepSpeed gets its own venv,
     ``MOEZERO_PEER_VENV`` (default ``.nox/bench-peers``), so its dependencies never change the

@@ -9,6 +9,7 @@ as plain data parallelism and the row would be a lie.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from benchmarks.collectives import counting
 from benchmarks.common import Unsupported
 
 ADAMW_MODULES = ("moezero.zero.optimizer",)
@@ -66,7 +68,8 @@ class MoezeroTrainer:
             raise Unsupported(f"engine rejected it: {exc}") from None
         self._times = dict.fromkeys(("reduce_gradients", "optimizer_step", "adamw"), 0.0)
         self.trace: dict[str, list] = {"reduce_s": [], "optimizer_s": [], "adamw_s": [],
-                                       "engine_peak": []}
+                                       "engine_peak": [], "collectives": []}
+        self.count_collectives = spec.get("count_collectives", False)
         for name in ("reduce_gradients", "optimizer_step"):  # what engine.step() runs
             setattr(self.engine, name, self._timed(getattr(self.engine, name), name))
         _time_adamw(self._timed)
@@ -76,6 +79,7 @@ class MoezeroTrainer:
         self.info = {"stage": cfg.zero_optimization.stage, "optimizer_elements": self._elements(),
                      "dtype": str(self.engine.dtype).removeprefix("torch."),
                      "persistent_engine_bytes": getattr(meter, "persistent", None),
+                     "optimizer_groups": len(getattr(self.engine.optimizer, "slots", ())),
                      "step_call": "engine.reduce_gradients() + engine.optimizer_step()"}
 
     def _timed(self, method, key: str):
@@ -100,7 +104,10 @@ class MoezeroTrainer:
 
     def step(self, batch_BS1: torch.Tensor) -> tuple[float, float]:
         self._times.update(dict.fromkeys(self._times, 0.0))
-        metrics = self.engine.train_step([batch_BS1])
+        with counting() if self.count_collectives else contextlib.nullcontext() as counts:
+            metrics = self.engine.train_step([batch_BS1])
+        if counts is not None:  # collectives of this step, by operation
+            self.trace["collectives"].append(dict(counts))
         t = self._times
         for key, value in (("reduce_s", t["reduce_gradients"]),
                            ("optimizer_s", t["optimizer_step"]), ("adamw_s", t["adamw"]),

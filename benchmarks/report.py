@@ -1,15 +1,18 @@
 """Statistics, targets, plots and the ``BENCHMARKS.md`` text, from raw run results.
 
 Everything in the report is computed from ``results.json`` (written by ``benchmarks.run``);
-nothing is typed in by hand.
+nothing is typed in by hand. A run of only self-contained series (``SERIES_SECTIONS``)
+rewrites only their sections of an existing report.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks import grouped, plots, tables_data, tables_io, tables_memory
+from benchmarks import grouped, plots, tables_comm, tables_data, tables_io, tables_memory
 from benchmarks.fmt import mbs, mib, ok, splice, table, verdict
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
 from benchmarks.stats import by_name, limits, param_count
@@ -192,6 +195,7 @@ def render(results: dict, plot_links: dict[str, str]) -> str:
         tables_io.swap_section(results),
         grouped.section(results),
         tables_data.data_section(results),
+        tables_comm.collectives_section(results),
         _failure_section(results),
     ]
     return "\n\n".join("\n".join(section) for section in sections) + "\n"
@@ -238,8 +242,11 @@ def _sweep_section(results: dict, plot_links: dict[str, str]) -> list[str]:
                     "", f"Per-run throughput: ![tokens/s per run]({plot_links['throughput']})"]
 
 
+FAILURES = "## Not run, rejected or failed"
+
+
 def _failure_section(results: dict) -> list[str]:
-    lines = ["## Not run, rejected or failed", ""]
+    lines = [FAILURES, ""]
     peer = results["peer"]
     if "error" in peer:
         lines.append(f"- DeepSpeed peer setup: {peer['error']}")
@@ -275,7 +282,8 @@ NOTES_RESULTS = [
     "- FSDP2 has no expert parallelism: it shards every parameter over both ranks and runs all "
     "experts on each; moezero and DeepSpeed use expert parallelism ep = 2.",
 ]
-SERIES_SECTIONS = {"grouped": grouped.section}
+SERIES_SECTIONS = {"grouped": grouped.section, "collectives": tables_comm.collectives_section,
+                   "tiled": tables_memory.tiled_section}
 """Series whose results fill sections of their own: a run of only these series rewrites only
 those sections of an existing report (``update_sections``), keeping every other section."""
 
@@ -313,7 +321,10 @@ def write(results: dict, out: Path, plots_dir: Path) -> str:
 
 
 def console_summary(text: str) -> str:
-    """The results, ratios and targets sections, for the terminal."""
+    """The results, ratios and targets sections, for the terminal (the whole text when it has
+    none: the sections of a single-series run)."""
+    if "## Results" not in text or "## Tiled vs untiled" not in text:
+        return text.rstrip()
     start = text.index("## Results")
     end = text.index("## Tiled vs untiled")
     return text[start:end].rstrip()

@@ -10,7 +10,9 @@ Series (each run's ``series``): ``main`` (the compared configurations, round by 
 ``ckpt`` (checkpoint save/load of a few-hundred-MB model), ``grouped`` (grouped-GEMM experts
 vs the per-expert loop on one MoE layer, in this process: ``benchmarks.grouped``), ``data``
 (``prepare-data`` vs the tokenizer's own batch encoding on a generated jsonl corpus of
-``size["data_mb"]`` MB; ``benchmarks.data_prep``; full mode or ``--series data`` only).
+``size["data_mb"]`` MB; ``benchmarks.data_prep``; full mode or ``--series data`` only),
+``collectives`` (collectives per step against the number of optimizer groups, bucketed vs
+per-group all-gathers).
 """
 
 from __future__ import annotations
@@ -84,6 +86,14 @@ CKPT_SYSTEMS: list[tuple[str, str, dict]] = [
 """Checkpoint save/load on ``size["ckpt_model"]`` (one training step, then save, save, load);
 the NVMe row also times a plain copy of its optimizer swap files after each save."""
 
+COLLECTIVE_STAGES = (2, 3)
+GATHER_MODES: dict[str, dict] = {"bucketed": {},
+                                 "per-group": {"zero_optimization.allgather_bucket_size": None}}
+"""The ``collectives`` series: each stage with the default all-gather buckets and with one
+all-gather per optimizer group (``allgather_bucket_size: null``), at every
+``size["coll_caps"]`` (``moe.max_group_size``: fewer to more groups) on ``size["coll_model"]``
+(ep 1, so every group, experts too, is sharded over both ranks)."""
+
 TARGET_CONFIG = "moezero stage 2"
 """The moezero configuration the issue's targets name (the CLI default once it lands)."""
 
@@ -104,6 +114,9 @@ SIZES = {
                              "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
               "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
               "swap_mib": 256, "data_mb": 210,
+              "coll_model": {"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4,
+                             "ffn_dim": 64, "num_experts": 16, "top_k": 2, "ep_size": 1},
+              "coll_train": {**_SHORT, "timed": 2}, "coll_caps": (None, 2048, 256),
               "grouped": {"dim": 256, "ffn_dim": 512, "top_k": 2, "tokens": 1024,
                           "experts": (8, 64), "rounds": 3, "steps": 2}},
     "full": {"model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
@@ -120,6 +133,9 @@ SIZES = {
                             "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
              "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
              "swap_mib": 1024, "data_mb": 210,
+             "coll_model": {"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4,
+                            "ffn_dim": 64, "num_experts": 16, "top_k": 2, "ep_size": 1},
+             "coll_train": {**_SHORT, "timed": 3}, "coll_caps": (None, 8192, 2048, 512, 256),
              "grouped": {"dim": 256, "ffn_dim": 512, "top_k": 2, "tokens": 2048,
                          "experts": (8, 64), "rounds": 5, "steps": 3}},
 }
@@ -179,4 +195,19 @@ def extra_specs(size: dict) -> list[dict]:
     specs += state_specs(size)
     specs += [run_spec(name, system, opts, size, series="ckpt", model=size["ckpt_model"],
                        train=size["ckpt_train"]) for name, system, opts in CKPT_SYSTEMS]
-    return specs
+    return specs + collectives_specs(size)
+
+
+def collective_name(stage: int, mode: str, cap: int | None) -> str:
+    return f"stage {stage}, {mode} all-gathers, max_group_size {cap or 'none'}"
+
+
+def collectives_specs(size: dict) -> list[dict]:
+    """The ``collectives`` series (``GATHER_MODES`` x ``COLLECTIVE_STAGES`` x group caps), each
+    run counting its collectives per step."""
+    return [{**run_spec(collective_name(stage, mode, cap), "moezero",
+                        {"zero_optimization.stage": stage, "moe.max_group_size": cap, **opts},
+                        size, checkpoint=False, series="collectives", model=size["coll_model"],
+                        train=size["coll_train"]), "count_collectives": True}
+            for cap in size["coll_caps"] for stage in COLLECTIVE_STAGES
+            for mode, opts in GATHER_MODES.items()]

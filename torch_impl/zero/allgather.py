@@ -35,6 +35,7 @@ class Launched:
     recv: torch.Tensor | None  # [rows, cols]; None with one rank: the pieces are read as sent
     held: int  # bytes of the temporaries: a concatenated send buffer, a fresh receive buffer
     work: object | None = None
+    _pieces_of: dict | None = None  # group key -> [(piece index, column start, stop, at)]
 
     def wait(self) -> None:
         if self.work is not None:
@@ -45,13 +46,20 @@ class Launched:
         """Wait, then ``write(lo, hi, values)`` each element range [lo, hi) of group ``key``
         that this bucket holds (padding is never written)."""
         self.wait()
-        col = 0
-        for j, (k, a, b) in enumerate(self.bucket.pieces):
-            if k == key:
-                for d, lo, hi in columns.cells(a, b):
-                    values = self.send[j] if self.recv is None else self.recv[d, col:]
-                    write(lo, hi, values[:hi - lo])
-            col += b - a
+        for j, a, b, col in self._pieces()[key]:
+            for d, lo, hi in columns.cells(a, b):
+                values = self.send[j] if self.recv is None else self.recv[d, col:]
+                write(lo, hi, values[:hi - lo])
+
+    def _pieces(self) -> dict:
+        """Each group's pieces with their first column in the bucket (built once: a bucket
+        may hold thousands of groups)."""
+        if self._pieces_of is None:
+            self._pieces_of, col = {}, 0
+            for j, (k, a, b) in enumerate(self.bucket.pieces):
+                self._pieces_of.setdefault(k, []).append((j, a, b, col))
+                col += b - a
+        return self._pieces_of
 
 
 def launch(bucket: GatherBucket, shard_of: Callable[[int], torch.Tensor], group, *,

@@ -70,14 +70,19 @@ class HostTransfer:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)``: host to CUDA non-blocking on the side stream (after the compute
-        stream's work so far, which may still read ``dst``); plain otherwise. What reads
-        ``dst`` on the compute stream must come after ``finish``."""
+        stream's work so far, which may still read ``dst``); plain otherwise. A dtype change
+        (an fp32 master into bf16 params) is made on the device, after an fp32 copy, so the
+        transfer stays asynchronous. What reads ``dst`` on the compute stream must come after
+        ``finish``."""
         if not (self.cuda and dst.is_cuda and not src.is_cuda):
             dst.copy_(src)
             return
         with torch.cuda.stream(self.stream):
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            dst.copy_(src, non_blocking=True)
+            if src.dtype == dst.dtype:
+                dst.copy_(src, non_blocking=True)
+            else:  # the temporary lives and dies on the side stream
+                dst.copy_(src.to(self.device, non_blocking=True))
 
     def fetch(self, src: torch.Tensor) -> torch.Tensor:
         """``src`` on the compute device: a host tensor is copied non-blocking on the side
