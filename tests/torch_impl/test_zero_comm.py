@@ -121,8 +121,8 @@ def run_cases(cases: dict) -> dict:
 
 
 def case(stage: int, cap: int | None, *, ep: int = 1, gather: int | None | str = "default",
-         reduce_dtype: str = "fp32", dtype: str = "fp32") -> dict:
-    cfg = zcfg(stage=stage, ep=ep, cap=cap, dtype=dtype)
+         reduce_dtype: str = "fp32", dtype: str = "fp32", experts: int = 4) -> dict:
+    cfg = zcfg(stage=stage, ep=ep, cap=cap, dtype=dtype, experts=experts)
     cfg["zero_optimization"]["reduce_bucket_size"] = 10**7  # one reduction bucket per kind
     cfg["zero_optimization"]["reduce_dtype"] = reduce_dtype
     if gather != "default":
@@ -137,6 +137,8 @@ CASES = {
     **{f"s{s}_ep2_{g}": case(s, 1000, ep=2, gather=g) for s in (2, 3) for g in (None, "default")},
     **{f"s{s}_{r}": case(s, MANY, reduce_dtype=r) for s in (0, 2) for r in ("fp32", "bf16")},
     "s2_bf16_params_bf16": case(2, MANY, reduce_dtype="bf16", dtype="bf16"),
+    # another model: 16 experts instead of 4, capped groups
+    **{f"s{s}_e16_many": case(s, MANY, experts=16) for s in (2, 3)},
 }
 
 
@@ -167,6 +169,19 @@ def test_collectives_per_step_do_not_grow_with_groups(w2, stage):
         else:  # at most one bucket per gather unit and pass (forward, backward), no more
             assert got["reduce_scatter"] == 2 and got["all_reduce"] == 2
             assert got["gather"] <= 2 * many["units"] < many["groups"] / 20, (got, many["units"])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_collectives_per_step_of_another_model(w2, stage):
+    """16 experts and capped groups (~2,000 groups) against 4 experts in ~10 groups."""
+    for rank in w2:
+        few, big = rank[f"s{stage}_few"], rank[f"s{stage}_e16_many"]
+        assert big["groups"] > 100 * few["groups"], (few["groups"], big["groups"])
+        got, base = by_op(big["counts"]), by_op(few["counts"])
+        if stage == 2:
+            assert got == base, (got, base)
+        else:  # the same units (the experts of a layer are one unit, whatever their number)
+            assert big["units"] == few["units"] and got["gather"] <= 2 * big["units"], got
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
