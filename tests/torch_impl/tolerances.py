@@ -8,3 +8,11 @@ RTOL = {"fp32": 1e-5}
 # Grouped-GEMM experts vs the per-expert loop (tests/torch_impl/test_grouped.py): fp32 must
 # agree to reassociation; bf16 to a few bf16 ulps (grouped_mm and mm may round differently).
 GROUPED_RTOL = {"fp32": 1e-6, "bf16": 2e-2}
+
+BF16_REDUCE_ATOL = 4 * 2.0**-8
+"""``reduce_dtype: bf16`` against fp32: the largest elementwise difference of a reduced gradient,
+relative to the tensor's largest element (bf16 keeps 8 bits: each input and the sum rounded)."""
+
+HOST_VS_DEVICE = {"rtol": 1e-5, "atol": 1e-7}
+"""The offloaded step (host AdamW, CPU kernels) against the device step (CUDA kernels), fp32,
+after a few steps (``np.testing.assert_allclose`` arguments)."""
