@@ -8,8 +8,6 @@ rewrites only their sections of an existing report.
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import grouped, plots, tables_comm, tables_data, tables_io, tables_memory
