@@ -14,6 +14,10 @@ checkpoint.load=DIR`` fine-tunes.
 
 ``moezero prepare-data INPUT... --tokenizer PATH --out DIR`` tokenizes .txt/.jsonl/.parquet
 files into a prepared dataset that ``--set data.path=DIR`` trains on (docs/data.md).
+
+``moezero estimate [--config FILE] [--set ...] --nproc N`` prints one rank's bytes of params,
+gradients and optimizer state per tier, computed from the config without building the model
+(docs/scale.md).
 """
 
 from __future__ import annotations
@@ -79,7 +83,33 @@ def _parser() -> argparse.ArgumentParser:
     hf.add_argument("--out", required=True, metavar="DIR",
                     help="checkpoint root to create (new or empty)")
     _prepare_parser(sub)
+    est = sub.add_parser("estimate", help="per-rank bytes of params, grads and optimizer state "
+                                          "per tier, from the config alone (docs/scale.md)")
+    est.add_argument("--config", help="YAML or JSON recipe (default: the embedded recipe)")
+    est.add_argument("--set", dest="overrides", action="append", default=[],
+                     metavar="KEY=VALUE", help="override one dotted config key; repeatable")
+    est.add_argument("--nproc", type=int, required=True, help="world size W")
+    est.add_argument("--rank", type=int, default=0, help="the rank to estimate (default 0)")
+    est.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                     help="compute device kind (precision auto resolves by it; default cuda)")
     return parser
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from moezero.distributed.topology import validate
+
+    if not 0 <= args.rank < args.nproc:
+        raise ConfigError("--rank", f"must be in [0, {args.nproc}), got {args.rank}", "command line")
+    try:
+        validate(args.nproc, cfg.moe.ep_size, cfg.moe.num_experts)
+    except ValueError as exc:
+        key, _, problem = str(exc).partition(": ")
+        raise ConfigError(key, problem, f"world size {args.nproc}") from None
+    from moezero.estimate import estimate, format_table
+
+    print(format_table(estimate(cfg, args.nproc, rank=args.rank, device=args.device)))
+    return 0
 
 
 def _prepare_parser(sub) -> None:
@@ -225,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             return _import_hf(args)
         if args.command == "prepare-data":
             return _prepare_data(args)
+        if args.command == "estimate":
+            return _estimate(args)
     except (ConfigError, DataError, CheckpointError) as exc:
         print(f"moezero: error: {exc}", file=sys.stderr)
         return 2

@@ -31,7 +31,9 @@ from moezero.config import Config
 from moezero.distributed.agree import all_gather_json
 from moezero.distributed.topology import Topology, build_topology
 from moezero.model import determinism
+from moezero.model.materialize import KeyedInit, materialize
 from moezero.model.moe import expert_tag
+from moezero.model.recompute import checkpoint_blocks
 from moezero.model.router import update_expert_biases
 from moezero.offload import state as offload_state
 from moezero.offload.options import IOOptions
@@ -62,22 +64,30 @@ class Engine:
     """Owns the model's optimizer and runs forward/backward/step across ranks.
 
     ``io`` sets how checkpoints and swap files reach the disk (default ``IOOptions()``).
+    ``init`` (sharded construction, ``moezero.model.materialize``): ``model`` is on the meta
+    device and this rank materialises only what it keeps, with ``init``'s values.
     """
 
     def __init__(self, model: nn.Module, cfg: Config, topology: Topology, device: torch.device,
-                 io: IOOptions | None = None):
+                 io: IOOptions | None = None, init: KeyedInit | None = None):
         self.cfg, self.topology, self.device = cfg, topology, device
         determinism.configure(cfg.train.deterministic, device)
         self.io = io or IOOptions()
         self.dtype = resolve_dtype(cfg, device)
+        zero = cfg.zero_optimization
+        if init is not None:
+            materialize(model, init, device=device, dtype=self.dtype, values=zero.stage < 3)
         self.model = model.to(device=device, dtype=self.dtype)
+        if cfg.activation_checkpointing.enabled:
+            checkpoint_blocks(self.model, cfg.activation_checkpointing.every_n_layers)
         self.params = dict(self.model.named_parameters())
         self.groups: OptimizerGroups = build_groups(self.model, cfg, topology)
         check_digests(all_gather_json(plan_digest(self.groups), device=device))
         check_supported(cfg)
-        zero = cfg.zero_optimization
+        initial = None if init is None or zero.stage < 3 else init.source(
+            {fqn: p.shape for fqn, p in self.params.items()}, self.dtype, device)
         self.optimizer = build_optimizer(
-            self.params, self.groups, topology, zero, model=self.model,
+            self.params, self.groups, topology, zero, model=self.model, initial=initial,
             swap_factory=lambda slots, meter: offload_state.build(
                 zero, slots, topology.rank, self.dtype, meter, self.io))
         self.scaler = LossScaler.from_config(cfg.precision)
@@ -266,11 +276,13 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def initialize(model: nn.Module, config: Config, *, topology: Topology | None = None,
-               device: torch.device | str | None = None, io: IOOptions | None = None) -> Engine:
+               device: torch.device | str | None = None, io: IOOptions | None = None,
+               init: KeyedInit | None = None) -> Engine:
     """Wrap ``model`` (already holding its MoE layers' EP groups) in a training engine.
 
     ``topology`` defaults to one built from the model's MoE layers; ``device`` to CUDA when
-    available (this rank's local device), else CPU; ``io`` to ``IOOptions()``.
+    available (this rank's local device), else CPU; ``io`` to ``IOOptions()``; ``init``: the
+    model is on the meta device, materialised by the engine (sharded construction).
     """
     if topology is None:
         eps = sorted({t.ep_size for p in model.parameters() if (t := expert_tag(p))} or {1})
@@ -278,4 +290,4 @@ def initialize(model: nn.Module, config: Config, *, topology: Topology | None = 
     if device is None:
         device = torch.device(f"cuda:{torch.cuda.current_device()}"
                               if torch.cuda.is_available() else "cpu")
-    return Engine(model, config, topology, torch.device(device), io)
+    return Engine(model, config, topology, torch.device(device), io, init)

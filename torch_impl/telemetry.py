@@ -30,6 +30,7 @@ from torch import nn
 
 from moezero.model.decoder import ModelArgs
 from moezero.model.moe import MoE
+from moezero.model.recompute import recomputing
 
 PEAK_TFLOPS = {  # dense tensor-core peaks from the vendors' data sheets
     "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
@@ -56,7 +57,7 @@ class ExpertLoad:
 
     def _add(self, i: int, layer: MoE) -> None:
         stats = layer.last_stats
-        if self.active and stats:
+        if self.active and stats and not recomputing():  # activation checkpointing's 2nd pass
             self.acc[i, :-1] += stats["tokens_per_expert"].to(self.acc.device)
             self.acc[i, -1] += stats["dropped"].to(self.acc.device)
 

@@ -36,6 +36,7 @@ from moezero.distributed.signals import Preempted, PreemptOptions, StopRequest
 from moezero.distributed.topology import Topology, build_topology
 from moezero.engine import Engine, initialize
 from moezero.model.decoder import Decoder, ModelArgs, init_weights
+from moezero.model.materialize import KeyedInit, meta_model
 from moezero.offload.aio import OffloadIOError
 from moezero.offload.options import IOOptions
 from moezero.plan import store
@@ -95,13 +96,24 @@ def build_model(cfg: Config, topology: Topology) -> Decoder:
     return model
 
 
+def sharded_model(cfg: Config, topology: Topology) -> tuple[Decoder, KeyedInit]:
+    """The decoder on the meta device and its FQN-keyed init, for the engine to materialise
+    only what this rank keeps (sharded construction, docs/scale.md); the same values as
+    ``build_model``."""
+    ep, args = cfg.moe.ep_size, model_args(cfg)
+    model = meta_model(lambda: Decoder(args, ep_rank=topology.ep_rank(ep),
+                                       ep_group=topology.ep_group(ep)))
+    return model, KeyedInit(cfg.train.seed, cfg.model.init_std, args)
+
+
 def setup(cfg: Config, device: torch.device,
           io: IOOptions | None = None) -> tuple[Engine, DataStream]:
     """Topology, model, engine (with ``io``) and this rank's data stream (collective: every
     rank calls it)."""
     topology = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
     torch.manual_seed(cfg.train.seed)
-    engine = initialize(build_model(cfg, topology), cfg, topology=topology, device=device, io=io)
+    model, init = sharded_model(cfg, topology)
+    engine = initialize(model, cfg, topology=topology, device=device, io=io, init=init)
     batches = build_batches(cfg, dp_rank=topology.rank, dp_size=topology.world_size)
     return engine, batches
 

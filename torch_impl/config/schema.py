@@ -325,6 +325,13 @@ class DistConfig(_Section):
         return "nccl" if cuda else "gloo"
 
 
+class ActivationCheckpointingConfig(_Section):
+    """Recompute decoder blocks in backward instead of keeping their activations."""
+
+    enabled: bool = Field(False, description="Checkpoint decoder blocks (torch.utils.checkpoint).")
+    every_n_layers: int = Field(1, ge=1, description="Checkpoint blocks 0, n, 2n, ...; 1 = every block.")
+
+
 class Config(_Section):
     """A whole run. ``Config()`` is the embedded default recipe."""
 
@@ -334,6 +341,8 @@ class Config(_Section):
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig, description="Mixed precision.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer + schedule.")
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO sharding/offload.")
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig, description="Recompute blocks in backward.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
@@ -341,6 +350,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _across_sections(self) -> Config:
+        self._check_recompute()
         if self.data.path is None and self.data.synthetic_vocab > self.model.vocab_size:
             raise FieldError("data.synthetic_vocab",
                               f"must be <= model.vocab_size ({self.model.vocab_size}), "
@@ -350,3 +360,15 @@ class Config(_Section):
                              f"must be <= model.vocab_size ({self.model.vocab_size}), "
                              f"got {self.tokenizer.vocab_size}")
         return self
+
+    def _check_recompute(self) -> None:
+        """Activation checkpointing is bit-exact only where tested (docs/scale.md)."""
+        zero = self.zero_optimization
+        if not self.activation_checkpointing.enabled:
+            return
+        if zero.stage == 3:
+            raise FieldError("activation_checkpointing.enabled", "not yet exact with "
+                             "zero_optimization.stage 3")
+        if zero.stage == 2 and zero.overlap_comm:
+            raise FieldError("activation_checkpointing.enabled", "not yet exact with "
+                             "zero_optimization.overlap_comm at stage 2; set overlap_comm: false")

@@ -16,11 +16,13 @@ from moezero.zero.sharded import ShardedOptimizer
 
 def build_optimizer(params: dict[str, nn.Parameter], groups: OptimizerGroups,
                     topology: Topology, zero, *, model: nn.Module,
-                    swap_factory=None) -> Optimizer:
+                    swap_factory=None, initial=None) -> Optimizer:
     """The optimizer of ``params`` for ``zero`` (the ``zero_optimization`` config section).
 
     ``swap_factory(slots, meter)`` builds the NVMe swap files (``moezero.offload.state.build``;
     handed in, so this layer never imports ``offload``); stage 0 takes no offload.
+    ``initial(fqn)``: stage 3 only, each param's initial value when the params have no storage
+    yet (sharded construction, ``moezero.model.materialize``).
     """
     options = ZeroOptions.from_config(zero)
     if zero.stage == 0:
@@ -31,4 +33,4 @@ def build_optimizer(params: dict[str, nn.Parameter], groups: OptimizerGroups,
         params, groups, topology, options, stage=zero.stage, model=model,
         state_device=host if zero.offload_optimizer.device != "none" else device,
         param_device=host if zero.offload_param.device != "none" else device,
-        swap_factory=swap_factory)
+        swap_factory=swap_factory, initial=initial)

@@ -66,13 +66,15 @@ class ShardedOptimizer(Optimizer):
             memory (the params' device, or the host for ``cpu`` offload).
         swap_factory: ``(slots, meter) -> (optimizer SwapState | None, param SwapState |
             None)`` for NVMe offload (``moezero.offload.state.build``).
+        initial: FQN -> the param's initial value, read instead of the params (stage 3 with
+            params built without storage: ``moezero.model.materialize``).
     """
 
     def __init__(self, params: dict[str, nn.Parameter], groups: OptimizerGroups,
                  topology: Topology, options: ZeroOptions, *, stage: int,
                  model: nn.Module | None = None, prefetch: bool = True,
                  state_device: torch.device | None = None, param_device: torch.device | None = None,
-                 swap_factory=None):
+                 swap_factory=None, initial=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"zero_optimization.stage: ShardedOptimizer runs 1-3, got {stage}")
         if stage == 3 and model is None:
@@ -86,7 +88,9 @@ class ShardedOptimizer(Optimizer):
         self.param_device = param_device or self._device
         self.optim_swap, self.param_swap = (swap_factory(self.slots, self.meter) if swap_factory
                                             else (None, None))
+        self._initial = initial or (lambda fqn: self.params[fqn].data)
         self._init_state()
+        self._initial = None  # drops the init source's cached param
         self._plan_host_step(options)
         self._build_reduction(options, all_reduce=False, release=stage >= 2)
         self.gather_plan = plan_gathers([(i, s.channel, s.columns) for i, s in enumerate(self.slots)],
@@ -129,7 +133,7 @@ class ShardedOptimizer(Optimizer):
         lo, hi = slot.rank_range(slot.dp_rank)
         master = torch.zeros(slot.shard, dtype=torch.float32, device=self._device)
         if lo < hi:
-            read_members(slot.columns, lo, hi, master, lambda fqn: self.params[fqn].data)
+            read_members(slot.columns, lo, hi, master, self._initial)
         if self.stage == 3:
             self._init_param_shard(slot, master, dtype)
         if self.optim_swap is not None:

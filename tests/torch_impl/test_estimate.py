@@ -1,0 +1,131 @@
+"""``moezero estimate`` (torch_impl/estimate.py) against what the engine really holds.
+
+For small models at W = 1 and 2, stages 0-3 and offload none/cpu/nvme (fp32 and bf16), each
+rank builds the real engine and measures: its ``MemoryMeter`` persistent bytes plus the flat
+parameter buffers (which the meter does not count), and the sizes of its swap files on disk.
+The estimate, computed from the config alone for the same rank, must equal both exactly. A
+50-billion-parameter config is estimated in a subprocess whose peak RSS stays far below the
+model's bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from moezero.config import Config, load_config
+from moezero.estimate import estimate, format_table
+from moezero.zero.shards import nbytes
+from tests.support.world import run_world
+from tests.torch_impl.test_cli import moezero
+from tests.torch_impl.test_zero import CAP, engine_and_batches, zcfg
+
+
+def case(stage: int, *, ep: int = 1, optim: str = "none", param: str = "none",
+         dtype: str = "fp32", nvme: str | None = None, cap: int | None = CAP) -> dict:
+    cfg = zcfg(stage=stage, ep=ep, dtype=dtype, cap=cap)
+    for key, device in (("offload_param", param), ("offload_optimizer", optim)):
+        cfg["zero_optimization"][key] = {"device": device,
+                                         "nvme_path": nvme if device == "nvme" else None}
+    return cfg
+
+
+def measure(cases: list[dict]) -> list[dict]:
+    """On this rank, per config: memory the engine holds at rest and its swap files' bytes."""
+    out = []
+    for cfg_data in cases:
+        engine, topo, _ = engine_and_batches(cfg_data, topo_world())
+        opt = engine.optimizer
+        flat = sum(nbytes(k.params) for k in opt.kinds if k.params is not None)
+        swaps = {s.folder.folder: s.folder for s in (opt.optim_swap, getattr(opt, "param_swap", None))
+                 if s}  # one folder when both tiers share an nvme_path
+        on_disk = sum(size for folder in swaps.values() for _, size in folder.listing())
+        out.append({"rank": topo.rank, "memory": engine.meter.persistent + flat,
+                    "nvme": on_disk})
+        engine.close()
+    return out
+
+
+def topo_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def check(cases: list[dict], results: list[list[dict]], world: int) -> None:
+    for rank_results in results:
+        for cfg_data, got in zip(cases, rank_results, strict=True):
+            est = estimate(Config.model_validate(cfg_data), world, rank=got["rank"], device="cpu")
+            z = cfg_data["zero_optimization"]
+            what = (world, z["stage"], cfg_data["moe"]["ep_size"], cfg_data["precision"]["dtype"],
+                    z["offload_optimizer"]["device"], z["offload_param"]["device"], got["rank"])
+            assert (est.memory_total(), est.tier_total("nvme")) == (got["memory"], got["nvme"]), what
+            assert est.tier_total("device") == 0  # the compute device is the host here
+
+
+def test_estimate_equals_the_engine_at_w1():
+    cases = [case(s) for s in (0, 1, 2, 3)] + [case(2, dtype="bf16"), case(3, dtype="bf16")]
+    check(cases, [measure(cases)], 1)
+
+
+def test_estimate_equals_the_engine_at_w2(tmp_path):
+    nvme = str(tmp_path / "nvme")
+    os.makedirs(nvme)
+    cases = [case(0, ep=2), case(1), case(1, ep=2, optim="cpu"), case(2, ep=2, optim="nvme", nvme=nvme),
+             case(2, dtype="bf16", optim="cpu"), case(3, ep=2), case(3, ep=2, param="cpu", optim="cpu"),
+             case(3, ep=2, param="nvme", optim="nvme", nvme=nvme),
+             case(3, param="nvme", optim="none", nvme=nvme, dtype="bf16"),
+             case(3, ep=2, param="none", optim="nvme", nvme=nvme, cap=None)]
+    check(cases, run_world(measure, 2, tmp_path, cases), 2)
+
+
+def test_gpu_placement_separates_device_and_host():
+    """On a GPU (the default) offloaded state is on the host, the rest on the device; a
+    separate fp32 master appears once the state leaves the device (16 B/elem, not 12)."""
+    base = Config.model_validate(case(2, dtype="auto"))
+    on_device = estimate(base, 2)
+    assert on_device.dtype == "bf16" and on_device.tier_total("cpu") == 0
+    est = estimate(Config.model_validate(case(2, optim="cpu")), 2)
+    shard_elems = est.get("optimizer", "cpu") // 12
+    assert est.get("optimizer", "device") == 0 and shard_elems > 0
+    assert est.get("grads", "device") == 4 * shard_elems  # the grad partition, padded alike
+
+
+HUGE = ["model.dim=8192", "model.n_layers=8", "model.ffn_dim=16384", "model.n_heads=64",
+        "moe.num_experts=16", "moe.ep_size=8", "zero_optimization.stage=3",
+        "zero_optimization.offload_optimizer.device=cpu",
+        "zero_optimization.offload_param.device=cpu"]
+
+_PEAK = """
+import resource, sys
+from moezero.config import load_config
+from moezero.estimate import estimate
+est = estimate(load_config(None, sys.argv[1:]), 8)
+print(est.model_numel, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_a_50b_model_is_estimated_without_allocating_it():
+    run = subprocess.run([sys.executable, "-c", _PEAK, *HUGE], capture_output=True, text=True,
+                         timeout=120, check=True)
+    numel, peak = map(int, run.stdout.split())
+    assert numel > 50e9
+    assert peak < 1.5 * 2**30 < numel * 2  # the bf16 weights alone are 100 GB
+
+
+def test_cli_prints_the_table_and_rejects_a_bad_world(tmp_path):
+    args = [f"--set={s}" for s in HUGE]
+    run = moezero("estimate", *args, "--nproc", "8")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == format_table(estimate(load_config(None, HUGE), 8))
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("moezero estimate: rank 0 of 8, ZeRO stage 3, bf16 on cuda")
+    assert [ln.split()[0] for ln in lines[1:6]] == ["GiB", "params", "grads", "optimizer", "total"]
+    bad = moezero("estimate", *args, "--nproc", "6")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "moe.ep_size" in bad.stderr
+
+
+def test_table_mentions_every_tier():
+    text = format_table(estimate(Config.model_validate(case(3, ep=2)), 2, device="cpu"))
+    assert "device" in text and "nvme" in text and "largest gather unit" in text

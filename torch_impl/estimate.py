@@ -1,0 +1,202 @@
+"""``moezero estimate``: one rank's bytes of training state per tier, from the config alone.
+
+Nothing of the model is allocated: the decoder is built on the meta device, its parameter
+specs go through the plan (``moezero.plan``: grouping, partition), and each local group's
+partition is sized by the engine's placement rules (``_group_bytes``: which of master,
+moments, gradient partition and param shard exist and where, as
+``moezero.zero.sharded.ShardedOptimizer._init_state`` and
+``moezero.zero.replicated.ReplicatedOptimizer`` allocate them; swap files rounded as
+``moezero.offload.state.SwapState.nbytes``). The stage-3 gather units come from the same pure
+plan the gatherer uses (``moezero.zero.gather.plan_units``). Activations are a coarse per-token
+count of what one decoder block saves for backward (docs/scale.md). Tested against the
+engine's own ``MemoryMeter`` and swap files (tests/torch_impl/test_estimate.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from moezero.config import Config
+from moezero.distributed.topology import Topology
+from moezero.model.decoder import Decoder
+from moezero.offload.aio import aligned_size
+from moezero.plan.grouping import plan_groups
+from moezero.plan.partition import Partition, plan_partitions
+from moezero.zero.gather import param_kind, plan_units, unit_modules
+from moezero.zero.groups import config_user_group, param_specs
+
+TIERS = ("device", "cpu", "nvme")
+CATEGORIES = ("params", "grads", "optimizer")
+ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes one rank holds, by (category, tier); with ``device='cpu'`` the compute device is
+    the host, so everything in memory is in the ``cpu`` tier."""
+
+    world_size: int
+    rank: int
+    stage: int
+    dtype: str
+    device: str
+    model_numel: int  # the global model, every expert once
+    local_numel: int  # elements of this rank's optimizer groups (unpadded)
+    bytes: tuple[tuple[str, str, int], ...]  # (category, tier, bytes), no zero rows
+    gather_unit: str  # the largest stage-3 gather unit ("" below stage 3)
+    gather_unit_bytes: int  # its params in the compute dtype, gathered
+    activation_bytes: int  # one micro-batch's saved activations (coarse)
+
+    def get(self, category: str, tier: str) -> int:
+        return sum(b for c, t, b in self.bytes if c == category and t == tier)
+
+    def tier_total(self, tier: str) -> int:
+        return sum(b for _, t, b in self.bytes if t == tier)
+
+    def memory_total(self) -> int:
+        """Persistent bytes in memory (device and host) — the state, not the activations."""
+        return self.tier_total("device") + self.tier_total("cpu")
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where the engine puts each state, for one config and compute device."""
+
+    stage: int
+    itemsize: int
+    host: bool  # the compute device is the host (CPU training)
+    optimizer: str  # offload_optimizer.device: none | cpu | nvme
+    param: str  # offload_param.device (stage 3): none | cpu | nvme
+
+    def memory(self, tier: str) -> str:
+        """The tier a tensor on ``device`` ('none') or the host ('cpu') is reported in."""
+        return "cpu" if self.host or tier == "cpu" else "device"
+
+    @property
+    def fp32(self) -> bool:
+        return self.itemsize == 4
+
+    @property
+    def state_on_device(self) -> bool:  # ShardedOptimizer: state_device == the params' device
+        return self.host or self.optimizer == "none"
+
+    @property
+    def param_with_state(self) -> bool:  # param_device == state_device
+        return self.host or (self.param != "none") == (self.optimizer != "none")
+
+
+def _group_bytes(part: Partition, pl: _Placement) -> Counter:
+    """(category, tier) -> bytes of one local group (``part``) on this rank."""
+    out: Counter = Counter()
+    dev = pl.memory("none")
+    if pl.stage == 0:  # replicated: flat params and grads, fp32 master unless it is the params
+        out["params", dev] += part.numel * pl.itemsize
+        out["grads", dev] += part.numel * pl.itemsize
+        out["optimizer", dev] += part.numel * 4 * (2 if pl.fp32 else 3)
+        return out
+    shard = part.shard_numel
+    out["grads", dev] += shard * pl.itemsize  # the reduced gradient partition
+    if pl.stage < 3:
+        out["params", dev] += part.numel * pl.itemsize  # the flat params
+        if pl.stage == 1:
+            out["grads", dev] += part.numel * pl.itemsize  # the full local gradients
+        if pl.fp32 and pl.optimizer != "nvme" and pl.state_on_device:
+            out["optimizer", dev] += 2 * shard * 4  # master = this rank's range of the params
+            return out
+    return out + _master_copy_bytes(shard, pl)
+
+
+def _master_copy_bytes(shard: int, pl: _Placement) -> Counter:
+    """A separate fp32 master with its moments and, at stage 3, the param shard."""
+    out: Counter = Counter()
+    state_tier = pl.memory(pl.optimizer)
+    param_tier = pl.memory(pl.param)
+    param_is_master = False
+    if pl.stage == 3:
+        if pl.param == "nvme":
+            out["params", "nvme"] += aligned_size(shard * pl.itemsize)
+        elif not pl.fp32 or pl.optimizer == "nvme" or not pl.param_with_state:
+            out["params", param_tier] += shard * pl.itemsize
+        else:
+            param_is_master = True
+    if pl.optimizer == "nvme":
+        out["optimizer", "nvme"] += 3 * aligned_size(shard * 4)
+    elif param_is_master:  # the fp32 param shard is the master itself
+        out["params", state_tier] += shard * 4
+        out["optimizer", state_tier] += 2 * shard * 4
+    else:
+        out["optimizer", state_tier] += 3 * shard * 4
+    return out
+
+
+def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda") -> Estimate:
+    """Per-rank bytes of ``cfg`` trained on ``world_size`` ranks (``rank``'s share), on a
+    ``device`` of kind 'cuda' or 'cpu' (precision ``auto`` resolves by it). Allocates nothing
+    the size of the model."""
+    from moezero.train import model_args  # the one config -> ModelArgs mapping
+
+    zero, ep = cfg.zero_optimization, cfg.moe.ep_size
+    dtype = cfg.precision.resolve(cuda=device == "cuda", bf16_supported=device == "cuda")
+    topology = Topology(rank, world_size, (ep,))
+    with torch.device("meta"):
+        model = Decoder(model_args(cfg), ep_rank=topology.ep_rank(ep))
+    specs, _ = param_specs(model, config_user_group(cfg))
+    plan = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
+                       split_by_expert=cfg.moe.split_groups_by_expert)
+    parts = [p for p in plan_partitions(plan, world_size=world_size) if rank in p.ranks]
+    pl = _Placement(zero.stage, ITEMSIZE[dtype], device == "cpu", zero.offload_optimizer.device,
+                    zero.offload_param.device)
+    total: Counter = Counter()
+    for part in parts:
+        total += _group_bytes(part, pl)
+    unit, unit_bytes = _largest_unit(model, plan, parts, pl.itemsize) if zero.stage == 3 else ("", 0)
+    return Estimate(world_size, rank, zero.stage, dtype, device,
+                    sum(s.numel for s in specs), sum(p.numel for p in parts),
+                    tuple((c, t, b) for (c, t), b in sorted(total.items()) if b),
+                    unit, unit_bytes, activation_bytes(cfg, pl.itemsize, host=pl.host))
+
+
+def _largest_unit(model, plan, parts: list[Partition], itemsize: int) -> tuple[str, int]:
+    """The stage-3 gather unit with the most bytes of params, by ``plan_units``."""
+    groups = {g.name: g for g in plan}
+    members = [[m.fqn for m in groups[p.group].members] for p in parts]
+    units = plan_units([n for n, _ in unit_modules(model)],
+                       {fqn: param_kind(p) for fqn, p in model.named_parameters()}, members)
+    sizes = [(sum(parts[i].numel for i in u.slots) * itemsize, u.name) for u in units]
+    nbytes, name = max(sizes)
+    return name, nbytes
+
+
+def activation_bytes(cfg: Config, itemsize: int, *, host: bool) -> int:
+    """Coarse bytes one micro-batch's forward keeps for backward on one rank: per token and
+    block ~12 D-wide tensors (norms, q/k/v, rotated q/k, attention output, residuals), the
+    top-k rows in and out of the experts (2 k D) and their hidden activations (3 k F), the
+    fp32 router logits and probabilities (2 E), the attention probabilities on a host
+    (H S per token: the math kernel keeps them; flash kernels on GPUs do not), then the
+    logits and their fp32 copy."""
+    m, k = cfg.model, cfg.moe.top_k
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    per_token = itemsize * (12 * m.dim + 2 * k * m.dim + 3 * k * m.ffn_dim) \
+        + 4 * 2 * cfg.moe.num_experts + (itemsize * m.n_heads * cfg.train.seq_len if host else 0)
+    return tokens * (m.n_layers * per_token + m.vocab_size * (itemsize + 4))
+
+
+def format_table(est: Estimate) -> str:
+    """The estimate as a text table (bytes in GiB) for the CLI."""
+    gib = lambda b: f"{b / 2**30:10.3f}"
+    lines = [f"moezero estimate: rank {est.rank} of {est.world_size}, ZeRO stage {est.stage}, "
+             f"{est.dtype} on {est.device}; model {est.model_numel:,} params, "
+             f"this rank's groups {est.local_numel:,}",
+             f"{'GiB':<12}" + "".join(f"{t:>10}" for t in TIERS)]
+    for c in CATEGORIES:
+        lines.append(f"{c:<12}" + "".join(gib(est.get(c, t)) for t in TIERS))
+    lines.append(f"{'total':<12}" + "".join(gib(est.tier_total(t)) for t in TIERS))
+    if est.stage == 3:
+        lines.append(f"largest gather unit: {est.gather_unit} {gib(est.gather_unit_bytes).strip()} "
+                     f"GiB (two are live with prefetch)")
+    lines.append(f"activations (one micro-batch, coarse): "
+                 f"{gib(est.activation_bytes).strip()} GiB on the compute device")
+    return "\n".join(lines)
