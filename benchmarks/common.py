@@ -7,11 +7,13 @@ with the repository on ``sys.path``.
 from __future__ import annotations
 
 import os
-import resource
 import threading
 from pathlib import Path
 
+import torch
+
 from moezero.data import Batches, make_corpus
+from moezero.engine import peak_memory_bytes
 from moezero.model.decoder import ModelArgs
 
 # The synthetic corpus settings of moezero.config.DataConfig's defaults.
@@ -67,8 +69,8 @@ class AnonPeak:
 
 
 def peak_rss() -> int:
-    """This process's peak resident set size so far, in bytes."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This program's peak resident set size so far, in bytes (``VmHWM``)."""
+    return peak_memory_bytes(torch.device("cpu"))
 
 
 def tree_bytes(folder: str | os.PathLike) -> tuple[int, int]:

@@ -268,7 +268,7 @@ NOTES_RESULTS = [
     "`engine.optimizer_step()` (the reduction left after backward, the optimizer and, at stages "
     "1–2, the parameter all-gather); FSDP2 `optimizer.step()`; DeepSpeed `engine.step()` "
     "(optimizer + parameter all-gather).",
-    "- peak RSS per rank: `ru_maxrss` of the larger rank after training (before the save). It "
+    "- peak RSS per rank: `VmHWM` (peak resident set) of the larger rank after training (before the save). It "
     "counts library pages mapped from disk, whose residency depends on the venv and the page "
     "cache (DeepSpeed runs in its own venv), so the memory targets use peak anon: resident "
     "anonymous memory (RSS minus file-backed and shared pages, `/proc/self/statm`), sampled "

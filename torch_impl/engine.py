@@ -16,8 +16,10 @@ those shards, the layout and ``state_dict()``, never the engine. Reference count
 from __future__ import annotations
 
 import base64
+import re
 import resource
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -269,10 +271,16 @@ def _set_rng_state(state: dict) -> None:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA max allocated on GPU; the process's peak RSS on CPU."""
+    """CUDA max allocated on GPU; on CPU this program's peak RSS (``VmHWM``; ``ru_maxrss``
+    where ``/proc`` is missing: on Linux it keeps the peak of the process this one was forked
+    from, e.g. a launcher, so it is only the fallback)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+    except (OSError, AttributeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def initialize(model: nn.Module, config: Config, *, topology: Topology | None = None,

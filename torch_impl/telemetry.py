@@ -19,8 +19,6 @@ TensorBoard event files.
 
 from __future__ import annotations
 
-import re
-import resource
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moezero.engine import peak_memory_bytes
 from moezero.model.decoder import ModelArgs
 from moezero.model.moe import MoE
 from moezero.model.recompute import recomputing
@@ -95,7 +94,6 @@ class PeakMemory:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.proc = Path("/proc/self/status")
         self.resettable = device.type == "cuda"
 
     def reset(self) -> None:
@@ -112,13 +110,7 @@ class PeakMemory:
     def peak(self) -> int:
         """Bytes: CUDA max allocated since the reset; CPU peak RSS since the reset (or since
         start where it cannot be reset)."""
-        if self.device.type == "cuda":
-            return int(torch.cuda.max_memory_allocated(self.device))
-        try:
-            status = self.proc.read_text()
-            return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
-        except (OSError, AttributeError):
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return peak_memory_bytes(self.device)
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:

@@ -98,11 +98,13 @@ HUGE = ["model.dim=8192", "model.n_layers=8", "model.ffn_dim=16384", "model.n_he
         "zero_optimization.offload_param.device=cpu"]
 
 _PEAK = """
-import resource, sys
+import sys
+import torch
 from moezero.config import load_config
+from moezero.engine import peak_memory_bytes
 from moezero.estimate import estimate
 est = estimate(load_config(None, sys.argv[1:]), 8)
-print(est.model_numel, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print(est.model_numel, peak_memory_bytes(torch.device("cpu")))  # this program's peak (VmHWM)
 """
 
 

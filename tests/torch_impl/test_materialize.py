@@ -92,11 +92,12 @@ def test_keyed_init_equals_init_weights_and_keeps_expert_tags():
 # files: the engine keeps only its gradient partitions in memory (its MemoryMeter's persistent
 # bytes), so initialising it must cost no more than those plus a budget smaller than the model.
 _PEAK = r"""
-import resource, sys
+import sys
 import torch
 from moezero.config import Config
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
+from moezero.telemetry import PeakMemory
 from moezero.train import build_model, sharded_model
 nvme, mode = sys.argv[1], sys.argv[2]
 cfg = Config.model_validate({
@@ -107,13 +108,16 @@ cfg = Config.model_validate({
                           "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}})
 topo = build_topology([1], num_experts=8)
 sharded_model(cfg, topo)  # the meta device's one-time imports (~70 MB); no storage
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+memory = PeakMemory(torch.device("cpu"))
+memory.reset()  # the peak RSS (VmHWM) restarts from the current RSS
+assert memory.resettable
+before = memory.peak()
 if mode == "sharded":
     model, init = sharded_model(cfg, topo)
     engine = initialize(model, cfg, topology=topo, device="cpu", init=init)
 else:
     engine = initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu")
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = memory.peak()
 model_bytes = sum(4 * s.numel for s in engine.optimizer.slots)
 print(peak - before, model_bytes, engine.meter.persistent)
 engine.close()

@@ -115,3 +115,27 @@ def test_validation_without_gradients_then_training_goes_on(stage):
                           for j in range(2)])
     assert again["val_loss"] == pytest.approx(manual, rel=1e-6)
     engine.close()
+
+
+_CHILD_PEAK = """
+import torch
+from moezero.engine import peak_memory_bytes
+from moezero.telemetry import PeakMemory
+print(peak_memory_bytes(torch.device("cpu")), PeakMemory(torch.device("cpu")).peak())
+"""
+
+
+def test_a_spawned_rank_reports_its_own_peak_not_its_parents():
+    """On Linux ``ru_maxrss`` keeps the high-water mark of the process a program was forked
+    from (it survives exec), so a rank launched by a large parent reported the parent's peak;
+    the CPU peak is this program's own (VmHWM)."""
+    import subprocess
+    import sys
+
+    ballast = bytearray(1 << 30)
+    ballast[::4096] = b"\1" * len(ballast[::4096])  # touch every page: 1 GiB resident
+    run = subprocess.run([sys.executable, "-c", _CHILD_PEAK], capture_output=True, text=True,
+                         timeout=120, check=True)
+    engine_peak, window_peak = map(int, run.stdout.split())
+    assert 0 < engine_peak < 1 << 30 and 0 < window_peak < 1 << 30, (engine_peak, window_peak)
+    del ballast
