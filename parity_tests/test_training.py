@@ -131,7 +131,8 @@ def test_expert_biases_after_training(trained):
     moved (the update ran)."""
     name, *_, (mine, ref) = trained
     if not CASES[name][0].expert_bias:
-        pytest.skip("no expert bias in this case")
+        assert mine == {} and ref == {}  # neither side holds or steps a bias
+        return
     assert mine.keys() == ref.keys() and ref
     for fqn in ref:
         np.testing.assert_array_equal(mine[fqn], ref[fqn], err_msg=fqn)
