@@ -163,3 +163,33 @@ def test_a_crash_still_shows_its_traceback(capfd):
     assert spawn(_fails_with_a_bug, 2, timeout_s=60) == 1
     err = capfd.readouterr().err
     assert "Traceback" in err and "a bug, not a fault" in err
+
+
+def test_a_bug_in_a_save_keeps_its_traceback(tmp_path, monkeypatch, caplog):
+    """A save turns every rank's exception into the one agreed line (no rank may be left in a
+    collective), but an exception that is not an OS or checkpoint error is a bug: its
+    traceback is logged, while a disk error (expected) logs none."""
+    cfg = Config.model_validate(ccfg(world=1, stage=2))
+    engine, batches = setup(cfg, torch.device("cpu"))
+    engine.train_step([torch.from_numpy(batches.next())])
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store, "write_partition", broken)
+        with pytest.raises(CheckpointError, match="rank 0: ZeroDivisionError: a bug"):
+            engine.save_checkpoint(tmp_path / "bug")
+    logged = [r for r in caplog.records if r.name == "moezero.checkpoint"]
+    assert len(logged) == 1 and logged[0].exc_info[0] is ZeroDivisionError
+    caplog.clear()
+    engine.save_checkpoint(tmp_path / "ok")
+    assert _step(tmp_path / "ok") == "step_00000001"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "x")
+
+    monkeypatch.setattr(store, "write_partition", full)
+    with pytest.raises(CheckpointError, match="No space left"):
+        engine.save_checkpoint(tmp_path / "full")
+    assert not [r for r in caplog.records if r.name == "moezero.checkpoint"]

@@ -6,11 +6,15 @@ raises the same one-line ``CheckpointError`` when any rank fails. Used by
 from __future__ import annotations
 
 import json
+import logging
 
 import torch
 import torch.distributed as dist
 
 from moezero.plan.store import CheckpointError
+
+
+log = logging.getLogger("moezero.checkpoint")
 
 
 class CheckpointGroup:
@@ -50,3 +54,13 @@ def one_line(exc: BaseException) -> str:
         return f"{exc.filename}: {exc.strerror}"
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if isinstance(exc, (CheckpointError, OSError)) else f"{type(exc).__name__}: {text}"
+
+
+def failure(exc: Exception, rank: int) -> str:
+    """``rank R: <one line>``: the error a rank brings to the agreement of a save, which
+    catches every exception so that no rank is left waiting in a collective. An exception
+    other than an OS or checkpoint error is a bug, not bad input: its traceback is logged
+    (``moezero.checkpoint``; stderr unless logging is configured) before it becomes a line."""
+    if not isinstance(exc, (OSError, CheckpointError)):
+        log.error("rank %d: unexpected error during a checkpoint save", rank, exc_info=exc)
+    return f"rank {rank}: {one_line(exc)}"

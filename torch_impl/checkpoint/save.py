@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from moezero.checkpoint import writer as ckpt_write
-from moezero.checkpoint.group import CheckpointGroup, one_line
+from moezero.checkpoint.group import CheckpointGroup, failure
 from moezero.checkpoint.options import CheckpointOptions
 from moezero.plan import store
 from moezero.plan.buffer_io import write_buffers
@@ -121,7 +121,7 @@ def _protocol(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
             headers = store.write_headers(job.layout, partial)
             headers += write_buffers(partial, job.layout, job.buffers)
         except Exception as exc:
-            error = f"rank 0: {one_line(exc)}"
+            error = failure(exc, 0)
     try:
         group.agree(error, what)
         records, error = _write_partitions(group.rank, job, partial, flush, options, refused)
@@ -135,7 +135,7 @@ def _protocol(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
         try:
             _finish(job, partial, headers, gathered, options)
         except Exception as exc:
-            error = f"rank 0: {one_line(exc)}"
+            error = failure(exc, 0)
     outcome = group.all_gather(error)[0]
     if outcome:
         raise CheckpointError(f"{what}: {outcome}")
@@ -175,7 +175,7 @@ def _write_partitions(rank: int, job: SaveJob, partial: Path,
                 written.update(f.name for f in job.layout.files)
             flush.flush(sorted(written))
     except Exception as exc:
-        return records, f"rank {rank}: {one_line(exc)}"
+        return records, failure(exc, rank)
     return records, None
 
 
