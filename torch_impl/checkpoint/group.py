@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from moezero.plan.store import CheckpointError
 
-
 log = logging.getLogger("moezero.checkpoint")
 
 
