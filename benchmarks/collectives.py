@@ -1,7 +1,8 @@
-"""Count the collectives a benchmark rank issues: ``torch.distributed``'s functions (and every
-``moezero`` module attribute bound to one of them) wrapped for the duration of a ``with``
-block. A collective implemented by another one counts once. Used by ``benchmarks.moezero_trainer``
-for the ``collectives`` series (collectives per step against optimizer groups)."""
+"""Count the collectives a rank issues: ``torch.distributed``'s functions (and every ``moezero``
+module attribute bound to one of them) wrapped for the duration of a ``with`` block. A
+collective implemented by another one counts once. Used by ``benchmarks.moezero_trainer`` for
+the ``collectives`` series (collectives per step against optimizer groups) and by
+tests/torch_impl/test_zero_comm.py."""
 
 from __future__ import annotations
 
@@ -27,19 +28,20 @@ def op_of(name: str) -> str:
 
 @contextlib.contextmanager
 def counting():
-    """Yield a ``Counter`` of operation -> calls made inside the block on this thread's rank."""
+    """Yield a ``Counter`` of (function name, first tensor's dtype) -> calls made inside the
+    block on this rank."""
     counts: Counter = Counter()
     state = threading.local()
     patched = []
 
     def wrap(name, fn):
-        def counted(*args, **kwargs):
+        def counted(tensor=None, *args, **kwargs):
             outer = getattr(state, "inside", False)
             if not outer:
-                counts[op_of(name)] += 1
+                counts[(name, str(getattr(tensor, "dtype", "")).removeprefix("torch."))] += 1
             state.inside = True
             try:
-                return fn(*args, **kwargs)
+                return fn(tensor, *args, **kwargs)
             finally:
                 state.inside = outer
         return counted
@@ -60,3 +62,11 @@ def counting():
     finally:
         for owner, attr, value in reversed(patched):
             setattr(owner, attr, value)
+
+
+def by_op(counts: Counter) -> dict[str, int]:
+    """Calls per operation (``op_of``), whatever the dtype."""
+    out: Counter = Counter()
+    for (name, _), n in counts.items():
+        out[op_of(name)] += n
+    return dict(out)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.collectives import counting
+from benchmarks.collectives import by_op, counting
 from benchmarks.common import Unsupported
 
 ADAMW_MODULES = ("moezero.zero.optimizer",)
@@ -107,7 +107,7 @@ class MoezeroTrainer:
         with counting() if self.count_collectives else contextlib.nullcontext() as counts:
             metrics = self.engine.train_step([batch_BS1])
         if counts is not None:  # collectives of this step, by operation
-            self.trace["collectives"].append(dict(counts))
+            self.trace["collectives"].append(by_op(counts))
         t = self._times
         for key, value in (("reduce_s", t["reduce_gradients"]),
                            ("optimizer_s", t["optimizer_step"]), ("adamw_s", t["adamw"]),

@@ -10,15 +10,13 @@ The counts come from wrapping the ``torch.distributed`` functions in each rank (
 from __future__ import annotations
 
 import contextlib
-import sys
-import threading
 from collections import Counter
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
+from benchmarks.collectives import by_op, counting
 from moezero.model.moe import MoE
 from moezero.zero.gather import ParamGatherer
 from tests.support.world import run_world
@@ -26,60 +24,8 @@ from tests.torch_impl.test_distributed import MICRO
 from tests.torch_impl.test_zero import engine_and_batches, zcfg
 from tests.torch_impl.tolerances import BF16_REDUCE_ATOL
 
-COLLECTIVES = ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
-               "reduce_scatter_tensor", "all_to_all_single", "broadcast", "all_gather")
 FEW, MANY = None, 100  # moe.max_group_size: ~10 groups, ~600 groups of the same model
 STEPS = 3
-
-
-@contextlib.contextmanager
-def counting():
-    """Count each collective call (by name, with its tensors' dtype) on this rank: the
-    ``torch.distributed`` functions and every ``moezero`` module attribute bound to them.
-    Nested calls (one collective implemented by another) count once."""
-    counts: Counter = Counter()
-    inside = threading.local()
-    patched = []
-
-    def wrap(name, fn):
-        def counted(tensor=None, *args, **kwargs):
-            if not getattr(inside, "on", False):
-                dtype = str(getattr(tensor, "dtype", "")).removeprefix("torch.")
-                counts[(name, dtype)] += 1
-            inside.on, outer = True, getattr(inside, "on", False)
-            try:
-                return fn(tensor, *args, **kwargs)
-            finally:
-                inside.on = outer
-        return counted
-
-    for name in COLLECTIVES:
-        fn = getattr(dist, name, None)
-        if fn is None:
-            continue
-        wrapped = wrap(name, fn)
-        owners = [dist] + [m for n, m in list(sys.modules.items())
-                           if n.startswith("moezero") and m is not None]
-        for owner in owners:
-            for attr, value in list(vars(owner).items()):
-                if value is fn:
-                    patched.append((owner, attr, value))
-                    setattr(owner, attr, wrapped)
-    try:
-        yield counts
-    finally:
-        for owner, attr, value in reversed(patched):
-            setattr(owner, attr, value)
-
-
-def by_op(counts: Counter) -> dict[str, int]:
-    """Calls per operation: gathers, reductions, all-to-alls, others."""
-    out: Counter = Counter()
-    for (name, _), n in counts.items():
-        op = ("gather" if "gather" in name else "reduce_scatter" if "reduce_scatter" in name
-              else name)
-        out[op] += n
-    return dict(out)
 
 
 def first_step(engine, mine: list[torch.Tensor]) -> dict:
@@ -165,11 +111,11 @@ def test_collectives_per_step_do_not_grow_with_groups(w2, stage):
         if stage < 3:
             assert got == base, (got, base)
             # one bucket per kind: reductions, then (stages 1-2) the parameter all-gathers
-            assert got.get("reduce_scatter", 0) + got.get("all_reduce", 0) == 2 + 2
-            assert got.get("gather", 0) == (2 if stage else 0)
+            assert got.get("reduce-scatter", 0) + got.get("all-reduce", 0) == 2 + 2
+            assert got.get("all-gather", 0) == (2 if stage else 0)
         else:  # at most one bucket per gather unit and pass (forward, backward), no more
-            assert got["reduce_scatter"] == 2 and got["all_reduce"] == 2
-            assert got["gather"] <= 2 * many["units"] < many["groups"] / 20, (got, many["units"])
+            assert got["reduce-scatter"] == 2 and got["all-reduce"] == 2
+            assert got["all-gather"] <= 2 * many["units"] < many["groups"] / 20, (got, many["units"])
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -182,7 +128,7 @@ def test_collectives_per_step_of_another_model(w2, stage):
         if stage == 2:
             assert got == base, (got, base)
         else:  # the same units (the experts of a layer are one unit, whatever their number)
-            assert big["units"] == few["units"] and got["gather"] <= 2 * big["units"], got
+            assert big["units"] == few["units"] and got["all-gather"] <= 2 * big["units"], got
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -192,9 +138,9 @@ def test_bucketed_gathers_are_bit_identical_to_per_group_gathers(w2, stage, gath
         bucketed, other = rank[f"s{stage}_many"], rank[f"s{stage}_many_g{gather}"]
         _same_params(bucketed, other)
         if gather is None:  # the per-group path really gathers group by group
-            assert by_op(other["counts"])["gather"] >= other["groups"] // 2
+            assert by_op(other["counts"])["all-gather"] >= other["groups"] // 2
         else:  # groups cut across buckets of 300 elements
-            assert by_op(other["counts"])["gather"] > by_op(bucketed["counts"])["gather"]
+            assert by_op(other["counts"])["all-gather"] > by_op(bucketed["counts"])["all-gather"]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
