@@ -350,7 +350,6 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _across_sections(self) -> Config:
-        self._check_recompute()
         if self.data.path is None and self.data.synthetic_vocab > self.model.vocab_size:
             raise FieldError("data.synthetic_vocab",
                               f"must be <= model.vocab_size ({self.model.vocab_size}), "
@@ -360,15 +359,3 @@ class Config(_Section):
                              f"must be <= model.vocab_size ({self.model.vocab_size}), "
                              f"got {self.tokenizer.vocab_size}")
         return self
-
-    def _check_recompute(self) -> None:
-        """Activation checkpointing is bit-exact only where tested (docs/scale.md)."""
-        zero = self.zero_optimization
-        if not self.activation_checkpointing.enabled:
-            return
-        if zero.stage == 3:
-            raise FieldError("activation_checkpointing.enabled", "not yet exact with "
-                             "zero_optimization.stage 3")
-        if zero.stage == 2 and zero.overlap_comm:
-            raise FieldError("activation_checkpointing.enabled", "not yet exact with "
-                             "zero_optimization.overlap_comm at stage 2; set overlap_comm: false")

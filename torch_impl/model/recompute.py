@@ -9,7 +9,17 @@ runs again (its submodules' hooks too: a MoE layer regathers its experts and rep
 all-to-all, every rank in the same order). Recomputation repeats the same ops on the same
 inputs, so results are bit-identical on a deterministic device (tested on CPU fp32).
 ``recomputing()`` tells forward hooks that count things (``moezero.telemetry``) to skip the
-second pass.
+second pass, and the stage-3 gatherer (``moezero.zero.gather``) not to prefetch or wrap outputs
+while it runs.
+
+**Whole recomputation** (``early_stop=False``). torch's non-reentrant checkpoint by default
+stops the recomputed forward (by raising inside a saved-tensor hook) as soon as it has
+rebuilt the last tensor the backward needs. The rest of the block's forward, its submodules'
+forward hooks included, then never runs: a stage-3 MoE layer's gather pre-hook had acquired its
+groups and its release hook never came, so the groups stayed resident and the next step's
+forward read the pre-step params (losses differed from step 2). Recomputing the whole block
+keeps every pre-hook paired with its hook, at the cost of the few ops after the last saved
+tensor.
 """
 
 from __future__ import annotations
@@ -59,4 +69,5 @@ def checkpoint_blocks(model: nn.Module, every_n_layers: int = 1) -> list[str]:
 
 
 def _checkpointed(forward, *args, **kwargs):
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=_contexts,
+                      early_stop=False, **kwargs)

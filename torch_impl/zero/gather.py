@@ -23,7 +23,16 @@ its references) and, when grad is enabled, routes the outputs through ``_Regathe
 backward gathers the unit again before the unit's own backward runs (and prefetches the unit
 before it). A unit is released in backward once every param it owns has accumulated its
 gradient; whatever is still held (e.g. a param that got no gradient) is released by
-``after_backward``. Groups are reference-counted, so a group two active units share stays.
+``after_backward``, which then checks that no group is still referenced (a pre-hook without
+its hook would leave a group resident, and the next forward would read it instead of the
+updated shard). Groups are reference-counted, so a group two active units share stays.
+
+**Activation checkpointing** (``moezero.model.recompute``). A checkpointed block's forward runs
+again inside its backward: the hooks of the units inside it fire again, so such a unit is
+gathered for the recomputation and released after it, as in forward. While ``recomputing()``
+the pre-hook does not prefetch the next unit (backward already prefetches the one before) and
+the hook does not wrap the outputs in ``_Regather`` (the recomputed graph is never
+back-propagated: torch keeps only its saved tensors).
 
 **Ordering.** gloo and NCCL need every rank of a group to issue its collectives in the same
 order. The gathers run on their own copies of the world and EDP groups (``gather_groups``),
@@ -45,6 +54,7 @@ import torch
 from torch import nn
 
 from moezero.model.moe import MoE, expert_tag
+from moezero.model.recompute import recomputing
 from moezero.zero.allgather import Launched, launch
 from moezero.zero.buckets import GatherBucket, plan_gathers
 from moezero.zero.shards import Slot
@@ -158,7 +168,7 @@ class ParamGatherer:
     def _pre_forward(self, units: list[int]) -> None:
         for u in units:
             self._acquire(u)
-        if self.prefetch:
+        if self.prefetch and not recomputing():
             after = units[-1] + 1 if units else len(self.units)
             for unit in self.units[after:after + 1]:
                 self._start(unit.slots)
@@ -166,7 +176,7 @@ class ParamGatherer:
     def _post_forward(self, units: list[int], out):
         for u in units:
             self._release(u)
-        if not torch.is_grad_enabled() or not units:
+        if not torch.is_grad_enabled() or not units or recomputing():
             return out
         tensors = [t for t in _flatten(out) if t.requires_grad]
         if not tensors:
@@ -197,6 +207,10 @@ class ParamGatherer:
                 self.active[u] = False
                 self._release(u)
         self.drain()
+        held = [self.slots[i].group.name for i, refs in enumerate(self.state.refs) if refs]
+        if held:
+            raise RuntimeError(f"stage 3: {len(held)} groups still held after backward "
+                               f"(first: {held[0]}); a gather pre-hook ran without its release")
 
     def drain(self) -> None:
         """Wait for gathers in flight and drop them (their buffers are freed)."""
