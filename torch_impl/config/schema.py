@@ -219,7 +219,7 @@ class ParamOffloadConfig(OffloadConfig):
     """Where stage-3 parameter shards live, and how far ahead NVMe reads run."""
 
     read_ahead: int = Field(
-        2, ge=0, le=64,
+        2, ge=0,
         description="With device nvme: the next units (in forward order; in backward, reverse) "
                     "whose param shards are read from their swap files while earlier units "
                     "compute, so a gather finds them in memory. Host buffers: at most this "

@@ -29,10 +29,10 @@ gradient; whatever is still held (e.g. a param that got no gradient) is released
 function and, whenever it gathers a unit, hints the groups of the next ``read_ahead`` units
 that still need any (neither resident nor in flight), nearest first, in the order they will
 be fetched: in forward the units after it in module order; in backward (hinted first when
-the root's forward ends) this forward's post-forward calls in reverse, the order their outputs
-receive gradients, each followed by the unit its pre-backward prefetches. The fetch function's source
-(``offload.state.SwapState.hint``) starts their swap file reads in the background, so the
-disk works while earlier units compute. Every hint replaces the last, so at most
+the root's forward ends) this forward's post-forward calls in reverse, the order their
+outputs receive gradients, each followed by the unit its pre-backward prefetches. The fetch
+function's source (``offload.state.SwapState.hint``) starts their swap file reads in the
+background, so the disk works while earlier units compute. Every hint replaces the last, so at most
 ``read_ahead`` units' shards are read ahead; ``drain`` hints nothing (after each backward,
 before the step), and ``read_ahead_start`` hints the first units once a step is done.
 
