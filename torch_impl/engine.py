@@ -168,7 +168,7 @@ class Engine:
 
     def train_step(self, micro_batches: list[torch.Tensor]) -> dict:
         """One optimizer step over ``grad_accum_steps`` micro-batches; metrics averaged globally."""
-        start = time.perf_counter()
+        start, moved = time.perf_counter(), self.optimizer.swap_traffic()
         totals = torch.zeros(3, device=self.device)
         for batch in micro_batches:
             loss, parts = self.forward(batch)
@@ -185,7 +185,8 @@ class Engine:
         tokens = sum(b[:, 1:].numel() for b in micro_batches)
         return {"loss": totals[0].item(), "ce": totals[1].item(), "aux_loss": totals[2].item(),
                 **out, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-                "peak_mem_bytes": peak_memory_bytes(self.device)}
+                "peak_mem_bytes": peak_memory_bytes(self.device),
+                **swap_metrics(moved, self.optimizer.swap_traffic())}
 
     # ------------------------------------------------------------------ small state
     def state_dict(self) -> dict:
@@ -268,6 +269,16 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(unb64(state["torch_cpu"]))
     if "torch_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(unb64(state["torch_cuda"]))
+
+
+def swap_metrics(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """This step's bytes read from / written to the rank's swap files (``swap_read_bytes``,
+    ``swap_write_bytes``), and of them the stage-3 param shards' (``swap_param_*``)."""
+    delta = {key: after[key] - before[key] for key in after}
+    return {"swap_read_bytes": delta["optim_read"] + delta["param_read"],
+            "swap_write_bytes": delta["optim_write"] + delta["param_write"],
+            "swap_param_read_bytes": delta["param_read"],
+            "swap_param_write_bytes": delta["param_write"]}
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -67,10 +67,12 @@ EXPECTED_ERRORS = (CheckpointError, ConfigError, DataError, OffloadIOError, OSEr
 
 METRIC_KEYS = ("step", "loss", "ce", "aux_loss", "lr", "grad_norm", "loss_scale", "skipped",
                "tokens_per_s", "step_time_s", "peak_mem_bytes", "step_peak_engine_bytes", "mfu",
-               "moe_imbalance_max", "moe_dropped_frac", "moe")
+               "moe_imbalance_max", "moe_dropped_frac", "moe", "swap_read_bytes",
+               "swap_write_bytes", "swap_param_read_bytes", "swap_param_write_bytes")
 """Keys of every ``metrics.jsonl`` row; ``val_loss`` and ``val_ppl`` join them on evaluation
 steps. ``peak_mem_bytes`` is the peak of that step alone; ``mfu`` is None where the device's
-peak is unknown; ``moe`` lists every MoE layer's load (moezero.telemetry)."""
+peak is unknown; ``moe`` lists every MoE layer's load (moezero.telemetry); ``swap_*`` are the
+step's bytes between rank 0 and its NVMe swap files (0 without NVMe offload)."""
 EVAL_KEYS = ("val_loss", "val_ppl")
 
 

@@ -25,6 +25,7 @@ from moezero.config.schema import (
     MoEConfig,
     OffloadConfig,
     OptimizerConfig,
+    ParamOffloadConfig,
     PrecisionConfig,
     TokenizerConfig,
     TrainConfig,
@@ -33,6 +34,6 @@ from moezero.config.schema import (
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistConfig", "ModelConfig",
-    "MoEConfig", "OffloadConfig", "OptimizerConfig", "PrecisionConfig", "TokenizerConfig", "TrainConfig",
-    "ZeroConfig", "DEFAULT_RECIPE", "dump_config", "load_config", "parse_override", "to_yaml",
+    "MoEConfig", "OffloadConfig", "OptimizerConfig", "ParamOffloadConfig", "PrecisionConfig",
+    "TokenizerConfig", "TrainConfig", "ZeroConfig", "DEFAULT_RECIPE", "dump_config", "load_config", "parse_override", "to_yaml",
 ]

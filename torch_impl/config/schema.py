@@ -215,6 +215,17 @@ class OffloadConfig(_Section):
         return self
 
 
+class ParamOffloadConfig(OffloadConfig):
+    """Where stage-3 parameter shards live, and how far ahead NVMe reads run."""
+
+    read_ahead: int = Field(
+        2, ge=0,
+        description="With device nvme: the next units (in forward order; in backward, reverse) "
+                    "whose param shards are read from their swap files while earlier units "
+                    "compute, so a gather finds them in memory. Host buffers: at most this "
+                    "many units' shards. 0 = read each shard when its gather starts.")
+
+
 class ZeroConfig(_Section):
     """ZeRO sharding (DeepSpeed's ``zero_optimization`` block)."""
 
@@ -231,8 +242,8 @@ class ZeroConfig(_Section):
                                     "null = one all-gather per optimizer group.")
     offload_optimizer: OffloadConfig = Field(
         default_factory=OffloadConfig, description="Optimizer state offload (stage >= 1).")
-    offload_param: OffloadConfig = Field(
-        default_factory=OffloadConfig, description="Parameter offload (stage 3 only).")
+    offload_param: ParamOffloadConfig = Field(
+        default_factory=ParamOffloadConfig, description="Parameter offload (stage 3 only).")
 
     @model_validator(mode="after")
     def _offload(self) -> ZeroConfig:

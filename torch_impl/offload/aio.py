@@ -24,7 +24,7 @@ import torch
 
 from moezero.plan.bytes_io import CHUNK, byte_view
 
-__all__ = ["ALIGN", "AsyncIO", "OffloadIOError", "aligned_empty", "aligned_size"]
+__all__ = ["ALIGN", "AsyncIO", "OffloadIOError", "aligned_empty", "aligned_size", "wait"]
 
 ALIGN = 4096  # O_DIRECT granularity of buffer address, file offset and length (512e and 4Kn)
 log = logging.getLogger("moezero.offload")
@@ -285,6 +285,12 @@ class AsyncIO:
                     self._gds = None
                     return None
             return self._gds[path]
+
+
+def wait(futures: list[Future]) -> None:
+    """Wait for every future (the first failure raises once all are done or one fails)."""
+    for f in futures:
+        f.result()
 
 
 def _run(req: _Request, fn: Callable, *args) -> None:

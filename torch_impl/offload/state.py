@@ -22,8 +22,9 @@ from concurrent.futures import Future
 
 import torch
 
-from moezero.offload.aio import AsyncIO, aligned_empty, aligned_size
+from moezero.offload.aio import AsyncIO, aligned_empty, aligned_size, wait
 from moezero.offload.options import IOOptions
+from moezero.offload.readahead import ReadAhead
 from moezero.offload.swapdir import OPTIMIZER_KEY, PARAM_KEY, SwapDir
 from moezero.plan.layout import STATES
 
@@ -35,6 +36,8 @@ class SwapState:
                  dtype: torch.dtype, *, key: str, meter=None, pin: bool = False):
         self.folder, self.io, self.slots, self.states = folder, io, list(slots), states
         self.dtype, self.key, self.meter, self.pin = dtype, key, meter, pin
+        self.traffic = {"read": 0, "write": 0}  # bytes requested from / to these files so far
+        self.ahead = ReadAhead(self)  # reads hinted before they are needed (``hint``)
 
     def nbytes(self) -> int:
         """Bytes of this rank's swap files (each rounded up to the alignment)."""
@@ -63,20 +66,31 @@ class SwapState:
             self.meter.drop(sum(b.numel() * b.element_size() for b in bufs.values()))
 
     def read(self, slot, bufs: dict[str, torch.Tensor]) -> list[Future]:
+        self.traffic["read"] += sum(b.nbytes for b in bufs.values())
         return [self.io.read(self.path(slot, s), bufs[s]) for s in bufs]
 
     def write(self, slot, bufs: dict[str, torch.Tensor]) -> list[Future]:
+        self.ahead.forget(slot)  # a read ahead of this write would return stale bytes
+        self.traffic["write"] += sum(b.nbytes for b in bufs.values())
         return [self.io.write(self.path(slot, s), bufs[s]) for s in bufs]
 
+    def hint(self, slots: Sequence) -> None:
+        """These slots will be loaded soon, nearest first: start their reads now (into fresh
+        buffers, held until loaded) and drop the reads of earlier hints not among them;
+        ``hint([])`` drops every read ahead (``moezero.offload.readahead``)."""
+        self.ahead.hint(slots)
+
     def load(self, slot) -> dict[str, torch.Tensor]:
-        """``slot``'s states read now into fresh buffers."""
-        bufs = self.buffers(slot)
-        _wait(self.read(slot, bufs))
+        """``slot``'s states in fresh buffers: its read ahead once done, else read now."""
+        bufs = self.ahead.take(slot)
+        if bufs is None:
+            bufs = self.buffers(slot)
+            wait(self.read(slot, bufs))
         return bufs
 
     def store(self, slot, bufs: dict[str, torch.Tensor]) -> None:
         """Write ``bufs`` (a buffer per state, ``shard`` elements) to ``slot``'s files, now."""
-        _wait(self.write(slot, bufs))
+        wait(self.write(slot, bufs))
 
     def put(self, slot, values: dict[str, torch.Tensor | float]) -> None:
         """Write each state's value (a tensor, cast to the file's dtype, or a fill number) to
@@ -100,7 +114,7 @@ class SwapState:
                 ahead = self._start_read(window)
             bufs, reads = ahead
             ahead = self._start_read(windows[i + 1]) if i + 1 < len(windows) else None
-            _wait(reads)
+            wait(reads)
             yield bufs
             writing.append((bufs, [f for slot, b in zip(window, bufs, strict=True)
                                    for f in self.write(slot, b)]))
@@ -114,13 +128,14 @@ class SwapState:
         return bufs, [f for slot, b in zip(window, bufs, strict=True) for f in self.read(slot, b)]
 
     def _finish(self, bufs: list[dict], futures: list[Future]) -> None:
-        _wait(futures)
+        wait(futures)
         for b in bufs:
             self.drop(b)
 
     def reopen(self) -> None:
         """Close the cached descriptors of every file (after they were written behind the
         I/O engine's back, e.g. a checkpoint's file-to-file copy); the next use reopens them."""
+        self.ahead.hint([])
         for slot in self.slots:
             for state in self.states:
                 self.io.release(self.path(slot, state))
@@ -134,14 +149,10 @@ class SwapState:
     def close(self, *, remove: bool) -> None:
         """Stop the I/O engine (shared stores: idempotent) and, at a clean exit, remove the
         swap files."""
+        self.ahead.hint([])
         self.io.close()
         if remove:
             self.folder.cleanup()
-
-
-def _wait(futures: list[Future]) -> None:
-    for f in futures:
-        f.result()
 
 
 def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,

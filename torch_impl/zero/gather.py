@@ -34,6 +34,17 @@ the pre-hook does not prefetch the next unit (backward already prefetches the on
 the hook does not wrap the outputs in ``_Regather`` (the recomputed graph is never
 back-propagated: torch keeps only its saved tensors).
 
+**Read-ahead** (NVMe params). With ``read_ahead`` > 0 the gatherer also receives a ``hint``
+function and, whenever it gathers a unit, hints the groups of the next ``read_ahead`` units
+that still need any (neither resident nor in flight), nearest first, in the order they will
+be fetched: in forward the units after it in module order; in backward (hinted first when
+the root's forward ends) this forward's post-forward calls in reverse, the order their
+outputs receive gradients, each followed by the unit its pre-backward prefetches. The fetch
+function's source (``offload.state.SwapState.hint``) starts their swap file reads in the
+background, so the disk works while earlier units compute. Every hint replaces the last, so at most
+``read_ahead`` units' shards are read ahead; ``drain`` hints nothing (after each backward,
+before the step), and ``read_ahead_start`` hints the first units once a step is done.
+
 **Ordering.** gloo and NCCL need every rank of a group to issue its collectives in the same
 order. The gathers run on their own copies of the world and EDP groups (``gather_groups``),
 so they never interleave with gradient reduce-scatters, which depend on when gradients
@@ -47,7 +58,7 @@ is tested bit-identical to stage 2, tests/torch_impl/test_stage3.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -139,13 +150,19 @@ class ParamGatherer:
         groups: Process group by channel name (``distributed.topology.gather_groups``).
         prefetch: Start the next unit's gathers while a unit runs.
         bucket_size: ``allgather_bucket_size``, elements per all-gather (None: one per group).
+        hint: ``hint(slots)``: these slots will be fetched soon, nearest first (forgetting
+            earlier hints not among them); used when ``read_ahead`` > 0.
+        read_ahead: Units ahead of the gathered one whose groups are hinted (0: no hints).
     """
 
     def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], slots: Sequence[Slot],
                  fetch: Callable[[Slot], torch.Tensor], groups: dict, *, prefetch: bool = True,
-                 bucket_size: int | None):
+                 bucket_size: int | None, hint: Callable[[list[Slot]], None] | None = None,
+                 read_ahead: int = 0):
         self.params, self.slots, self.fetch = params, slots, fetch
         self.groups, self.prefetch, self.bucket_size = groups, prefetch, bucket_size
+        self.hint, self.read_ahead = (hint, read_ahead) if hint and read_ahead > 0 else (None, 0)
+        self._post: list[list[int]] = []  # units by post-forward hook since the last backward
         self._plans: dict[tuple[int, ...], tuple[GatherBucket, ...]] = {}
         modules = unit_modules(model)
         self.units = plan_units([n for n, _ in modules],
@@ -158,7 +175,8 @@ class ParamGatherer:
         for name, module in modules:
             units = [u for u, unit in enumerate(self.units) if unit.module == name]
             module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units))
-            module.register_forward_hook(lambda m, a, out, units=units: self._post_forward(units, out))
+            module.register_forward_hook(lambda m, a, out, units=units, root=module is model:
+                                         self._post_forward(units, out, root))
         for fqn, p in params.items():
             p.register_post_accumulate_grad_hook(lambda _p, fqn=fqn: self._on_grad(fqn))
         for p in params.values():
@@ -172,8 +190,10 @@ class ParamGatherer:
             after = units[-1] + 1 if units else len(self.units)
             for unit in self.units[after:after + 1]:
                 self._start(unit.slots)
+        if units:
+            self._read_ahead(range(units[-1] + 1, len(self.units)))
 
-    def _post_forward(self, units: list[int], out):
+    def _post_forward(self, units: list[int], out, root: bool = False):
         for u in units:
             self._release(u)
         if not torch.is_grad_enabled() or not units or recomputing():
@@ -181,6 +201,9 @@ class ParamGatherer:
         tensors = [t for t in _flatten(out) if t.requires_grad]
         if not tensors:
             return out
+        self._post.append(units)
+        if root:  # the forward is done: backward fetches next
+            self._read_ahead(self._backward_fetches(0))
         wrapped = iter(_Regather.apply(self, units, *tensors))
         swap = {id(t): next(wrapped) for t in tensors}
         return _rebuild(out, swap)
@@ -191,6 +214,9 @@ class ParamGatherer:
             self.pending[u], self.active[u] = len(self.units[u].fqns), True
         if self.prefetch and units[0] > 0:
             self._start(self.units[units[0] - 1].slots)
+        calls = self._post[::-1]  # the latest forward's first
+        if units in calls:
+            self._read_ahead(self._backward_fetches(calls.index(units) + 1))
 
     def _on_grad(self, fqn: str) -> None:
         u = self.owner[fqn]
@@ -206,6 +232,7 @@ class ParamGatherer:
             if self.active[u]:
                 self.active[u] = False
                 self._release(u)
+        self._post.clear()
         self.drain()
         held = [self.slots[i].group.name for i, refs in enumerate(self.state.refs) if refs]
         if held:
@@ -213,11 +240,44 @@ class ParamGatherer:
                                f"(first: {held[0]}); a gather pre-hook ran without its release")
 
     def drain(self) -> None:
-        """Wait for gathers in flight and drop them (their buffers are freed)."""
+        """Wait for gathers in flight and drop them (their buffers are freed), and drop the
+        reads ahead (the step may write the shards next)."""
         for launched in self.state.inflight.values():
             for bucket in launched:
                 bucket.wait()
         self.state.inflight.clear()
+        if self.hint is not None:
+            self.hint([])
+
+    def read_ahead_start(self) -> None:
+        """Hint the first units of the next forward (after a step has written the shards)."""
+        self._read_ahead(range(len(self.units)))
+
+    def _backward_fetches(self, start: int) -> list[int]:
+        """The units backward will fetch from its ``start``-th pre-backward on, in order: the
+        post-forward calls of this forward in reverse (the order their outputs get gradients),
+        each followed by the unit its pre-backward prefetches."""
+        order = []
+        for call in self._post[::-1][start:]:
+            order += call
+            if self.prefetch and call[0] > 0:
+                order.append(call[0] - 1)
+        return order
+
+    def _read_ahead(self, upcoming: Iterable[int]) -> None:
+        """Hint the groups of the next ``read_ahead`` units of ``upcoming`` that need any
+        (neither resident nor in flight), nearest first."""
+        if self.hint is None:
+            return
+        st, chosen, count = self.state, {}, 0
+        for u in upcoming:
+            if count == self.read_ahead:
+                break
+            todo = [i for i in self.units[u].slots
+                    if i not in st.resident and i not in st.inflight and i not in chosen]
+            chosen.update(dict.fromkeys(todo))
+            count += bool(todo)
+        self.hint([self.slots[i] for i in chosen])
 
     # ------------------------------------------------------------------ groups
     def _acquire(self, u: int) -> None:

@@ -58,6 +58,7 @@ class Optimizer:
 
     clone_fp32_grads = True  # the step's fp32 gradient is a copy, not ``Slot.grad`` itself
     optim_swap = None  # NVMe: the fp32 states' swap files (``offload.state.SwapState``)
+    param_swap = None  # NVMe at stage 3: the param shards' swap files
 
     def __init__(self, params: dict[str, nn.Parameter], topology: Topology) -> None:
         self.params, self.topology = params, topology
@@ -314,6 +315,13 @@ class Optimizer:
             for piece, at in slot.partition.rank_slices(slot.dp_rank):
                 yield piece, {name: t[base + at:base + at + piece.numel]
                               for name, t in st.items()}
+
+    def swap_traffic(self) -> dict[str, int]:
+        """Bytes read from / written to this rank's swap files so far, by tier and direction
+        (``optim_read``, ``optim_write``, ``param_read``, ``param_write``; 0 without one)."""
+        return {f"{tier}_{op}": swap.traffic[op] if swap is not None else 0
+                for tier, swap in (("optim", self.optim_swap), ("param", self.param_swap))
+                for op in ("read", "write")}
 
     def close(self) -> None:
         """Release what the optimizer holds beyond memory (a clean exit)."""

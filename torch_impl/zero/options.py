@@ -26,6 +26,9 @@ class ZeroOptions:
         host_window: Elements of fp32 state in one window of consecutive groups (at least one
             group). Two windows' fp32 gradients and one window's AdamW temporaries (8 B per
             element) are alive at a time.
+        param_read_ahead: Stage 3 with NVMe params: the units ahead of the one being gathered
+            whose param shards are read from the swap files in the background (0: each shard
+            is read when its gather starts).
     """
 
     reduce_bucket_size: int = int(5e7)
@@ -34,6 +37,7 @@ class ZeroOptions:
     allgather_bucket_size: int | None = int(5e7)
     host_step: bool = False
     host_window: int = 1 << 22
+    param_read_ahead: int = 2
 
     @classmethod
     def from_config(cls, zero) -> ZeroOptions:
@@ -41,4 +45,5 @@ class ZeroOptions:
         return cls(reduce_bucket_size=zero.reduce_bucket_size, overlap_comm=zero.overlap_comm,
                    reduce_dtype=REDUCE_DTYPES[zero.reduce_dtype],
                    allgather_bucket_size=zero.allgather_bucket_size,
-                   host_step=zero.offload_optimizer.device != "none")
+                   host_step=zero.offload_optimizer.device != "none",
+                   param_read_ahead=zero.offload_param.read_ahead)

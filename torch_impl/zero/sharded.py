@@ -28,8 +28,8 @@ flat buffer, others go through a receive buffer of the bucket's size.
 **Stage 3** keeps no flat buffer: each param keeps its own storage, freed between uses, and
 each group's shard of the params (``Slot.param``, the master itself in fp32) is gathered by
 ``moezero.zero.gather.ParamGatherer`` around each module (it receives the slots, the params and
-``param_shard`` as its fetch function); the step ends with the downcast into the shard, no
-all-gather. **Offload** (docs/offload.md): the fp32 state lives on
+``param_shard`` as its fetch function and, with NVMe params, the swap files' ``hint`` to read
+the next units' shards ahead); the step ends with the downcast into the shard, no all-gather. **Offload** (docs/offload.md): the fp32 state lives on
 ``state_device`` (the host for ``cpu``) or, for ``nvme``, in swap files handed in by the
 engine (``swap_factory``: ``offload_state.SwapState`` objects, so this layer never imports
 ``offload``); ``_states`` yields each group's state in plan order, from memory or read ahead
@@ -97,9 +97,12 @@ class ShardedOptimizer(Optimizer):
                                         options.allgather_bucket_size)
         self.gatherer = None
         if stage == 3:
+            swap = self.param_swap
             self.gatherer = ParamGatherer(model, params, self.slots, self.param_shard,
                                           gather_groups(topology), prefetch=prefetch,
-                                          bucket_size=options.allgather_bucket_size)
+                                          bucket_size=options.allgather_bucket_size,
+                                          hint=swap.hint if swap is not None else None,
+                                          read_ahead=options.param_read_ahead)
 
     # ------------------------------------------------------------------ construction
     def _init_state(self) -> None:
@@ -203,6 +206,8 @@ class ShardedOptimizer(Optimizer):
         self.transfer.finish()  # what follows reads the copied params on the compute stream
         if self.stage < 3:
             self._gather(lambda slot: slot.grad, [k.params for k in self.kinds])
+        else:
+            self.gatherer.read_ahead_start()  # the shards are written: read the first units
 
     def param_shard(self, slot: Slot) -> torch.Tensor:
         """Stage 3: ``slot``'s param shard on the compute device (read from its swap file, or
