@@ -190,7 +190,7 @@ class ParamGatherer:
             after = units[-1] + 1 if units else len(self.units)
             for unit in self.units[after:after + 1]:
                 self._start(unit.slots)
-        if units:
+        if units and not recomputing():  # a recomputed block: backward's hints stand
             self._read_ahead(range(units[-1] + 1, len(self.units)))
 
     def _post_forward(self, units: list[int], out, root: bool = False):
