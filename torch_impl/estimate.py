@@ -113,6 +113,12 @@ class _Placement:
         return self.host or self.optimizer == "none"
 
     @property
+    def grad_tier(self) -> str:
+        """Where the reduced gradient partition (``Slot.grad``) lives: always in memory beside
+        the params today; the one place to change if it moves to a swap file."""
+        return self.memory("none")
+
+    @property
     def param_with_state(self) -> bool:  # param_device == state_device
         return self.host or (self.param != "none") == (self.optimizer != "none")
 
@@ -127,7 +133,7 @@ def _group_bytes(part: Partition, pl: _Placement) -> Counter:
         out["optimizer", dev] += part.numel * 4 * (2 if pl.fp32 else 3)
         return out
     shard = part.shard_numel
-    out["grads", dev] += shard * pl.itemsize  # the reduced gradient partition
+    out["grads", pl.grad_tier] += shard * pl.itemsize  # the reduced gradient partition
     if pl.stage < 3:
         out["params", dev] += part.numel * pl.itemsize  # the flat params
         if pl.stage == 1:
