@@ -85,22 +85,16 @@ def transients(cfg: Config, shape: StepShape, activations: int) -> tuple[Transie
 def _backward(zero, shape: StepShape) -> list[Transient]:
     """Reduction buffers, gradients not yet reduced, gathered stage-3 units."""
     cap, dev = zero.reduce_bucket_size, shape.compute
-    kinds: dict[str, int] = {}  # elements of each kind's [rows, cols] matrices
-    rows: dict[str, int] = {}  # the reduction's rows: dp_size (sharded) or 1 (stage 0)
-    for p, kind in zip(shape.parts, shape.kinds, strict=True):
-        rows[kind] = 1 if shape.stage == 0 else p.dp_size
-        kinds[kind] = kinds.get(kind, 0) + (p.numel if shape.stage == 0 else p.padded_numel)
-    buckets = sorted(((size, rows[k]) for k, n in kinds.items()
-                      for size in _cut(n, max(1, cap // rows[k]) * rows[k])),
-                     reverse=True)[:IN_FLIGHT_BUCKETS]  # (send elements, rows), the largest
+    buckets = _reduce_buckets(shape, cap)
     scattered = shape.stage > 0  # reduce-scatter: an output of send / rows elements
-    elems = sum(send + (send // r if scattered else 0) for send, r in buckets)
-    nbytes = REDUCE_ITEMSIZE[zero.reduce_dtype] * elems
-    out = [Transient("backward", f"gradient reduction: {len(buckets)} buckets in flight (send "
-                     "buffers and outputs)", dev, nbytes)]
-    if scattered and shape.host:  # gloo's reduce-scatter copies its input and output
+    elems = sum(send + (send // dp if scattered and dp > 1 else 0) for send, dp in buckets)
+    copies = sum(send + send // dp for send, dp in buckets if dp > 1) if scattered else 0
+    itemsize = REDUCE_ITEMSIZE[zero.reduce_dtype]
+    out = [Transient("backward", f"gradient reduction: {len(buckets)} bucket(s) in flight "
+                     "(send buffers and outputs)", dev, elems * itemsize)]
+    if shape.host:  # gloo's reduce-scatter copies its input and output
         out.append(Transient("backward", "gloo's copies of those buckets' input and output",
-                             dev, nbytes))
+                             dev, copies * itemsize))
     if shape.stage >= 2:  # a bucket waits for all its params; a param read by two buckets
         local = sum(p.numel for p in shape.parts)  # is freed once the second one is sent
         waiting = min(local, cap + shape.straddle) if zero.overlap_comm else local
@@ -111,6 +105,20 @@ def _backward(zero, shape: StepShape) -> list[Transient]:
         out.append(Transient("backward", "gathered params: the root unit, the running unit, the "
                              "prefetched one and its receive buffers", dev, root + 3 * unit))
     return out
+
+
+def _reduce_buckets(shape: StepShape, cap: int) -> list[tuple[int, int]]:
+    """(send buffer elements, dp size) of the reduction buckets alive at once: the largest
+    ``IN_FLIGHT_BUCKETS`` with a collective; a bucket of a one-rank kind is stored at once."""
+    kinds: dict[str, list[int]] = {}  # kind -> [elements of its [rows, cols] matrices, dp]
+    for p, kind in zip(shape.parts, shape.kinds, strict=True):
+        entry = kinds.setdefault(kind, [0, p.dp_size])
+        entry[0] += p.numel if shape.stage == 0 else p.padded_numel
+    sizes = [(size, dp) for n, dp in kinds.values()
+             for size in _cut(n, max(1, cap // (1 if shape.stage == 0 else dp))
+                              * (1 if shape.stage == 0 else dp))]
+    shared = sorted((s for s in sizes if s[1] > 1), reverse=True)[:IN_FLIGHT_BUCKETS]
+    return shared or sorted(sizes, reverse=True)[:1]
 
 
 def _cut(n: int, size: int) -> list[int]:
