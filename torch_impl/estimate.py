@@ -190,7 +190,7 @@ def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda
     units = _units(model, plan, parts, pl.itemsize) if zero.stage == 3 else {}
     unit, unit_bytes = max(((n, b) for n, b in units.items()), key=lambda nb: nb[1],
                            default=("", 0))
-    activations = activation_bytes(cfg, pl.itemsize, host=pl.host)
+    activations = activation_bytes(cfg, pl.itemsize)
     shape = _step_shape(plan, parts, pl, units, max(p.numel() for p in model.parameters()))
     return Estimate(world_size, rank, zero.stage, dtype, device,
                     sum(s.numel for s in specs), sum(p.numel for p in parts),

@@ -174,15 +174,21 @@ def _gather_held(bucket, cols: Sequence, itemsize: int) -> int:
     return send + recv
 
 
-def activation_bytes(cfg: Config, itemsize: int, *, host: bool) -> int:
-    """Coarse bytes one micro-batch's forward keeps for backward on one rank: per token and
-    block ~12 D-wide tensors (norms, q/k/v, rotated q/k, attention output, residuals), the
-    top-k rows in and out of the experts (2 k D) and their hidden activations (3 k F), the
-    fp32 router logits and probabilities (2 E), the attention probabilities on a host
-    (H S per token: the math kernel keeps them; flash kernels on GPUs do not), then the
-    logits and their fp32 copy."""
+def activation_bytes(cfg: Config, itemsize: int) -> int:
+    """Bytes one micro-batch's forward keeps for backward on one rank, per token and block:
+    6 D-wide tensors in fp32 whatever the compute dtype (the norms compute in fp32 and keep
+    their fp32 inputs; the residuals), the queries, the attention's output and its reshaped
+    copy (3 H·K), the keys and values (2 G·K: grouped-query heads are never expanded; the
+    attention kernels, flash on GPUs and CPUs alike, keep only a log-sum-exp per head), the
+    top-k rows into the experts (k D) and out of them in fp32 (k D), two of their SwiGLU
+    hidden activations (2 k F) and three of the shared expert's (3 F_shared), the router's
+    fp32 logits and probabilities (2 E); then the logits and the loss's fp32
+    log-probabilities. Counted from the tensors autograd saves, fp32 and bf16, with and
+    without grouped-query heads and a shared expert (tests/torch_impl/test_estimate_peak.py)."""
     m, k = cfg.model, cfg.moe.top_k
+    head = m.head_dim or m.dim // m.n_heads
+    widths = 3 * m.n_heads * head + 2 * (m.n_kv_heads or m.n_heads) * head + k * m.dim \
+        + 2 * k * m.ffn_dim + 3 * cfg.moe.shared_ffn_dim
+    per_token = itemsize * widths + 4 * ((6 + k) * m.dim + 2 * cfg.moe.num_experts)
     tokens = cfg.train.micro_batch_size * cfg.train.seq_len
-    per_token = itemsize * (12 * m.dim + 2 * k * m.dim + 3 * k * m.ffn_dim) \
-        + 4 * 2 * cfg.moe.num_experts + (itemsize * m.n_heads * cfg.train.seq_len if host else 0)
     return tokens * (m.n_layers * per_token + m.vocab_size * (itemsize + 4))
