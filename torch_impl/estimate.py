@@ -56,7 +56,7 @@ class Estimate:
     bytes: tuple[tuple[str, str, int], ...]  # (category, tier, bytes), no zero rows
     gather_unit: str  # the largest stage-3 gather unit ("" below stage 3)
     gather_unit_bytes: int  # its params in the compute dtype, gathered
-    activation_bytes: int  # one micro-batch's saved activations (coarse)
+    activation_bytes: int  # one micro-batch's saved activations
     transients: tuple[Transient, ...] = ()  # one step's, by phase (``moezero.transients``)
     runtime_bytes: int | None = None  # the process itself on the host (RUNTIME_BYTES)
 
@@ -235,7 +235,7 @@ def format_table(est: Estimate) -> str:
     if est.stage == 3:
         lines.append(f"largest gather unit: {est.gather_unit} {gib(est.gather_unit_bytes).strip()} "
                      f"GiB (two are live with prefetch)")
-    lines.append(f"activations (one micro-batch, coarse): "
+    lines.append(f"activations (one micro-batch): "
                  f"{gib(est.activation_bytes).strip()} GiB on the compute device")
     return "\n".join(lines + _peak_lines(est, gib))
 
