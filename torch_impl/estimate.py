@@ -1,4 +1,5 @@
-"""``moezero estimate``: one rank's bytes of training state per tier, from the config alone.
+"""``moezero estimate``: one rank's bytes of training state per tier and its predicted peak,
+from the config alone.
 
 Nothing of the model is allocated: the decoder is built on the meta device, its parameter
 specs go through the plan (``moezero.plan``: grouping, partition), and each local group's
@@ -7,9 +8,12 @@ moments, gradient partition and param shard exist and where, as
 ``moezero.zero.sharded.ShardedOptimizer._init_state`` and
 ``moezero.zero.replicated.ReplicatedOptimizer`` allocate them; swap files rounded as
 ``moezero.offload.state.SwapState.nbytes``). The stage-3 gather units come from the same pure
-plan the gatherer uses (``moezero.zero.gather.plan_units``). Activations are a coarse per-token
-count of what one decoder block saves for backward (docs/scale.md). Tested against the
-engine's own ``MemoryMeter`` and swap files (tests/torch_impl/test_estimate.py).
+plan the gatherer uses (``moezero.zero.gather.plan_units``). One step's transients by phase
+(activations, buckets, gathered units, the step's temporaries) are ``moezero.transients``';
+the peak of a tier is its persistent bytes, its largest phase and, on the host, the runtime
+(``RUNTIME_BYTES``). Tested against the engine's own ``MemoryMeter`` and swap files
+(tests/torch_impl/test_estimate.py) and against measured peaks
+(tests/torch_impl/test_estimate_peak.py, the ``estimate`` benchmark series).
 """
 
 from __future__ import annotations
@@ -82,12 +86,6 @@ class Estimate:
         phase's transients and, on the host, the runtime (when known)."""
         runtime = (self.runtime_bytes or 0) if tier == "cpu" else 0
         return self.tier_total(tier) + self.phase_total(self.peak_phase(tier), tier) + runtime
-
-    def as_dict(self) -> dict:
-        """Plain data (JSON): the tiers, the peak and its parts."""
-        return {"persistent": {t: self.tier_total(t) for t in TIERS},
-                "peak": {t: self.peak(t) for t in TIERS[:2]}, "runtime": self.runtime_bytes,
-                "transients": [vars(t) for t in self.transients]}
 
 
 @dataclass(frozen=True)
