@@ -6,8 +6,9 @@ the code whose allocation it sizes. A rank's peak is its persistent state plus t
 the largest phase:
 
 - ``backward``: the saved activations of one micro-batch (their upper bound: all of them are
-  alive when backward starts), the gradient-reduction buffers (``zero.reduce``: one bucket's
-  send buffer and its output in flight), at stages 2-3 the local gradients produced but not yet
+  alive when backward starts), the gradient-reduction buffers (``zero.reduce``: two buckets'
+  send buffers and outputs in flight, and on gloo its reduce-scatter's copies of both), at
+  stages 2-3 the local gradients produced but not yet
   reduced (``param.grad`` is freed once its buckets are sent: with ``overlap_comm`` one
   bucket's worth plus the largest parameter, at stage 3 the largest unit, whose gradients
   arrive together; without it all of them), and at stage 3 the gathered units
@@ -30,11 +31,11 @@ from moezero.config import Config
 from moezero.offload.aio import aligned_size
 from moezero.plan.partition import Partition
 from moezero.zero.buckets import plan_gathers, plan_windows, scatter_columns
+from moezero.zero.optimizer import ADAMW_TEMPORARIES
 from moezero.zero.options import ZeroOptions
 
 PHASES = ("backward", "step", "gather")
 REDUCE_ITEMSIZE = {"fp32": 4, "bf16": 2}
-ADAMW_TEMPORARIES = 2  # as moezero.zero.optimizer: m_hat and denom, each the gradient's size
 IN_FLIGHT_BUCKETS = 2
 """Reduction buckets alive at once: the hooks launch a bucket as soon as its gradients are
 ready and the waiter thread frees one when its collective is done; nothing bounds their number,
