@@ -10,7 +10,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from benchmarks import grouped, plots, tables_comm, tables_data, tables_io, tables_memory
+from benchmarks import (
+    grouped,
+    plots,
+    tables_comm,
+    tables_data,
+    tables_estimate,
+    tables_io,
+    tables_memory,
+)
 from benchmarks.fmt import mbs, mib, ok, splice, table, verdict
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
 from benchmarks.stats import by_name, limits, param_count
@@ -194,6 +202,7 @@ def render(results: dict, plot_links: dict[str, str]) -> str:
         grouped.section(results),
         tables_data.data_section(results),
         tables_comm.collectives_section(results),
+        tables_estimate.estimate_section(results),
         _failure_section(results),
     ]
     return "\n\n".join("\n".join(section) for section in sections) + "\n"
@@ -281,7 +290,8 @@ NOTES_RESULTS = [
     "experts on each; moezero and DeepSpeed use expert parallelism ep = 2.",
 ]
 SERIES_SECTIONS = {"grouped": grouped.section, "collectives": tables_comm.collectives_section,
-                   "tiled": tables_memory.tiled_section}
+                   "tiled": tables_memory.tiled_section,
+                   "estimate": tables_estimate.estimate_section}
 """Series whose results fill sections of their own: a run of only these series rewrites only
 those sections of an existing report (``update_sections``), keeping every other section."""
 

@@ -68,9 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="run only configurations whose name contains TEXT (repeatable)")
     p.add_argument("--series", action="append", default=[], metavar="NAME",
                    help="run only this series: main, sweep, tiled, state, ckpt, grouped, "
-                        "data, collectives (repeatable); a run of series that own their "
-                        "sections (grouped, data, tiled, collectives) updates only those "
-                        "sections of --out")
+                        "data, collectives, estimate (repeatable); a run of series that own "
+                        "their sections (grouped, data, tiled, collectives, estimate) updates "
+                        "only those sections of --out")
     p.add_argument("--from-json", help="render the report from this results.json; run nothing")
     return p
 

@@ -12,7 +12,8 @@ vs the per-expert loop on one MoE layer, in this process: ``benchmarks.grouped``
 (``prepare-data`` vs the tokenizer's own batch encoding on a generated jsonl corpus of
 ``size["data_mb"]`` MB; ``benchmarks.data_prep``; full mode or ``--series data`` only),
 ``collectives`` (collectives per step against the number of optimizer groups, bucketed vs
-per-group all-gathers).
+per-group all-gathers), ``estimate`` (``moezero estimate`` against each rank's measured peak,
+stages 0-3 and offload none/cpu/nvme, plus a tiny model measuring the runtime).
 """
 
 from __future__ import annotations
@@ -86,6 +87,24 @@ CKPT_SYSTEMS: list[tuple[str, str, dict]] = [
 """Checkpoint save/load on ``size["ckpt_model"]`` (one training step, then save, save, load);
 the NVMe row also times a plain copy of its optimizer swap files after each save."""
 
+ESTIMATE_ROWS: list[tuple[str, dict]] = [
+    ("stage 0", {"zero_optimization.stage": 0}),
+    ("stage 1", {"zero_optimization.stage": 1}),
+    ("stage 2", {"zero_optimization.stage": 2}),
+    ("stage 2 + cpu optimizer", {"zero_optimization.stage": 2,
+                                 "zero_optimization.offload_optimizer.device": "cpu"}),
+    ("stage 3", {"zero_optimization.stage": 3}),
+    ("stage 3 + cpu/cpu", {"zero_optimization.stage": 3,
+                           "zero_optimization.offload_optimizer.device": "cpu",
+                           "zero_optimization.offload_param.device": "cpu"}),
+    ("stage 3 + nvme/nvme", NVME_OVERRIDES),
+]
+ESTIMATE_RUNTIME_ROW = "runtime: stage 2 on a tiny model"
+"""A row of the ``estimate`` series on ``size["tiny_model"]``: the process and nothing else,
+the measurement behind ``moezero.estimate.RUNTIME_BYTES``."""
+"""The ``estimate`` series: ``moezero estimate`` against each rank's measured peak RSS, on
+``size["estimate_model"]`` (state of ~1-2 GB per rank dominates the process)."""
+
 COLLECTIVE_STAGES = (2, 3)
 GATHER_MODES: dict[str, dict] = {"bucketed": {},
                                  "per-group": {"zero_optimization.allgather_bucket_size": None}}
@@ -100,6 +119,15 @@ TARGET_CONFIG = "moezero stage 2"
 WORLD_SIZE = 2
 
 _SHORT = {"micro_batch_size": 1, "seq_len": 32, "lr": 3e-3, "seed": 0, "warmup": 1, "timed": 2}
+_ESTIMATE = {"estimate_model": {"vocab_size": 256, "dim": 512, "n_layers": 4, "n_heads": 8,
+                                "ffn_dim": 768, "num_experts": 32, "top_k": 2, "ep_size": 1},
+             "tiny_model": {"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4,
+                            "ffn_dim": 64, "num_experts": 4, "top_k": 2, "ep_size": 1},
+             "estimate_train": {"micro_batch_size": 4, "seq_len": 128, "lr": 3e-3, "seed": 0,
+                                "warmup": 1, "timed": 2}}
+_ESTIMATE_QUICK_MODEL = {"vocab_size": 256, "dim": 256, "n_layers": 2, "n_heads": 4,
+                         "ffn_dim": 512, "num_experts": 16, "top_k": 2, "ep_size": 1}
+"""The ``estimate`` series' model in quick mode (13 M params: minutes, not a quarter hour)."""
 SIZES = {
     "quick": {"model": {"vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4,
                         "ffn_dim": 256, "num_experts": 8, "top_k": 2, "ep_size": 2},
@@ -117,6 +145,7 @@ SIZES = {
               "coll_model": {"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4,
                              "ffn_dim": 64, "num_experts": 16, "top_k": 2, "ep_size": 1},
               "coll_train": {**_SHORT, "timed": 2}, "coll_caps": (None, 2048, 256),
+              **_ESTIMATE, "estimate_model": _ESTIMATE_QUICK_MODEL,
               "grouped": {"dim": 256, "ffn_dim": 512, "top_k": 2, "tokens": 1024,
                           "experts": (8, 64), "rounds": 3, "steps": 2}},
     "full": {"model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
@@ -136,6 +165,7 @@ SIZES = {
              "coll_model": {"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4,
                             "ffn_dim": 64, "num_experts": 16, "top_k": 2, "ep_size": 1},
              "coll_train": {**_SHORT, "timed": 3}, "coll_caps": (None, 8192, 2048, 512, 256),
+             **_ESTIMATE,
              "grouped": {"dim": 256, "ffn_dim": 512, "top_k": 2, "tokens": 2048,
                          "experts": (8, 64), "rounds": 5, "steps": 3}},
 }
@@ -195,7 +225,17 @@ def extra_specs(size: dict) -> list[dict]:
     specs += state_specs(size)
     specs += [run_spec(name, system, opts, size, series="ckpt", model=size["ckpt_model"],
                        train=size["ckpt_train"]) for name, system, opts in CKPT_SYSTEMS]
-    return specs + collectives_specs(size)
+    return specs + collectives_specs(size) + estimate_specs(size)
+
+
+def estimate_specs(size: dict) -> list[dict]:
+    """The ``estimate`` series: each row records its ranks' estimates beside their peaks."""
+    return [{**run_spec(name, "moezero", opts, size, checkpoint=False, series="estimate",
+                        model=size["estimate_model"], train=size["estimate_train"]),
+             "estimate": True} for name, opts in ESTIMATE_ROWS] + [
+        {**run_spec(ESTIMATE_RUNTIME_ROW, "moezero", {"zero_optimization.stage": 2}, size,
+                    checkpoint=False, series="estimate", model=size["tiny_model"],
+                    train=size["estimate_train"]), "estimate": True}]
 
 
 def collective_name(stage: int, mode: str, cap: int | None) -> str:

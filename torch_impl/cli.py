@@ -16,8 +16,9 @@ checkpoint.load=DIR`` fine-tunes.
 files into a prepared dataset that ``--set data.path=DIR`` trains on (docs/data.md).
 
 ``moezero estimate [--config FILE] [--set ...] --nproc N`` prints one rank's bytes of params,
-gradients and optimizer state per tier, computed from the config without building the model
-(docs/scale.md).
+gradients and optimizer state per tier and its predicted peak, computed from the config without
+building the model (with ``checkpoint.load``, the checkpoint's architecture, as ``train``
+adopts it; docs/scale.md).
 """
 
 from __future__ import annotations
@@ -95,8 +96,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _adopt(cfg, run_dir: Path):
+    """With ``checkpoint.load``: the architecture keys the user did not set, from it (said on
+    stdout)."""
+    if not cfg.checkpoint.load:
+        return cfg
+    from moezero.train import adopt_architecture
+
+    cfg, adopted = adopt_architecture(cfg, run_dir)
+    if adopted:
+        print(f"moezero: architecture from checkpoint {cfg.checkpoint.load}: "
+              f"{', '.join(adopted)} (set a key to override)", flush=True)
+    return cfg
+
+
 def _estimate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    cfg = _adopt(cfg, Path(cfg.train.out_dir or "."))
     from moezero.distributed.topology import validate
 
     if not 0 <= args.rank < args.nproc:
@@ -206,13 +222,7 @@ def _train(args: argparse.Namespace) -> int:
         raise ConfigError("--nproc", f"must be >= 1, got {args.nproc}", "command line")
     cfg = load_config(args.config, overrides)
     run_dir = Path(args.out or cfg.train.out_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-    if cfg.checkpoint.load:
-        from moezero.train import adopt_architecture
-
-        cfg, adopted = adopt_architecture(cfg, run_dir)
-        if adopted:
-            print(f"moezero: architecture from checkpoint {cfg.checkpoint.load}: "
-                  f"{', '.join(adopted)} (set a key to override)", flush=True)
+    cfg = _adopt(cfg, run_dir)
     from moezero.data.build import check_data
 
     cfg = check_data(cfg)  # every data check of the ranks; records the datasets' tokenizer

@@ -1,4 +1,5 @@
-"""``moezero estimate``: one rank's bytes of training state per tier, from the config alone.
+"""``moezero estimate``: one rank's bytes of training state per tier and its predicted peak,
+from the config alone.
 
 Nothing of the model is allocated: the decoder is built on the meta device, its parameter
 specs go through the plan (``moezero.plan``: grouping, partition), and each local group's
@@ -7,9 +8,12 @@ moments, gradient partition and param shard exist and where, as
 ``moezero.zero.sharded.ShardedOptimizer._init_state`` and
 ``moezero.zero.replicated.ReplicatedOptimizer`` allocate them; swap files rounded as
 ``moezero.offload.state.SwapState.nbytes``). The stage-3 gather units come from the same pure
-plan the gatherer uses (``moezero.zero.gather.plan_units``). Activations are a coarse per-token
-count of what one decoder block saves for backward (docs/scale.md). Tested against the
-engine's own ``MemoryMeter`` and swap files (tests/torch_impl/test_estimate.py).
+plan the gatherer uses (``moezero.zero.gather.plan_units``). One step's transients by phase
+(activations, buckets, gathered units, the step's temporaries) are ``moezero.transients``';
+the peak of a tier is its persistent bytes, its largest phase and, on the host, the runtime
+(``RUNTIME_BYTES``). Tested against the engine's own ``MemoryMeter`` and swap files
+(tests/torch_impl/test_estimate.py) and against measured peaks
+(tests/torch_impl/test_estimate_peak.py, the ``estimate`` benchmark series).
 """
 
 from __future__ import annotations
@@ -25,12 +29,20 @@ from moezero.model.decoder import Decoder
 from moezero.offload.aio import aligned_size
 from moezero.plan.grouping import plan_groups
 from moezero.plan.partition import Partition, plan_partitions
+from moezero.transients import PHASES, StepShape, Transient, activation_bytes, transients
 from moezero.zero.gather import param_kind, plan_units, unit_modules
 from moezero.zero.groups import config_user_group, param_specs
+
+__all__ = ["Estimate", "activation_bytes", "estimate", "format_table"]
 
 TIERS = ("device", "cpu", "nvme")
 CATEGORIES = ("params", "grads", "optimizer")
 ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+RUNTIME_BYTES = {"cpu": 332 * 2**20}
+"""Peak RSS of a training rank apart from its model, state and step (the interpreter, torch,
+moezero, gloo, the data pipeline), by compute device kind: measured on CPU as the peak RSS per
+rank of ``moezero train`` at W = 2 on a model too small to matter (docs/scale.md, checked by
+tests/torch_impl/test_estimate.py). Not measured on CUDA (no GPU here): left out there."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +60,9 @@ class Estimate:
     bytes: tuple[tuple[str, str, int], ...]  # (category, tier, bytes), no zero rows
     gather_unit: str  # the largest stage-3 gather unit ("" below stage 3)
     gather_unit_bytes: int  # its params in the compute dtype, gathered
-    activation_bytes: int  # one micro-batch's saved activations (coarse)
+    activation_bytes: int  # one micro-batch's saved activations
+    transients: tuple[Transient, ...] = ()  # one step's, by phase (``moezero.transients``)
+    runtime_bytes: int | None = None  # the process itself on the host (RUNTIME_BYTES)
 
     def get(self, category: str, tier: str) -> int:
         return sum(b for c, t, b in self.bytes if c == category and t == tier)
@@ -59,6 +73,19 @@ class Estimate:
     def memory_total(self) -> int:
         """Persistent bytes in memory (device and host) — the state, not the activations."""
         return self.tier_total("device") + self.tier_total("cpu")
+
+    def phase_total(self, phase: str, tier: str) -> int:
+        return sum(t.bytes for t in self.transients if t.phase == phase and t.tier == tier)
+
+    def peak_phase(self, tier: str) -> str:
+        """The phase of the step with the most transient bytes in ``tier``."""
+        return max(PHASES, key=lambda ph: self.phase_total(ph, tier))
+
+    def peak(self, tier: str) -> int:
+        """Predicted peak bytes of ``tier`` (device or cpu): persistent state, the largest
+        phase's transients and, on the host, the runtime (when known)."""
+        runtime = (self.runtime_bytes or 0) if tier == "cpu" else 0
+        return self.tier_total(tier) + self.phase_total(self.peak_phase(tier), tier) + runtime
 
 
 @dataclass(frozen=True)
@@ -84,6 +111,12 @@ class _Placement:
         return self.host or self.optimizer == "none"
 
     @property
+    def grad_tier(self) -> str:
+        """Where the reduced gradient partition (``Slot.grad``) lives: always in memory beside
+        the params today; the one place to change if it moves to a swap file."""
+        return self.memory("none")
+
+    @property
     def param_with_state(self) -> bool:  # param_device == state_device
         return self.host or (self.param != "none") == (self.optimizer != "none")
 
@@ -98,7 +131,7 @@ def _group_bytes(part: Partition, pl: _Placement) -> Counter:
         out["optimizer", dev] += part.numel * 4 * (2 if pl.fp32 else 3)
         return out
     shard = part.shard_numel
-    out["grads", dev] += shard * pl.itemsize  # the reduced gradient partition
+    out["grads", pl.grad_tier] += shard * pl.itemsize  # the reduced gradient partition
     if pl.stage < 3:
         out["params", dev] += part.numel * pl.itemsize  # the flat params
         if pl.stage == 1:
@@ -152,36 +185,39 @@ def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda
     total: Counter = Counter()
     for part in parts:
         total += _group_bytes(part, pl)
-    unit, unit_bytes = _largest_unit(model, plan, parts, pl.itemsize) if zero.stage == 3 else ("", 0)
+    units = _units(model, plan, parts, pl.itemsize) if zero.stage == 3 else {}
+    unit, unit_bytes = max(((n, b) for n, b in units.items()), key=lambda nb: nb[1],
+                           default=("", 0))
+    activations = activation_bytes(cfg, pl.itemsize)
+    shape = _step_shape(plan, parts, pl, units, max(p.numel() for p in model.parameters()))
     return Estimate(world_size, rank, zero.stage, dtype, device,
                     sum(s.numel for s in specs), sum(p.numel for p in parts),
                     tuple((c, t, b) for (c, t), b in sorted(total.items()) if b),
-                    unit, unit_bytes, activation_bytes(cfg, pl.itemsize, host=pl.host))
+                    unit, unit_bytes, activations, transients(cfg, shape, activations),
+                    RUNTIME_BYTES.get(device))
 
 
-def _largest_unit(model, plan, parts: list[Partition], itemsize: int) -> tuple[str, int]:
-    """The stage-3 gather unit with the most bytes of params, by ``plan_units``."""
+def _step_shape(plan, parts: list[Partition], pl: _Placement, units: dict[str, int],
+                largest_param: int) -> StepShape:
+    """What ``moezero.transients`` needs of this rank's groups and placement."""
+    groups = {g.name: g for g in plan}
+    kinds = tuple("dense" if not groups[p.group].is_expert
+                  else f"moe/{groups[p.group].moe_group}/ep{p.ep_rank}" for p in parts)
+    root = sum(b for n, b in units.items() if n.startswith("<root>"))
+    blocks = max((b for n, b in units.items() if not n.startswith("<root>")), default=0)
+    state = "cpu" if pl.host or pl.optimizer != "none" else "device"
+    straddle = blocks // pl.itemsize if pl.stage == 3 else largest_param
+    return StepShape(tuple(parts), kinds, pl.stage, pl.itemsize, pl.memory("none"), pl.host, state,
+                     pl.optimizer == "nvme", (blocks, root), straddle)
+
+
+def _units(model, plan, parts: list[Partition], itemsize: int) -> dict[str, int]:
+    """Bytes of params of every stage-3 gather unit, gathered, by ``plan_units``."""
     groups = {g.name: g for g in plan}
     members = [[m.fqn for m in groups[p.group].members] for p in parts]
     units = plan_units([n for n, _ in unit_modules(model)],
                        {fqn: param_kind(p) for fqn, p in model.named_parameters()}, members)
-    sizes = [(sum(parts[i].numel for i in u.slots) * itemsize, u.name) for u in units]
-    nbytes, name = max(sizes)
-    return name, nbytes
-
-
-def activation_bytes(cfg: Config, itemsize: int, *, host: bool) -> int:
-    """Coarse bytes one micro-batch's forward keeps for backward on one rank: per token and
-    block ~12 D-wide tensors (norms, q/k/v, rotated q/k, attention output, residuals), the
-    top-k rows in and out of the experts (2 k D) and their hidden activations (3 k F), the
-    fp32 router logits and probabilities (2 E), the attention probabilities on a host
-    (H S per token: the math kernel keeps them; flash kernels on GPUs do not), then the
-    logits and their fp32 copy."""
-    m, k = cfg.model, cfg.moe.top_k
-    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
-    per_token = itemsize * (12 * m.dim + 2 * k * m.dim + 3 * k * m.ffn_dim) \
-        + 4 * 2 * cfg.moe.num_experts + (itemsize * m.n_heads * cfg.train.seq_len if host else 0)
-    return tokens * (m.n_layers * per_token + m.vocab_size * (itemsize + 4))
+    return {u.name: sum(parts[i].numel for i in u.slots) * itemsize for u in units}
 
 
 def format_table(est: Estimate) -> str:
@@ -197,6 +233,26 @@ def format_table(est: Estimate) -> str:
     if est.stage == 3:
         lines.append(f"largest gather unit: {est.gather_unit} {gib(est.gather_unit_bytes).strip()} "
                      f"GiB (two are live with prefetch)")
-    lines.append(f"activations (one micro-batch, coarse): "
+    lines.append(f"activations (one micro-batch): "
                  f"{gib(est.activation_bytes).strip()} GiB on the compute device")
-    return "\n".join(lines)
+    return "\n".join(lines + _peak_lines(est, gib))
+
+
+def _peak_lines(est: Estimate, gib) -> list[str]:
+    """The predicted peak of each memory tier and its parts."""
+    lines = []
+    tiers = ("cpu",) if est.device == "cpu" else ("device", "cpu")
+    for tier in tiers:
+        phase = est.peak_phase(tier)
+        name = "host (RSS)" if tier == "cpu" else "device"
+        lines.append(f"peak {name}: {gib(est.peak(tier)).strip()} GiB = persistent "
+                     f"{gib(est.tier_total(tier)).strip()} + {phase} transients "
+                     f"{gib(est.phase_total(phase, tier)).strip()}" +
+                     (f" + runtime {gib(est.runtime_bytes).strip()}" if tier == "cpu" and
+                      est.runtime_bytes else ""))
+        lines += [f"  {phase}: {t.what} {gib(t.bytes).strip()}" for t in est.transients
+                  if t.phase == phase and t.tier == tier]
+    if est.device == "cuda":
+        lines.append("not counted: the CUDA context and allocator caching on the device, the "
+                     "process runtime on the host (not measured without a GPU)")
+    return lines

@@ -64,3 +64,24 @@ def test_gpu_benchmark_smoke_rows_run_on_cpu(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and not (tmp_path / "never.md").exists()
     assert out.count("| ok |") == 2, out
+
+
+def test_the_estimate_section_judges_each_rank_against_its_estimate():
+    """A row is met when every rank's peak is within ±25% of its own estimate."""
+    from benchmarks.moezero_trainer import overrides
+    from benchmarks.specs import SIZES, estimate_specs
+    from benchmarks.tables_estimate import estimate_section
+    from moezero.config import load_config
+    from moezero.estimate import estimate
+
+    spec = next(s for s in estimate_specs(SIZES["quick"]) if s["name"] == "stage 2")
+    predicted = estimate(load_config(None, overrides(spec)), 2, rank=1, device="cpu").peak("cpu")
+    runs = [{"spec": {**spec, "name": name}, "status": "ok",
+             "ranks": [{"peak_rss": predicted}, {"peak_rss": factor * predicted}]}
+            for name, factor in (("near", 1.1), ("far", 1.4))]
+    machine = {"date": "today", "cpu": "cpu", "cores": 2, "torch": "2"}
+    text = "\n".join(estimate_section({"runs": runs, "machine": machine}))
+    near = next(ln for ln in text.splitlines() if ln.startswith("| near"))
+    far = next(ln for ln in text.splitlines() if ln.startswith("| far"))
+    assert "| 1.10 | met |" in near and "| 1.40 | missed (+40%) |" in far
+    assert "Within ±25%: 1 of 2 configurations." in text

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from moezero.config import Config, load_config
 from moezero.estimate import estimate, format_table
@@ -131,3 +132,34 @@ def test_cli_prints_the_table_and_rejects_a_bad_world(tmp_path):
 def test_table_mentions_every_tier():
     text = format_table(estimate(Config.model_validate(case(3, ep=2)), 2, device="cpu"))
     assert "device" in text and "nvme" in text and "largest gather unit" in text
+
+
+MIXTRAL = Path(__file__).resolve().parents[2] / "torch_impl" / "recipes" / "mixtral-8x7b.yaml"
+GIB = 2**30
+
+
+def mixtral_params() -> int:
+    """Mixtral-8x7B's parameters from its published shape (GQA: 8 K/V heads of 128)."""
+    d, f, kv, vocab, layers, experts = 4096, 14336, 8 * 128, 32000, 32, 8
+    block = 2 * d * d + 2 * d * kv + 2 * d + experts * d + experts * 3 * d * f
+    return 2 * vocab * d + layers * block + d
+
+
+def test_the_mixtral_recipe_fits_8_gpus_of_80_gb():
+    """The recipe loads, has Mixtral-8x7B's 46.7 B params, and every rank's predicted device
+    peak (state, activations of its micro-batch, transients) stays under 75 GiB of an 80 GB
+    GPU, with host memory a node of 8 GPUs has (< 640 GiB for its 8 ranks)."""
+    cfg = load_config(MIXTRAL)
+    for rank in (0, 7):
+        est = estimate(cfg, 8, rank=rank)
+        assert est.model_numel == mixtral_params() and round(est.model_numel / 1e9, 1) == 46.7
+        assert est.dtype == "bf16" and est.activation_bytes > 0
+        assert est.peak("device") < 75 * GIB, format_table(est)
+        assert 8 * est.peak("cpu") < 640 * GIB, format_table(est)
+
+
+def test_the_readme_stage_2_mixtral_example_does_not_fit():
+    """What the README once suggested (stage 2, ep = W = 8) keeps 89.6 GiB of state per GPU."""
+    est = estimate(load_config(MIXTRAL, ["zero_optimization.stage=2", "moe.max_group_size=null",
+                                         "zero_optimization.offload_optimizer.device=none"]), 8)
+    assert est.tier_total("device") > 80 * GIB

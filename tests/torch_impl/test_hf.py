@@ -263,3 +263,17 @@ def test_import_refuses_a_non_empty_out(hf_dir, tmp_path, capsys):
     code = main(["import-hf", str(hf_dir), "--out", str(tmp_path / "ckpt")])
     err = capsys.readouterr().err
     assert code == 2 and "not an empty directory" in err
+
+
+def test_estimate_adopts_the_architecture_of_checkpoint_load(tmp_path, capsys):
+    """``moezero estimate --set checkpoint.load=...`` sizes the imported model, as ``train``
+    would build it (before: the default recipe's model, whatever the checkpoint held)."""
+    theirs = hf_model()
+    import_hf(save_hf(theirs, tmp_path / "hf"), tmp_path / "ckpt")
+    capsys.readouterr()
+    code = main(["estimate", "--nproc", "2", "--device", "cpu", "--set", "moe.ep_size=1",
+                 "--set", f"checkpoint.load={tmp_path / 'ckpt'}"])
+    out = capsys.readouterr().out
+    assert code == 0 and "moezero: architecture from checkpoint" in out
+    numel = sum(p.numel() for p in moezero_model(tmp_path / "ckpt").parameters())
+    assert f"model {numel:,} params" in out

@@ -16,3 +16,11 @@ relative to the tensor's largest element (bf16 keeps 8 bits: each input and the 
 HOST_VS_DEVICE = {"rtol": 1e-5, "atol": 1e-7}
 """The offloaded step (host AdamW, CPU kernels) against the device step (CUDA kernels), fp32,
 after a few steps (``np.testing.assert_allclose`` arguments)."""
+
+ESTIMATE_PEAK_RTOL = 0.25
+"""``moezero estimate``'s predicted growth of a rank's peak RSS over training (its peak less
+the runtime constant) against the measured growth of the process's peak (the issue's ±25%)."""
+
+ACTIVATION_RTOL = 0.05
+"""``moezero estimate``'s activation figure against the bytes of the tensors autograd saves in
+one forward (CPU; fp32 and bf16)."""

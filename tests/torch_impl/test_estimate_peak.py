@@ -1,0 +1,106 @@
+"""``moezero estimate``'s predicted peak against a rank's measured peak RSS (W = 2, CPU, fp32).
+
+Each rank resets its peak (``/proc/self/clear_refs``), builds the engine through the training
+path (``moezero.train.setup``: sharded construction), trains two steps and reads its peak
+RSS; the growth over its RSS before the engine is compared with the estimate's peak less
+its runtime constant (the process that was already there). The model (~50 M params, state
+0.4-0.8 GB per rank) makes the step's transients a large part of the peak, so a missing
+gradient bucket or gathered unit would show. The runtime constant itself is measured by the
+``estimate`` benchmark series (BENCHMARKS.md, its tiny-model row). The activation figure is
+compared with the bytes of every tensor autograd saves in one forward (``saved_tensors_hooks``,
+each storage once, the parameters left out).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moezero.config import load_config
+from moezero.estimate import RUNTIME_BYTES, activation_bytes, estimate
+from moezero.model.decoder import Decoder
+from moezero.train import model_args
+from tests.support.world import run_world
+from tests.torch_impl.tolerances import ACTIVATION_RTOL, ESTIMATE_PEAK_RTOL
+
+MODEL = ["model.dim=256", "model.n_layers=4", "model.ffn_dim=1024", "moe.num_experts=16",
+         "moe.ep_size=1", "train.micro_batch_size=2", "train.seq_len=64",
+         "precision.dtype=fp32", "optimizer.warmup_steps=0"]
+
+
+def _status(key: str) -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(next(ln for ln in text.splitlines() if ln.startswith(key)).split()[1]) * 1024
+
+
+def grow(overrides: list[list[str]]) -> list[tuple[int, int]]:
+    """Per config on this rank: (rank, growth of peak RSS over the RSS before the engine)."""
+    import torch.distributed as dist
+
+    from moezero.train import setup
+
+    out = []
+    for extra in overrides:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        before = _status("VmRSS:")
+        engine, batches = setup(load_config(None, MODEL + extra), torch.device("cpu"))
+        for _ in range(2):
+            engine.train_step([torch.from_numpy(batches.next())])
+        out.append((dist.get_rank(), _status("VmHWM:") - before))
+        engine.close()
+        del engine, batches
+    return out
+
+
+@pytest.mark.parametrize("stages", [["zero_optimization.stage=2"], ["zero_optimization.stage=3"]])
+def test_the_estimate_predicts_the_peak(tmp_path, stages):
+    configs = [stages]
+    for rank_results in run_world(grow, 2, tmp_path, configs):
+        for extra, (rank, growth) in zip(configs, rank_results, strict=True):
+            est = estimate(load_config(None, MODEL + extra), 2, rank=rank, device="cpu")
+            predicted = est.peak("cpu") - RUNTIME_BYTES["cpu"]
+            assert abs(growth / predicted - 1) <= ESTIMATE_PEAK_RTOL, (extra, rank, growth, predicted)
+
+
+ACTIVATION_CASES = [
+    ["model.dim=256", "model.ffn_dim=512", "model.n_heads=4"],
+    ["model.dim=128", "model.ffn_dim=1024", "model.n_heads=8", "train.seq_len=256"],
+    ["model.dim=256", "model.ffn_dim=256", "model.n_heads=8", "model.n_kv_heads=2",
+     "model.head_dim=64", "moe.shared_ffn_dim=512"],
+    ["model.dim=256", "model.ffn_dim=256", "model.n_heads=8", "model.n_kv_heads=2",
+     "precision.dtype=bf16"],
+]
+
+
+def saved_bytes(cfg) -> int:
+    """Bytes of the tensors autograd keeps for backward in one forward and loss (each storage
+    once; parameters excluded)."""
+    dtype = torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float32
+    torch.manual_seed(0)
+    model = Decoder(model_args(cfg)).to(dtype)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens = torch.randint(0, cfg.model.vocab_size,
+                           (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits, aux = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("extra", ACTIVATION_CASES)
+def test_the_activation_figure_counts_what_autograd_saves(extra):
+    cfg = load_config(None, ["moe.ep_size=1", "train.micro_batch_size=4", "train.seq_len=128",
+                             "precision.dtype=fp32", *extra])
+    itemsize = 2 if cfg.precision.dtype == "bf16" else 4
+    saved, predicted = saved_bytes(cfg), activation_bytes(cfg, itemsize)
+    assert abs(saved / predicted - 1) <= ACTIVATION_RTOL, (extra, saved, predicted)

@@ -1,0 +1,195 @@
+"""What one training step allocates beyond the persistent state, by phase, for ``moezero estimate``.
+
+Pure: sizes only, from the plan's partitions (``moezero.plan``) and the engine's own pure plans
+(``zero.buckets``: reduction buckets, all-gather buckets, host-step windows). Each rule names
+the code whose allocation it sizes. A rank's peak is its persistent state plus the runtime plus
+the largest phase:
+
+- ``backward``: the saved activations of one micro-batch (their upper bound: all of them are
+  alive when backward starts), the gradient-reduction buffers (``zero.reduce``: two buckets'
+  send buffers and outputs in flight, and on gloo its reduce-scatter's copies of both), at
+  stages 2-3 the local gradients produced but not yet
+  reduced (``param.grad`` is freed once its buckets are sent: with ``overlap_comm`` one
+  bucket's worth plus the largest parameter, at stage 3 the largest unit, whose gradients
+  arrive together; without it all of them), and at stage 3 the gathered units
+  (``zero.gather``: the running unit, the prefetched one and its receive buffers, and the root
+  unit held across the whole forward);
+- ``step``: the tiled step's fp32 gradient of the largest group and AdamW's two temporaries
+  (``zero.optimizer``: ``_upcast``, ``_adamw``), every group's fp32 gradient when untiled, or
+  with offload the host step's windows (two windows' fp32 gradients, one window's temporaries
+  and, with NVMe, three windows' swap buffers: ``offload.state.SwapState.stepping``);
+- ``gather``: stages 1-2, the all-gather after the step (``zero.allgather.gather_all``: two
+  buckets in flight, each a receive buffer unless it lands in place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from moezero.config import Config
+from moezero.offload.aio import aligned_size
+from moezero.plan.partition import Partition
+from moezero.zero.buckets import plan_gathers, plan_windows, scatter_columns
+from moezero.zero.optimizer import ADAMW_TEMPORARIES
+from moezero.zero.options import ZeroOptions
+
+PHASES = ("backward", "step", "gather")
+REDUCE_ITEMSIZE = {"fp32": 4, "bf16": 2}
+IN_FLIGHT_BUCKETS = 2
+"""Reduction buckets alive at once: the hooks launch a bucket as soon as its gradients are
+ready and the waiter thread frees one when its collective is done; nothing bounds their number,
+and two was what the ``estimate`` benchmark series measured (BENCHMARKS.md)."""
+SWAP_WINDOWS = 3  # SwapState.stepping: one window read ahead, one stepped, one written behind
+
+
+@dataclass(frozen=True)
+class Transient:
+    """Bytes alive for part of one phase of a training step."""
+
+    phase: str  # one of PHASES
+    what: str
+    tier: str  # device | cpu (where it is allocated)
+    bytes: int
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the transients depend on: this rank's groups and where things live."""
+
+    parts: tuple[Partition, ...]  # this rank's groups, plan order
+    kinds: tuple[str, ...]  # each group's data-parallel kind: dense, or moe/<group>/ep<rank>
+    stage: int
+    itemsize: int  # the compute dtype's
+    compute: str  # the tier of the compute device: device, or cpu when training on the host
+    host: bool  # training on the host (gloo)
+    state: str  # the tier of the fp32 state in memory (and of the host step)
+    nvme_optimizer: bool
+    units: tuple[int, int]  # stage 3: bytes of the largest non-root unit and of the root unit
+    straddle: int  # elements whose gradients arrive together: a param, at stage 3 a unit's
+
+
+def transients(cfg: Config, shape: StepShape, activations: int) -> tuple[Transient, ...]:
+    """Every transient of one step of ``cfg`` on this rank (zero-byte ones left out)."""
+    zero = cfg.zero_optimization
+    out = [Transient("backward", "activations (one micro-batch)", shape.compute, activations),
+           *_backward(zero, shape)]
+    if zero.offload_optimizer.device == "none":
+        out += _tiled_step(zero.tiled_step, shape)
+    else:
+        out += _host_step(shape, ZeroOptions().host_window)
+    if shape.stage in (1, 2):
+        out += _gather(zero.allgather_bucket_size, shape)
+    return tuple(t for t in out if t.bytes)
+
+
+def _backward(zero, shape: StepShape) -> list[Transient]:
+    """Reduction buffers, gradients not yet reduced, gathered stage-3 units."""
+    cap, dev = zero.reduce_bucket_size, shape.compute
+    buckets = _reduce_buckets(shape, cap)
+    scattered = shape.stage > 0  # reduce-scatter: an output of send / rows elements
+    elems = sum(send + (send // dp if scattered and dp > 1 else 0) for send, dp in buckets)
+    copies = sum(send + send // dp for send, dp in buckets if dp > 1) if scattered else 0
+    itemsize = REDUCE_ITEMSIZE[zero.reduce_dtype]
+    out = [Transient("backward", f"gradient reduction: {len(buckets)} bucket(s) in flight "
+                     "(send buffers and outputs)", dev, elems * itemsize)]
+    if shape.host:  # gloo's reduce-scatter copies its input and output
+        out.append(Transient("backward", "gloo's copies of those buckets' input and output",
+                             dev, copies * itemsize))
+    if shape.stage >= 2:  # a bucket waits for all its params; a param read by two buckets
+        local = sum(p.numel for p in shape.parts)  # is freed once the second one is sent
+        waiting = min(local, cap + shape.straddle) if zero.overlap_comm else local
+        out.append(Transient("backward", "local gradients not yet reduced", dev,
+                             waiting * shape.itemsize))
+    if shape.stage == 3:
+        unit, root = shape.units
+        out.append(Transient("backward", "gathered params: the root unit, the running unit, the "
+                             "prefetched one and its receive buffers", dev, root + 3 * unit))
+    return out
+
+
+def _reduce_buckets(shape: StepShape, cap: int) -> list[tuple[int, int]]:
+    """(send buffer elements, dp size) of the reduction buckets alive at once: the largest
+    ``IN_FLIGHT_BUCKETS`` with a collective; a bucket of a one-rank kind is stored at once."""
+    kinds: dict[str, list[int]] = {}  # kind -> [elements of its [rows, cols] matrices, dp]
+    for p, kind in zip(shape.parts, shape.kinds, strict=True):
+        entry = kinds.setdefault(kind, [0, p.dp_size])
+        entry[0] += p.numel if shape.stage == 0 else p.padded_numel
+    sizes = [(size, dp) for n, dp in kinds.values()
+             for size in _cut(n, max(1, cap // (1 if shape.stage == 0 else dp))
+                              * (1 if shape.stage == 0 else dp))]
+    shared = sorted((s for s in sizes if s[1] > 1), reverse=True)[:IN_FLIGHT_BUCKETS]
+    return shared or sorted(sizes, reverse=True)[:1]
+
+
+def _cut(n: int, size: int) -> list[int]:
+    """``n`` elements in buckets of ``size``: the buckets' sizes."""
+    return [size] * (n // size) + ([n % size] if n % size else [])
+
+
+def _tiled_step(tiled: bool, shape: StepShape) -> list[Transient]:
+    """The step where the state lives in memory beside the params: one group at a time."""
+    elems = [p.numel if shape.stage == 0 else p.shard_numel for p in shape.parts]
+    largest = max(elems, default=0)
+    copies = shape.stage > 0 or shape.itemsize != 4  # stage 0 fp32 steps the gradient in place
+    grads = (largest if tiled else sum(elems)) * 4 * copies
+    return [Transient("step", "fp32 gradients " + ("of the largest group" if tiled else
+                                                    "of every group (untiled)"), shape.state, grads),
+            Transient("step", "AdamW temporaries of the largest group", shape.state,
+                      ADAMW_TEMPORARIES * largest * 4)]
+
+
+def _host_step(shape: StepShape, window: int) -> list[Transient]:
+    """The offloaded step, window by window (``ZeroOptions.host_window`` elements)."""
+    shards = [p.shard_numel for p in shape.parts]
+    sizes = [sum(shards[i] for i in w) for w in plan_windows(shards, window)]
+    two = max((a + b for a, b in zip(sizes, sizes[1:] + [0], strict=True)), default=0)
+    out = [Transient("step", "fp32 gradients of two host-step windows", shape.compute, two * 4),
+           Transient("step", "AdamW temporaries of one window", shape.state,
+                     ADAMW_TEMPORARIES * max(sizes, default=0) * 4)]
+    if shape.compute != shape.state:  # their host copies (pinned on CUDA)
+        out.append(Transient("step", "host copies of those gradients", shape.state, two * 4))
+    if shape.nvme_optimizer:
+        three = max((sum(sizes[i:i + SWAP_WINDOWS]) for i in range(len(sizes))), default=0)
+        out.append(Transient("step", "swap buffers of three windows (master, moments)",
+                             shape.state, 3 * aligned_size(three * 4)))
+    return out
+
+
+def _gather(cap: int | None, shape: StepShape) -> list[Transient]:
+    """The all-gather after the step: at most two buckets in flight."""
+    cols = [scatter_columns(p) for p in shape.parts]
+    keyed = [(i, "world" if kind == "dense" else f"edp{p.ep_size}", c)
+             for i, (p, kind, c) in enumerate(zip(shape.parts, shape.kinds, cols, strict=True))]
+    held = [_gather_held(b, cols, shape.itemsize) for b in plan_gathers(keyed, cap)]
+    two = max((a + b for a, b in zip(held, held[1:] + [0], strict=True)), default=0)
+    return [Transient("gather", "all-gather buffers of two buckets", shape.compute, two)]
+
+
+def _gather_held(bucket, cols: Sequence, itemsize: int) -> int:
+    """Bytes ``zero.allgather.launch`` allocates for one bucket."""
+    if bucket.rows == 1:
+        return 0
+    send = bucket.cols * itemsize if len(bucket.pieces) > 1 else 0
+    recv = 0 if bucket.whole(cols[bucket.pieces[0][0]]) else bucket.rows * bucket.cols * itemsize
+    return send + recv
+
+
+def activation_bytes(cfg: Config, itemsize: int) -> int:
+    """Bytes one micro-batch's forward keeps for backward on one rank, per token and block:
+    6 D-wide tensors in fp32 whatever the compute dtype (the norms compute in fp32 and keep
+    their fp32 inputs; the residuals), the queries, the attention's output and its reshaped
+    copy (3 H·K), the keys and values (2 G·K: grouped-query heads are never expanded; the
+    attention kernels, flash on GPUs and CPUs alike, keep only a log-sum-exp per head), the
+    top-k rows into the experts (k D) and out of them in fp32 (k D), two of their SwiGLU
+    hidden activations (2 k F) and three of the shared expert's (3 F_shared), the router's
+    fp32 logits and probabilities (2 E); then the logits and the loss's fp32
+    log-probabilities. Counted from the tensors autograd saves, fp32 and bf16, with and
+    without grouped-query heads and a shared expert (tests/torch_impl/test_estimate_peak.py)."""
+    m, k = cfg.model, cfg.moe.top_k
+    head = m.head_dim or m.dim // m.n_heads
+    widths = 3 * m.n_heads * head + 2 * (m.n_kv_heads or m.n_heads) * head + k * m.dim \
+        + 2 * k * m.ffn_dim + 3 * cfg.moe.shared_ffn_dim
+    per_token = itemsize * widths + 4 * ((6 + k) * m.dim + 2 * cfg.moe.num_experts)
+    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
+    return tokens * (m.n_layers * per_token + m.vocab_size * (itemsize + 4))
