@@ -16,3 +16,9 @@ relative to the tensor's largest element (bf16 keeps 8 bits: each input and the 
 HOST_VS_DEVICE = {"rtol": 1e-5, "atol": 1e-7}
 """The offloaded step (host AdamW, CPU kernels) against the device step (CUDA kernels), fp32,
 after a few steps (``np.testing.assert_allclose`` arguments)."""
+
+STREAMING_BUDGET = 0.25
+"""Streaming checkpoint I/O (tests/torch_impl/test_streaming_io.py): the peak RSS growth of a
+load, ``import-hf`` or export, as a fraction of the model's fp32 bytes. The models there are
+100-300 MB with one tensor or group of about half of them, so a path that holds a whole
+tensor or group is over it; a streaming one holds a few 8 MiB chunks, far under it."""
