@@ -8,9 +8,9 @@ unchanged is filled file to file (``store.copy_range``), any other span by span 
 host buffer of ``chunk`` bytes (never a whole group or tensor); a target in host memory is
 read straight into. The manifest and shapes are checked before anything is read; with
 ``verify`` (the default, ``checkpoint.verify_on_load``) every byte is read through
-``moezero.plan.checked.CheckedReader``, which checks each range's crc32 while reading it and each file's header against the manifest,
-so a damaged checkpoint fails in one line naming the file and byte range, and the caller
-derives nothing from it. Only JSON and safetensors are read.
+``moezero.plan.checked.CheckedReader``, which checks each range's crc32 while reading it and
+each file's header against the manifest, so a damaged checkpoint fails in one line naming the
+file and byte range, and the caller derives nothing from it. Only JSON and safetensors are read.
 Reference counterpart: ``moezero.plan.store`` and ``moezero.reference.checkpoint``.
 """
 
