@@ -75,17 +75,22 @@ class CheckedReader(PlainReader):
 
     def copy_to(self, name: str, offset: int, length: int, dst: str | os.PathLike,
                 dst_offset: int) -> None:
-        """File to file (``copy_range``) when the bytes are exactly one range, checked by the
-        crc32 the copy computes; otherwise through a host buffer read by ``read_into``."""
+        """File to file (``copy_range``) for each range that lies whole inside the bytes and
+        is not verified yet, checked by the crc32 the copy computes; the rest (a range's part)
+        through a host buffer of ``chunk`` bytes read by ``read_into``."""
         self._check_header(name)
-        touched = self._overlapping(name, offset, offset + length)
-        if len(touched) == 1 and (touched[0].offset, touched[0].length) == (offset, length):
-            crc = copy_range(self.root / name, offset, dst, dst_offset, length)
-            self._check_crc(touched[0], crc)
-            return
-        host = np.empty(length, np.uint8)
-        self.read_into(name, host, offset)
-        write_range(dst, dst_offset, host)
+        end = offset + length
+        for r in self._overlapping(name, offset, end):
+            lo, hi = max(offset, r.offset), min(end, r.offset + r.length)
+            at = dst_offset + lo - offset
+            if (lo, hi) == (r.offset, r.offset + r.length) and r not in self._verified:
+                self._check_crc(r, copy_range(self.root / name, lo, dst, at, hi - lo))
+                continue
+            host = np.empty(min(self.chunk, hi - lo), np.uint8)
+            for pos in range(lo, hi, host.size):
+                part = host[:min(host.size, hi - pos)]
+                self.read_into(name, part, pos)
+                write_range(dst, at + pos - lo, part)
 
     def _overlapping(self, name: str, begin: int, end: int) -> list[RangeRecord]:
         """The records of file ``name`` that overlap bytes [begin, end), in order; the

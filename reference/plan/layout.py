@@ -302,10 +302,17 @@ def _entry(member: Slice, state: str, shape: tuple[int, ...], begin: int) -> Ten
 
 
 def _header(metadata: dict[str, str], tensors: Sequence[TensorEntry]) -> bytes:
-    """The safetensors prefix: u64 LE length, compact JSON, spaces to a multiple of 8."""
+    return safetensors_header(metadata, ((t.key, "F32", t.shape, t.begin, t.end)
+                                         for t in tensors))
+
+
+def safetensors_header(metadata: dict[str, str],
+                       tensors: Iterable[tuple[str, str, Sequence[int], int, int]]) -> bytes:
+    """The safetensors prefix of (key, dtype tag, shape, begin, end) entries, offsets from the
+    data section: u64 LE length, compact JSON, spaces to a multiple of 8."""
     obj: dict[str, Any] = {"__metadata__": metadata}
-    for t in tensors:
-        obj[t.key] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
+    for key, dtype, shape, begin, end in tensors:
+        obj[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
     text = json.dumps(obj, separators=(",", ":")).encode("ascii")
     text += b" " * (-len(text) % HEADER_ALIGN)
     return struct.pack("<Q", len(text)) + text

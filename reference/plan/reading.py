@@ -105,39 +105,57 @@ def read_param(ckpt_dir: str | os.PathLike, manifest: Manifest, fqn: str, start:
 
 
 def read_range(ckpt_dir: str | os.PathLike, manifest: Manifest, partition: Partition,
-               dp_rank: int, state: str = MASTER, *,
-               out: np.ndarray | None = None, reader=None) -> np.ndarray:
+               dp_rank: int, state: str = MASTER, *, out: np.ndarray | None = None,
+               reader=None, span: tuple[int, int] | None = None) -> np.ndarray:
     """Fast path: one contiguous read of a rank's shard of a group saved with the same members.
 
     Works for any world size or alignment as long as the group is unchanged (ValueError
-    otherwise). Returns ``shard_numel`` float32 elements, padding zeroed.
+    otherwise). Returns ``shard_numel`` float32 elements, padding zeroed; with ``span``
+    ``(lo, hi)`` only those elements of the shard (``hi - lo``), read alone.
     """
     ranges = rank_ranges(manifest.layout, partition, dp_rank)
     where = getattr(ranges, state)
     if where is None:
         raise CheckpointError(f"{ckpt_dir}: a weights-only checkpoint has no {state}")
-    out = _output(out, partition.shard_numel)
-    _read(reader, ckpt_dir, where.file, out[:ranges.numel], where.offset)
-    out[ranges.numel:] = 0
+    lo, hi = _span(span, partition)
+    out = _output(out, hi - lo)
+    real = max(lo, min(hi, ranges.numel))
+    if real > lo:
+        _read(reader, ckpt_dir, where.file, out[:real - lo], where.offset + lo * ITEMSIZE)
+    out[real - lo:] = 0
     return out
 
 
 def read_shard(ckpt_dir: str | os.PathLike, manifest: Manifest, partition: Partition,
-               dp_rank: int, state: str = MASTER, *,
-               out: np.ndarray | None = None, reader=None) -> np.ndarray:
+               dp_rank: int, state: str = MASTER, *, out: np.ndarray | None = None,
+               reader=None, span: tuple[int, int] | None = None) -> np.ndarray:
     """A rank's shard of a group under the current plan, whatever plan saved it.
 
     Uses ``read_range`` when the group was saved with the same members, else gathers each
     member slice with ``read_param``. Padding is zeroed. ``reader`` as in ``read_param``.
+    ``span`` ``(lo, hi)``: elements ``[lo, hi)`` of the shard only, reading nothing else (a
+    caller streams a shard through a bounded buffer).
     """
     if same_group(manifest.layout, partition):
-        return read_range(ckpt_dir, manifest, partition, dp_rank, state, out=out, reader=reader)
-    out = _output(out, partition.shard_numel)
+        return read_range(ckpt_dir, manifest, partition, dp_rank, state, out=out,
+                          reader=reader, span=span)
+    lo, hi = _span(span, partition)
+    out = _output(out, hi - lo)
     out[:] = 0
-    for piece, offset in partition.rank_slices(dp_rank):
-        read_param(ckpt_dir, manifest, piece.fqn, piece.start, piece.stop, state,
-                   out=out[offset:offset + piece.numel], reader=reader)
+    for piece, at in partition.rank_slices(dp_rank):
+        a, b = max(lo, at), min(hi, at + piece.numel)
+        if a < b:
+            read_param(ckpt_dir, manifest, piece.fqn, piece.start + a - at,
+                       piece.start + b - at, state, out=out[a - lo:b - lo], reader=reader)
     return out
+
+
+def _span(span: tuple[int, int] | None, partition: Partition) -> tuple[int, int]:
+    lo, hi = span or (0, partition.shard_numel)
+    if not 0 <= lo <= hi <= partition.shard_numel:
+        raise ValueError(f"{partition.group}: span [{lo}, {hi}) is outside the "
+                         f"{partition.shard_numel}-element shard")
+    return lo, hi
 
 
 def read_tensors(ckpt_dir: str | os.PathLike, manifest: Manifest,

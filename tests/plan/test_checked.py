@@ -13,7 +13,7 @@ from moezero.plan import STATES, plan_groups, plan_partitions
 from moezero.plan.checked import CheckedReader, PlainReader
 from moezero.plan.store import CheckpointError, read_manifest, read_shard
 
-from .test_store import fsyncs, moe_model, random_state, save  # noqa: F401 (fixture)
+from .test_store import fsyncs, moe_model, random_state, save, shard_of  # noqa: F401 (fixture)
 
 PLANS = [  # (world_size, ep, cap, split): the saving plan, then others
     (4, 2, 7, False), (2, 2, 7, False), (8, 4, 7, False), (1, 1, None, True), (4, 4, 3, True),
@@ -102,3 +102,54 @@ def test_copy_to_checks_file_to_file_copies(saved, tmp_path):
         with pytest.raises(CheckpointError, match=rf"bytes \[{r.offset}, {r.offset + r.length}\)"):
             CheckedReader(ckpt, manifest, chunk=8).copy_to(r.file, offset, length,
                                                            tmp_path / "swap", 16)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_a_span_of_a_shard_is_those_elements_of_it(saved, plan):
+    """``read_shard(span=(lo, hi))`` (a load streaming a shard through a small buffer) gives
+    elements [lo, hi) of the shard, padding zero, checked or not, for every group and state."""
+    ckpt, values = saved
+    world_size, ep, cap, split = plan
+    manifest = read_manifest(ckpt)
+    groups = plan_groups(moe_model(ep=ep), max_group_size=cap, split_by_expert=split)
+    for part in plan_partitions(groups, world_size=world_size):
+        for d in range(part.dp_size):
+            for s in STATES:
+                want = np.nan_to_num(shard_of(values, part, d, s))
+                n = part.shard_numel
+                for lo, hi in {(0, n), (0, 1), (1, n), (n // 2, n), (n // 3, 2 * n // 3 + 1)}:
+                    lo, hi = min(lo, n), min(hi, n)
+                    for reader in (PlainReader(ckpt, manifest),
+                                   CheckedReader(ckpt, manifest, chunk=8)):
+                        got = read_shard(ckpt, manifest, part, d, s, reader=reader,
+                                         span=(lo, hi))
+                        np.testing.assert_array_equal(got, want[lo:hi])
+    with pytest.raises(ValueError, match="outside"):
+        read_shard(ckpt, manifest, part, 0, span=(0, part.shard_numel + 1))
+
+
+def test_copy_to_across_several_ranges_checks_each(saved, tmp_path):
+    """Bytes spanning several checksummed ranges (a rank's range saved by two ranks) are
+    copied exactly, each whole range file to file, the partial ones through small reads; a
+    damaged range among them is named."""
+    ckpt, _ = saved
+    manifest = read_manifest(ckpt)
+    by_file = {}
+    for r in sorted(manifest.checksums):
+        if r.offset and r.length:
+            by_file.setdefault(r.file, []).append(r)
+    name, records = max(by_file.items(), key=lambda kv: len(kv[1]))
+    assert len(records) >= 3
+    src = (ckpt / name).read_bytes()
+    offset = records[0].offset + 2
+    length = records[-1].offset + records[-1].length - 2 - offset
+    dst = tmp_path / "swap"
+    dst.write_bytes(bytes(length + 8))
+    reader = CheckedReader(ckpt, manifest, chunk=8)
+    reader.copy_to(name, offset, length, dst, 8)
+    assert dst.read_bytes()[8:] == src[offset:offset + length]
+    assert set(records) <= reader._verified  # noqa: SLF001 (every range was checked)
+    bad = records[1]
+    _flip(ckpt / name, bad.offset + bad.length // 2)
+    with pytest.raises(CheckpointError, match=rf"bytes \[{bad.offset}, {bad.offset + bad.length}\)"):
+        CheckedReader(ckpt, manifest, chunk=8).copy_to(name, offset, length, dst, 8)

@@ -24,3 +24,9 @@ the runtime constant) against the measured growth of the process's peak (the iss
 ACTIVATION_RTOL = 0.05
 """``moezero estimate``'s activation figure against the bytes of the tensors autograd saves in
 one forward (CPU; fp32 and bf16)."""
+
+STREAMING_BUDGET = 0.25
+"""Streaming checkpoint I/O (tests/torch_impl/test_streaming_io.py): the peak RSS growth of a
+load, ``import-hf`` or export, as a fraction of the model's fp32 bytes. The models there are
+100-300 MB with one tensor or group of about half of them, so a path that holds a whole
+tensor or group is over it; a streaming one holds a few 8 MiB chunks, far under it."""

@@ -4,12 +4,13 @@ The loader receives what to fill (``zero.shards.StateShard`` targets: views of t
 state, or the NVMe swap files) and returns this rank's JSON state; it never sees the trainer.
 Each target is read under the *current* plan with ``store.read_shard``, whatever world size,
 ``ep``, stage or group cap saved it; a swap-file target whose group the checkpoint holds
-unchanged is filled file to file (``store.copy_range``), any other through a host buffer. The
-manifest and shapes are checked before anything is read; with ``verify`` (the default,
-``checkpoint.verify_on_load``) every byte is read through ``moezero.plan.checked.CheckedReader``,
-which checks each range's crc32 while reading it and each file's header against the manifest,
-so a damaged checkpoint fails in one line naming the file and byte range, and the caller
-derives nothing from it. Only JSON and safetensors are read.
+unchanged is filled file to file (``store.copy_range``), any other span by span through one
+host buffer of ``chunk`` bytes (never a whole group or tensor); a target in host memory is
+read straight into. The manifest and shapes are checked before anything is read; with
+``verify`` (the default, ``checkpoint.verify_on_load``) every byte is read through
+``moezero.plan.checked.CheckedReader``, which checks each range's crc32 while reading it and
+each file's header against the manifest, so a damaged checkpoint fails in one line naming the
+file and byte range, and the caller derives nothing from it. Only JSON and safetensors are read.
 Reference counterpart: ``moezero.plan.store`` and ``moezero.reference.checkpoint``.
 """
 
@@ -98,24 +99,35 @@ def _fill_tensors(reader: PlainReader, target: StateShard, saved) -> None:
             t.detach().zero_()
         elif t.numel():
             _read_into(t, partial(store.read_shard, reader.root, reader.manifest, part,
-                                  target.dp_rank, s, reader=reader), part.shard_numel)
+                                  target.dp_rank, s, reader=reader), part.shard_numel,
+                       reader.chunk)
 
 
-def _read_into(tensor: torch.Tensor, read: Callable, numel: int) -> None:
-    """``read(out=...)`` of ``numel`` elements into a float32 tensor, through a host buffer
-    when not on the CPU or when the tensor holds fewer elements (its real elements only)."""
+def _read_into(tensor: torch.Tensor, read: Callable, numel: int, chunk: int) -> None:
+    """``read(out=..., span=...)`` of ``numel`` elements into a float32 tensor: straight into
+    it when on the CPU and of that size, else through a host buffer of ``chunk`` bytes, span by
+    span (its real elements only)."""
     if tensor.device.type == "cpu" and tensor.numel() == numel:
         read(out=tensor.detach().reshape(-1).numpy())
         return
-    host = np.empty(numel, np.float32)
-    read(out=host)
-    tensor.detach().view(-1).copy_(torch.from_numpy(host[:tensor.numel()]))
+    flat, numel = tensor.detach().view(-1), min(numel, tensor.numel())
+    for lo, host in _spans(numel, chunk):
+        flat[lo:lo + host.size].copy_(torch.from_numpy(read(out=host, span=(lo, lo + host.size))))
+
+
+def _spans(numel: int, chunk: int):
+    """``(lo, buffer)`` covering ``numel`` elements: one reused float32 buffer of at most
+    ``chunk`` bytes, cut to size at the end."""
+    host = np.empty(max(1, min(numel, chunk // ITEMSIZE)), np.float32)
+    for lo in range(0, numel, host.size):
+        yield lo, host[:min(host.size, numel - lo)]
 
 
 def _fill_files(reader: PlainReader, target: StateShard, saved) -> None:
     """A swap-file target: file to file where the checkpoint holds the group unchanged (any
     world size: the rank's range is then one byte range per state), else read and written
-    through a host buffer. Padding and the states the checkpoint lacks become zeros."""
+    span by span through a host buffer of ``reader.chunk`` bytes. Padding and the states the
+    checkpoint lacks become zeros."""
     part, size = target.partition, target.partition.shard_numel * ITEMSIZE
     manifest = reader.manifest
     if same_group(manifest.layout, part):
@@ -128,11 +140,13 @@ def _fill_files(reader: PlainReader, target: StateShard, saved) -> None:
             _zero_fill(path, done, size)
         return
     for s, path in target.files.items():
-        host = np.zeros(part.shard_numel, np.float32)
-        if s in saved:
+        if s not in saved:
+            _zero_fill(path, 0, size)
+            continue
+        for lo, host in _spans(part.shard_numel, reader.chunk):
             store.read_shard(reader.root, manifest, part, target.dp_rank, s, out=host,
-                             reader=reader)
-        store.write_range(path, 0, host)
+                             reader=reader, span=(lo, lo + host.size))
+            store.write_range(path, lo * ITEMSIZE, host)
 
 
 def _zero_fill(path, start: int, stop: int) -> None:

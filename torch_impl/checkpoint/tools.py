@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from moezero.plan import store
-from moezero.plan.layout import FORMAT_VERSION
+from moezero.plan.bytes_io import CHUNK, byte_view
+from moezero.plan.files import pwrite_all
+from moezero.plan.layout import FORMAT_VERSION, safetensors_header
 
 __all__ = ["describe", "export", "verify", "write_weights"]
 
@@ -60,7 +64,8 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
 
     Fragments are reassembled into whole tensors keyed by FQN (global expert ids), buffers
     (the expert biases) included, cast to ``dtype``; files ``model.safetensors`` (or ``model-0000i-of-0000N`` above 4 GiB) and
-    ``model.safetensors.index.json`` in ``out``. One tensor is in memory at a time.
+    ``model.safetensors.index.json`` in ``out``. Streamed: one 8 MiB chunk of fp32 (and its
+    cast) is in memory at a time, never a whole tensor.
     (``moezero.checkpoint.hf.export_hf`` writes the same under a Hugging Face family's names.)
     """
     m = store.read_manifest(ckpt)
@@ -100,16 +105,36 @@ def write_weights(ckpt: Path, m, out: Path, items: list[tuple[str, str, tuple]],
 
 def _write_safetensors(path: Path, ckpt: Path, m, tensors, torch_dtype, tag: str,
                        meta: dict) -> None:
+    """One safetensors file: the header computed up front (``plan.layout.safetensors_header``),
+    then each tensor read, cast and written ``CHUNK`` bytes of fp32 at a time with pwrite at
+    its offset, under ``<name>.partial`` renamed when complete."""
     size = torch.tensor([], dtype=torch_dtype).element_size()
-    header, cursor = {"__metadata__": meta}, 0
+    entries, cursor = [], 0
     for key, _, shape in tensors:
-        n = math.prod(shape) * size
-        header[key] = {"dtype": tag, "shape": list(shape), "data_offsets": [cursor, cursor + n]}
-        cursor += n
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        for _, fqn, _ in tensors:
-            value = torch.from_numpy(store.read_param(ckpt, m, fqn)).to(torch_dtype)
-            f.write(value.reshape(-1).view(torch.uint8).numpy().tobytes())
+        entries.append((key, tag, shape, cursor, cursor + math.prod(shape) * size))
+        cursor = entries[-1][4]
+    header = safetensors_header(meta, entries)
+    partial = path.with_name(path.name + ".partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        pwrite_all(fd, memoryview(header), 0)
+        host = np.empty(CHUNK // 4, np.float32)
+        for (_, fqn, shape), entry in zip(tensors, entries, strict=True):
+            _write_tensor(fd, len(header) + entry[3], (ckpt, m, fqn), math.prod(shape),
+                          host, torch_dtype)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(partial, path)
+
+
+def _write_tensor(fd: int, offset: int, source: tuple, numel: int, host: np.ndarray,
+                  torch_dtype: torch.dtype) -> None:
+    """Elements of ``source`` (checkpoint, manifest, FQN) at ``offset`` in ``torch_dtype``,
+    one ``host`` buffer of fp32 at a time."""
+    for lo in range(0, numel, host.size):
+        part = store.read_param(*source, lo, min(numel, lo + host.size),
+                                out=host[:min(numel - lo, host.size)])
+        data = torch.from_numpy(part).to(torch_dtype).view(torch.uint8).numpy()
+        pwrite_all(fd, byte_view(data), offset)
+        offset += data.nbytes

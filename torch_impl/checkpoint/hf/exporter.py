@@ -3,7 +3,7 @@ Hugging Face model directory ``from_pretrained`` loads (docs/hf.md, "Export").
 
 The family is the one named, or the one that holds the checkpoint's architecture (chosen by
 QK-norm and the shared expert); what it cannot hold is refused in one line. K/V projections
-keep their grouped-query shapes. One tensor is in memory at a time.
+keep their grouped-query shapes. Streamed as ``tools.write_weights``: one 8 MiB chunk at a time.
 """
 
 from __future__ import annotations

@@ -5,13 +5,18 @@ The family comes from ``config.json``'s ``model_type``. Everything is checked (t
 every tensor's name and shape, from the safetensors headers) before anything is written; then
 each tensor is read as a slice of its file, cast to fp32 and written to its place in the plan's
 layout (``plan_layout(..., weights_only=True)``) under ``out/step_00000000/``, committed
-atomically with ``out/latest``, plus ``out/config.yaml``. One tensor is in memory at a time.
+atomically with ``out/latest``, plus ``out/config.yaml``. Streamed: whole rows of about 8 MiB
+of fp32 at a time, each a lazy slice of its file (``HFTensors.read_rows``), never a whole
+tensor.
 Grouped-query K/V projections keep their shapes.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
+import zlib
 from pathlib import Path
 
 import torch
@@ -26,8 +31,9 @@ from moezero.checkpoint.hf.reader import HFTensors
 from moezero.config import Config, dump_config
 from moezero.model.decoder import Decoder, ModelArgs
 from moezero.plan import plan_groups, plan_layout, store
-from moezero.plan.files import read_json
-from moezero.plan.layout import RangeRecord
+from moezero.plan.bytes_io import CHUNK, byte_view
+from moezero.plan.files import pwrite_all, read_json
+from moezero.plan.layout import ITEMSIZE, RangeRecord
 from moezero.plan.store import CheckpointError
 from moezero.zero.groups import config_user_group, param_specs
 
@@ -99,14 +105,36 @@ def _write(layout, tensors: HFTensors, sources: dict, out: Path, meta: dict) -> 
     partial = store.begin_save(out, 0)
     records = store.write_headers(layout, partial)
     for f in layout.model_files:
-        for t in f.tensors:
-            value = tensors.read(*sources[t.fqn]).contiguous().reshape(-1).numpy()
-            flat = value[t.start:t.stop]
-            crc = store.write_range(partial / f.name, f.data_start + t.begin, flat)
-            records.append(RangeRecord(f.name, f.data_start + t.begin, flat.nbytes, crc))
-        store.fsync_file(partial / f.name)
+        fd = os.open(partial / f.name, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            for t in f.tensors:
+                shape = layout.shape(t.fqn)
+                crc = _write_fragment(fd, f.data_start + t.begin, tensors, sources[t.fqn],
+                                      shape, (t.start, t.stop))
+                records.append(RangeRecord(f.name, f.data_start + t.begin,
+                                           (t.stop - t.start) * ITEMSIZE, crc))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     store.write_manifest(partial, layout, checksums=records, **meta)
     return store.commit(partial)
+
+
+def _write_fragment(fd: int, offset: int, tensors: HFTensors, source: tuple,
+                    shape: tuple[int, ...], span: tuple[int, int]) -> int:
+    """Flat elements ``span`` of the source tensor as fp32 at ``offset``, whole rows of about
+    ``CHUNK`` bytes at a time; the crc32 of the bytes written."""
+    row = math.prod(shape[1:])
+    step = max(1, CHUNK // (ITEMSIZE * row)) * row
+    crc, (start, stop) = 0, span
+    for lo in range(start, stop, step):
+        hi = min(stop, lo + step)
+        first = lo // row
+        block = tensors.read_rows(*source, slice(first, -(-hi // row))).reshape(-1)
+        data = byte_view(block[lo - first * row:hi - first * row].contiguous().numpy())
+        pwrite_all(fd, data, offset + (lo - start) * ITEMSIZE)
+        crc = zlib.crc32(data, crc)
+    return crc
 
 
 def _source(tensors: HFTensors, fqn: str, shape: tuple[int, ...], arch: Arch, family: Family,

@@ -1,5 +1,5 @@
 """The tensors of a Hugging Face model directory: key -> file, headers checked, each tensor
-read as a slice of its file on demand (safetensors only, never pickled ``.bin`` weights)."""
+read in row ranges, lazy slices of its file, on demand (safetensors only, never pickled ``.bin`` weights)."""
 
 from __future__ import annotations
 
@@ -51,11 +51,17 @@ class HFTensors:
             raise CheckpointError(f"{self.files[key]}: {key}{_slice_text(index)} has shape "
                                   f"{got}, config.json implies {shape}")
 
-    def read(self, key: str, index: tuple) -> torch.Tensor:
-        """``key[index]`` (leading dim of a slice dropped) as fp32."""
+    def read_rows(self, key: str, index: tuple, rows: slice) -> torch.Tensor:
+        """Rows ``rows`` (first dim) of ``key[index]`` (leading dim of a slice dropped) as
+        fp32: a lazy slice of the file, read and unmapped before returning, so neither the
+        whole tensor nor its mapped pages stay in memory."""
+        if index:
+            inner = index[1] if len(index) > 1 else slice(0, None)
+            base = inner.start or 0
+            index = (index[0], slice(base + rows.start, base + rows.stop), *index[2:])
         with self._open(key) as f:
             part = f.get_slice(key)
-            return (part[index][0] if index else part[:]).float()
+            return (part[index][0] if index else part[rows]).float()
 
 
 def _slice_text(index: tuple) -> str:
