@@ -239,8 +239,11 @@ def crash_chain(tmp_path: Path, points: int, seed: int) -> None:
         assert proc.returncode != 0, output
         if previous is not None:
             assert f"resumed from {root / f'step_{previous:08d}'} at step {previous}" in output
-        if not (root / "latest").exists():  # killed before its first commit
-            assert previous is None and store.find_latest(root) is None
+        if not (root / "latest").exists():  # killed before its first `latest` was written
+            assert previous is None
+            found = store.find_latest(root)  # a step committed just before the kill, or none
+            assert found is None or store.verify(found) == [], (point, found)
+            previous = _latest_step(root)
             continue
         latest = root / (root / "latest").read_text()
         assert store.find_latest(root) == latest
