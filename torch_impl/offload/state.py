@@ -2,8 +2,10 @@
 
 One swap file per (optimizer group, state) and rank (``offload.SwapDir``, a folder this job
 holds under a lock), holding exactly the
-rank's padded partition of that group: ``master``/``exp_avg``/``exp_avg_sq`` in fp32 and, at
-stage 3 with ``offload_param.device: nvme``, ``param`` in the compute dtype. The checkpoint
+rank's padded partition of that group: ``master``/``exp_avg``/``exp_avg_sq`` in fp32; at
+stage 3 with ``offload_optimizer.device: nvme`` the reduced ``grad`` in the compute dtype (not
+checkpointed; ``moezero.zero.gradtier``); at stage 3 with ``offload_param.device: nvme``,
+``param`` in the compute dtype. The checkpoint
 layout stores the same contiguous ranges, so a save or load copies file to file
 (``moezero.checkpoint``, which receives the swap files' paths as the optimizer's shards).
 ``SwapState.stepping`` pipelines the offloaded step over windows of groups (``ZeroOptions.
@@ -146,11 +148,13 @@ def _wait(futures: list[Future]) -> None:
 
 def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
           options: IOOptions | None = None, *, pin: bool | None = None) -> tuple:
-    """(optimizer SwapState or None, param SwapState or None) for the configured tiers: each
+    """(optimizer, param, grad: a SwapState or None each) for the configured tiers: each
     folder held by this job (``SwapDir.acquire``), checked for space (nothing is written to
-    it before that passes), cleared of a dead job's other swap files, then allocated.
+    it before that passes), cleared of a dead job's other swap files, then allocated. The
+    grad files (stage 3, optimizer on NVMe: ``moezero.zero.gradtier``) share the optimizer's
+    folder and have no meter (the tier counts its buffers).
     ``pin``: pin the host buffers (default: where CUDA is available)."""
-    optim = param = io = None
+    optim = param = grad = io = None
     pin = torch.cuda.is_available() if pin is None else pin
     options = options or IOOptions()
     new_io = lambda: AsyncIO(chunk_bytes=options.chunk_bytes, direct=options.direct_io)
@@ -158,15 +162,17 @@ def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
     folder = lambda path: folders.setdefault(os.path.abspath(path), SwapDir(path, rank))
     if cfg_zero.offload_optimizer.device == "nvme":
         io = new_io()
-        optim = SwapState(folder(cfg_zero.offload_optimizer.nvme_path), io, slots,
-                          STATES, torch.float32, key=OPTIMIZER_KEY, meter=meter, pin=pin)
+        where = folder(cfg_zero.offload_optimizer.nvme_path)
+        optim = SwapState(where, io, slots, STATES, torch.float32, key=OPTIMIZER_KEY,
+                          meter=meter, pin=pin)
+        if cfg_zero.stage == 3:
+            grad = SwapState(where, io, slots, ("grad",), dtype, key=OPTIMIZER_KEY, pin=pin)
     if cfg_zero.stage == 3 and cfg_zero.offload_param.device == "nvme":
         io = io or new_io()
         param = SwapState(folder(cfg_zero.offload_param.nvme_path), io, slots,
                           ("param",), dtype, key=PARAM_KEY, meter=meter, pin=pin)
-    stores = [s for s in (optim, param) if s is not None]
-    _prepare(stores, folders.values())
-    return optim, param
+    _prepare([s for s in (optim, param, grad) if s is not None], folders.values())
+    return optim, param, grad
 
 
 def _prepare(stores: list[SwapState], folders) -> None:
@@ -192,11 +198,13 @@ def _prepare(stores: list[SwapState], folders) -> None:
 def check_paths(cfg_zero, *, numel: int, share: float, param_bytes: int) -> None:
     """Before any rank starts: each NVMe folder exists, is a writable directory and has room
     for what this node's ranks will swap there: their ``share`` of the model's ``numel``
-    elements at 12 B (fp32 master + moments) and, at stage 3, ``param_bytes`` (alignment
-    aside; each rank checks its exact size again). One-line ``ConfigError`` naming the key
-    and path; writes nothing."""
+    elements at 12 B (fp32 master + moments; at stage 3 plus ``param_bytes`` of reduced
+    gradient) and, at stage 3, ``param_bytes`` of param shard (alignment aside; each rank
+    checks its exact size again). One-line ``ConfigError`` naming the key and path; writes
+    nothing."""
     need: dict[str, list] = {}
-    tiers = [(cfg_zero.offload_optimizer, OPTIMIZER_KEY, 12)]
+    grad_bytes = param_bytes if cfg_zero.stage == 3 else 0
+    tiers = [(cfg_zero.offload_optimizer, OPTIMIZER_KEY, 12 + grad_bytes)]
     if cfg_zero.stage == 3:
         tiers.append((cfg_zero.offload_param, PARAM_KEY, param_bytes))
     for tier, key, per_elem in tiers:
