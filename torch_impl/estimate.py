@@ -98,7 +98,10 @@ def _group_bytes(part: Partition, pl: _Placement) -> Counter:
         out["optimizer", dev] += part.numel * 4 * (2 if pl.fp32 else 3)
         return out
     shard = part.shard_numel
-    out["grads", dev] += shard * pl.itemsize  # the reduced gradient partition
+    if pl.stage == 3 and pl.optimizer == "nvme":  # the reduced gradient in a swap file
+        out["grads", "nvme"] += aligned_size(shard * pl.itemsize)  # (zero.gradtier)
+    else:
+        out["grads", dev] += shard * pl.itemsize  # the reduced gradient partition
     if pl.stage < 3:
         out["params", dev] += part.numel * pl.itemsize  # the flat params
         if pl.stage == 1:

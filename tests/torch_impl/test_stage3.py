@@ -132,7 +132,8 @@ def test_swap_files_are_stable_and_removed_at_clean_exit(w2):
         assert first["swap_files"] and first["swap_files"] == again["swap_files"]
         names = [name for name, _ in first["swap_files"]]
         assert all(name.endswith(".swap") for name in names)
-        assert {n.rsplit(".", 2)[-2] for n in names} == {"master", "exp_avg", "exp_avg_sq", "param"}
+        assert {n.rsplit(".", 2)[-2] for n in names} == {"master", "exp_avg", "exp_avg_sq",
+                                                         "grad", "param"}
         assert first["swap_left"] == [] and again["swap_left"] == []
 
 
