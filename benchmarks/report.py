@@ -10,7 +10,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from benchmarks import grouped, plots, tables_comm, tables_data, tables_io, tables_memory
+from benchmarks import (
+    grouped,
+    plots,
+    tables_comm,
+    tables_data,
+    tables_io,
+    tables_memory,
+    tables_scale,
+)
 from benchmarks.fmt import mbs, mib, ok, splice, table, verdict
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
 from benchmarks.stats import by_name, limits, param_count
@@ -281,7 +289,7 @@ NOTES_RESULTS = [
     "experts on each; moezero and DeepSpeed use expert parallelism ep = 2.",
 ]
 SERIES_SECTIONS = {"grouped": grouped.section, "collectives": tables_comm.collectives_section,
-                   "tiled": tables_memory.tiled_section}
+                   "tiled": tables_memory.tiled_section, "scale": tables_scale.scale_section}
 """Series whose results fill sections of their own: a run of only these series rewrites only
 those sections of an existing report (``update_sections``), keeping every other section."""
 
@@ -313,6 +321,9 @@ def write(results: dict, out: Path, plots_dir: Path) -> str:
     text = render(results, links)
     if "data_prep" not in results and out.exists():  # keep the last data series measured
         kept = tables_data.existing_section(out.read_text())
+        text = splice(text, kept) if kept else text
+    if out.exists():  # and the last scale series (a run of its own: benchmarks.scale)
+        kept = tables_data.existing_section(out.read_text(), tables_scale.HEADING)
         text = splice(text, kept) if kept else text
     out.write_text(text)
     return text

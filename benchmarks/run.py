@@ -30,6 +30,7 @@ from benchmarks import grouped, report, tables_data
 from benchmarks.data_prep import data_prep
 from benchmarks.fmt import splice
 from benchmarks.machine import dd_bandwidth, machine_info, memcpy_bandwidth, swap_bandwidth
+from benchmarks.scale import run_scale_only
 from benchmarks.specs import SIZES, extra_specs, main_specs
 from benchmarks.stats import run_stats
 
@@ -68,10 +69,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="run only configurations whose name contains TEXT (repeatable)")
     p.add_argument("--series", action="append", default=[], metavar="NAME",
                    help="run only this series: main, sweep, tiled, state, ckpt, grouped, "
-                        "data, collectives (repeatable); a run of series that own their "
-                        "sections (grouped, data, tiled, collectives) updates only those "
-                        "sections of --out")
+                        "data, collectives, scale (repeatable); a run of series that own "
+                        "their sections (grouped, data, tiled, collectives, scale) updates "
+                        "only those sections of --out")
     p.add_argument("--from-json", help="render the report from this results.json; run nothing")
+    p.add_argument("--peer-json", help="scale series: the DeepSpeed peer's result "
+                                       "(benchmarks/deepspeed_scale.py --out); else 'not run'")
     return p
 
 
@@ -234,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if args.series == ["data"] and not args.from_json:
         return run_data_only(args, SIZES["quick" if args.quick else "full"], work)
+    if args.series == ["scale"]:  # one run of its own (dd around it): benchmarks.scale
+        return run_scale_only(args, Path(args.out), work)
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:
