@@ -40,12 +40,20 @@ SCALE_SIZES = {
                         "ffn_dim": 2048, "num_experts": 32, "top_k": 2, "ep_size": 2},
               "train": _TRAIN, "dd_mib": 512},
     "full": {"model": {"vocab_size": 256, "dim": 1024, "n_layers": 10, "n_heads": 8,
-                       "ffn_dim": 2048, "num_experts": 32, "top_k": 2, "ep_size": 2},
-             "train": _TRAIN, "dd_mib": 2048},
+                       "ffn_dim": 2000, "num_experts": 32, "top_k": 2, "ep_size": 2},
+             "train": _TRAIN, "dd_mib": 1024},
 }
-"""The series' model per mode: ``full`` is 2.06 B parameters (32 experts per MoE layer, 16 per
-rank at ep 2; fp32 master + moments + param shard = 33 GB of training state), ``quick`` the
-same shape with one layer (0.21 B)."""
+"""The series' model per mode: ``full`` is 2.01 B parameters (32 experts per MoE layer, 16 per
+rank at ep 2; fp32 master + moments + param shard = 32.1 GB of training state; on disk 32.1 GB
+of swap files and a 24.1 GB checkpoint), ``quick`` the same shape with one layer and expert
+width 2048 (0.21 B)."""
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+"""The ranks' glibc setting: blocks of 1 MiB or more are mapped, and unmapped when freed.
+Without it glibc raises its threshold up to 32 MiB after the first large frees, and the
+transient tensors of a step (AdamW temporaries, gradient squares, group-sized buffers, on
+several threads' arenas) stay resident and fragmented: about 2.9 GiB peak and 2 GiB at rest
+per rank on the quick model, against 1.6 GiB and 0.35 GiB with it (docs/scale.md)."""
 
 TARGETS = {"rss_bytes": 3 * 2**30, "disk_ratio": 1.5, "params": 2.0e9, "experts": 32}
 
@@ -65,6 +73,15 @@ def proc_io() -> dict:
     """This process's bytes read from and written to storage so far (``/proc/self/io``)."""
     fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
     return {"read": int(fields["read_bytes"]), "write": int(fields["write_bytes"])}
+
+
+def reset_peak() -> None:
+    """Restart this process's peak RSS (``VmHWM``) from its current RSS (Linux
+    ``clear_refs`` 5), so each phase reports its own peak; ignored where refused."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def _swap_bytes(trainer) -> int:
@@ -100,16 +117,25 @@ def scale_rank(spec: dict) -> dict:
     trainer = MoezeroTrainer(spec)
     dist.barrier()
     out = {"status": "ok", "anon_start": anon_start, "init_s": time.perf_counter() - start,
-           "init_rss": peak_rss(), "info": trainer.info}
+           "info": trainer.info}
+    phases = {"init": peak_rss()}
+    reset_peak()
     out["steps"] = [_timed_step(trainer, trainer.batches) for _ in range(spec["train"]["timed"])]
+    phases["train"] = peak_rss()
     folder = spec["ckpt_dir"]
+    reset_peak()
     out["save_s"] = _barrier_timed(trainer.save, folder)
+    phases["save"] = peak_rss()
     out["ckpt_bytes"] = tree_bytes(folder)[0]
     if dist.get_rank() == 0:
         drop_page_cache(folder)
+    reset_peak()
     out["load_s"] = _barrier_timed(trainer.load, folder)
+    phases["load"] = peak_rss()
+    reset_peak()
     out["resumed"] = _timed_step(trainer, trainer.batches)
-    out.update(anon_peak=sampler.stop(), peak_rss=peak_rss())
+    phases["resumed"] = peak_rss()
+    out.update(anon_peak=sampler.stop(), peak_rss=max(phases.values()), phase_rss=phases)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(folder, ignore_errors=True)
@@ -140,7 +166,8 @@ def run_scale(args, work: Path) -> dict:
     swap.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine_info(), "command": command_line(), "mode": mode,
                "size": SCALE_SIZES[mode], "dd_before": dd_bandwidth(swap, SCALE_SIZES[mode]["dd_mib"])}
-    results["run"] = run_one(scale_spec(mode), f"scale-{mode}", args, work)
+    results["env"] = MALLOC_ENV
+    results["run"] = run_one(scale_spec(mode), f"scale-{mode}", args, work, env=MALLOC_ENV)
     results["dd_after"] = dd_bandwidth(swap, SCALE_SIZES[mode]["dd_mib"])
     results["peer"] = read_peer(args.peer_json)
     shutil.rmtree(swap, ignore_errors=True)

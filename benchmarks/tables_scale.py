@@ -39,12 +39,18 @@ def figures(results: dict) -> dict | None:
            "save_s": max(r["save_s"] for r in ranks), "load_s": max(r["load_s"] for r in ranks),
            "ckpt_bytes": ranks[0]["ckpt_bytes"], "losses": [s["loss"] for s in steps[0]],
            "resumed_loss": ranks[0]["resumed"]["loss"], "resumed_s": ranks[0]["resumed"]["s"],
+           "phases": {k: max(r["phase_rss"][k] for r in ranks) for k in ranks[0].get("phase_rss", {})},
            **per_step}
     dd = _dd(results)
     if dd is not None:
         out["disk_s"] = per_step["read"] / dd["read"] + per_step["write"] / dd["write"]
         out["ratio"] = step_s / out["disk_s"] if out["disk_s"] else None
     return out
+
+
+def _env(results: dict) -> str:
+    env = results.get("env") or {}
+    return ", ".join(f"`{k}={v}`" for k, v in env.items()) or "the default environment"
 
 
 def _gib(n) -> str:
@@ -115,7 +121,8 @@ def scale_section(results: dict) -> list[str]:
         f"rank, {t['timed']} steps, then a save, a cold load into the same engine and one more "
         "step.", "",
         f"Measured {machine['date']} on {machine['cpu']} ({machine['cores']} cores, "
-        f"{machine['mem_bytes'] / 2**30:.0f} GiB), torch {machine['torch']}. {dd_line}.", "",
+        f"{machine['mem_bytes'] / 2**30:.0f} GiB), torch {machine['torch']}. {dd_line}. "
+        f"Ranks run with {_env(results)}.", "",
         *table(["system", "params", "peak RSS / rank", "peak anon / rank", "init", "step",
                 "read / written per step (both ranks)", "step / disk time", "save", "load"],
                _rows(f, results, params)), "", *_verdicts(f, params, m["num_experts"])]
@@ -124,6 +131,8 @@ def scale_section(results: dict) -> list[str]:
             f"- Steps: {', '.join(f'{s:.1f} s' for s in f['step_list'])}; losses "
             f"{', '.join(f'{v:.4f}' for v in f['losses'])}; after the load, one more step in "
             f"{f['resumed_s']:.1f} s (loss {f['resumed_loss']:.4f}).",
+            "- Peak RSS by phase (larger rank; `VmHWM` restarted at each phase): "
+            + ", ".join(f"{k} {_gib(v)}" for k, v in f["phases"].items()) + ".",
             f"- Bytes through the swap engine (AsyncIO) per step, both ranks: "
             f"{f['swap'] / GB:.1f} GB; checkpoint {f['ckpt_bytes'] / GB:.1f} GB.",
             "- Disk time = bytes read / dd read + bytes written / dd write (the mean of before "

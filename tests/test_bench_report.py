@@ -27,7 +27,8 @@ def _scale_results(peer: dict) -> dict:
         step = {"s": step_s, "loss": 5.5, "swap": 2e9, "read": 1e9, "write": 0.5e9}
         return {"status": "ok", "peak_rss": 2 * 2**30, "anon_peak": 2**30, "init_s": 30.0,
                 "steps": [step] * 3, "save_s": 40.0, "load_s": 20.0, "ckpt_bytes": 24e9,
-                "resumed": {**step, "loss": 5.4}}
+                "resumed": {**step, "loss": 5.4},
+                "phase_rss": {"init": 2**29, "train": 2 * 2**30}}
 
     dd = {"read": 1e9, "write": 0.5e9, "write_buffered": 0.4e9}
     return {"machine": {"date": "d", "cpu": "c", "cores": 2, "mem_bytes": 24 * 2**30,
@@ -48,8 +49,9 @@ def test_scale_section_ratio_peer_row_and_only_its_section(tmp_path):
     text = "\n".join(section)
     # both ranks: 2 GB read at 1 GB/s + 1 GB written at 0.5 GB/s = 4 s; the slower rank's 6 s
     assert "| 6.0 s | 2.0 / 1.0 GB | 1.50× |" in text and "1.50× (met" in text
-    assert "2.06 B" in text and "2.00 GiB" in text and "(met, target ≤ 3 GiB)" in text
+    assert "2.01 B" in text and "2.00 GiB" in text and "(met, target ≤ 3 GiB)" in text
     assert "| DeepSpeed (peer) | – | not run (no --peer-json given) |" in text
+    assert "init 0.50 GiB, train 2.00 GiB." in text
     peer = {"ok": True, "params": 2.05e9, "peak_rss_bytes": 5 * 2**30, "peak_anon_bytes": None,
             "init_s": 60.0, "step_s": 90.0, "swap_bytes": 3e10}
     text = "\n".join(tables_scale.scale_section(_scale_results(peer)))

@@ -34,23 +34,29 @@ class SwapState:
     """Some states of every local group in swap files of one folder (one per rank)."""
 
     def __init__(self, folder: SwapDir, io: AsyncIO, slots: Sequence, states: tuple[str, ...],
-                 dtype: torch.dtype, *, key: str, meter=None, pin: bool = False):
+                 dtype: torch.dtype, *, key: str, meter=None, pin: bool = False,
+                 alias: str | None = None):
         self.folder, self.io, self.slots, self.states = folder, io, list(slots), states
         self.dtype, self.key, self.meter, self.pin = dtype, key, meter, pin
+        self.alias = alias  # read the files of this state instead; no files, no writes
 
     def nbytes(self) -> int:
         """Bytes of this rank's swap files (each rounded up to the alignment)."""
+        if self.alias is not None:
+            return 0
         size = self.dtype.itemsize
         return sum(aligned_size(s.shard * size) for s in self.slots) * len(self.states)
 
     def allocate(self) -> None:
         """Create (or reuse, same size) every swap file; contents are written by the caller."""
+        if self.alias is not None:
+            return
         for slot in self.slots:
             for state in self.states:
                 self.folder.allocate(slot.group.name, state, slot.shard * self.dtype.itemsize)
 
     def path(self, slot, state: str):
-        return self.folder.path(slot.group.name, state)
+        return self.folder.path(slot.group.name, self.alias or state)
 
     def buffers(self, slot) -> dict[str, torch.Tensor]:
         """Fresh aligned host buffers for ``slot``'s states (counted by the meter while alive;
@@ -68,6 +74,9 @@ class SwapState:
         return [self.io.read(self.path(slot, s), bufs[s]) for s in bufs]
 
     def write(self, slot, bufs: dict[str, torch.Tensor]) -> list[Future]:
+        """Start writing ``bufs``; nothing with an alias (its owner writes those bytes)."""
+        if self.alias is not None:
+            return []
         return [self.io.write(self.path(slot, s), bufs[s]) for s in bufs]
 
     def load(self, slot) -> dict[str, torch.Tensor]:
@@ -82,7 +91,10 @@ class SwapState:
 
     def put(self, slot, values: dict[str, torch.Tensor | float]) -> None:
         """Write each state's value (a tensor, cast to the file's dtype, or a fill number) to
-        ``slot``'s files now, through aligned buffers freed afterwards."""
+        ``slot``'s files now, through aligned buffers freed afterwards (with an alias: nothing,
+        the owner of those files writes them)."""
+        if self.alias is not None:
+            return
         bufs = self.buffers(slot)
         for state, value in values.items():
             if isinstance(value, torch.Tensor):
@@ -152,7 +164,8 @@ def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
     folder held by this job (``SwapDir.acquire``), checked for space (nothing is written to
     it before that passes), cleared of a dead job's other swap files, then allocated. The
     grad files (stage 3, optimizer on NVMe: ``moezero.zero.gradtier``) share the optimizer's
-    folder and have no meter (the tier counts its buffers).
+    folder and have no meter (the tier counts its buffers). In fp32 with both tiers in one
+    folder the params are read from the master files (``master_is_param``).
     ``pin``: pin the host buffers (default: where CUDA is available)."""
     optim = param = grad = io = None
     pin = torch.cuda.is_available() if pin is None else pin
@@ -169,10 +182,17 @@ def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
             grad = SwapState(where, io, slots, ("grad",), dtype, key=OPTIMIZER_KEY, pin=pin)
     if cfg_zero.stage == 3 and cfg_zero.offload_param.device == "nvme":
         io = io or new_io()
-        param = SwapState(folder(cfg_zero.offload_param.nvme_path), io, slots,
-                          ("param",), dtype, key=PARAM_KEY, meter=meter, pin=pin)
+        where = folder(cfg_zero.offload_param.nvme_path)
+        param = SwapState(where, io, slots, ("param",), dtype, key=PARAM_KEY, meter=meter,
+                          pin=pin, alias="master" if master_is_param(optim, where, dtype) else None)
     _prepare([s for s in (optim, param, grad) if s is not None], folders.values())
     return optim, param, grad
+
+
+def master_is_param(optim: SwapState | None, folder: SwapDir, dtype: torch.dtype) -> bool:
+    """fp32 with both tiers in one folder: the param shard is the master's bytes, so the
+    params read the master's swap files (no file of their own, no write after the step)."""
+    return optim is not None and optim.folder is folder and dtype == torch.float32
 
 
 def _prepare(stores: list[SwapState], folders) -> None:
