@@ -181,8 +181,10 @@ def run_scale_only(args, out: Path, work: Path) -> int:
     from benchmarks.tables_scale import scale_section
 
     start = time.perf_counter()
-    if args.from_json:
+    if args.from_json:  # a later --peer-json (the peer ran after) replaces the stored row
         results = json.loads(Path(args.from_json).read_text())
+        if args.peer_json:
+            results["peer"] = read_peer(args.peer_json)
     else:
         results = run_scale(args, work)
         (work / "results-scale.json").write_text(json.dumps(results, indent=1))

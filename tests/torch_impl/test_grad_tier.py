@@ -6,10 +6,17 @@ and 2, ep 1 and 2, fp32 / bf16 / fp16 (overflow skips), clipping on, micro-batch
 
 from __future__ import annotations
 
+import gc
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 import torch
 
+from moezero.zero.gradtier import GradTier
 from tests.support.world import run_world
 from tests.torch_impl.test_distributed import MICRO
 from tests.torch_impl.test_stage3 import offload_cfg
@@ -107,3 +114,39 @@ def test_no_gradient_partition_stays_in_memory(worlds, world):
             assert len(case["grad_files"]) > 0
         assert rank["fp32_ep1_cpu"]["held"] == small["grad_bytes"]
         assert rank["fp32_ep1_cpu"]["grad_files"] == []
+
+
+@dataclass(eq=False)
+class _Slot:
+    shard: int
+    group: object = None
+
+
+class _SlowSwap:
+    """Writes that take a while on one 'disk' thread; counts the buffers still alive."""
+
+    def __init__(self) -> None:
+        self.disk, self.alive = ThreadPoolExecutor(1), weakref.WeakSet()
+
+    def buffers(self, slot) -> dict:
+        buf = torch.empty(slot.shard)
+        self.alive.add(buf)
+        return {"grad": buf}
+
+    def write(self, slot, bufs) -> list:
+        return [self.disk.submit(time.sleep, 0.02)]
+
+
+def test_landing_holds_a_bounded_number_of_partitions():
+    """Partitions that land faster than the disk writes them wait for it: no more than
+    ``ahead`` elements (plus the newest partition) are held, not the step's every one."""
+    swap, slots = _SlowSwap(), [_Slot(100) for _ in range(12)]
+    tier = GradTier(swap, slots, ahead=250, meter=None)
+    most = 0
+    for slot in slots:
+        tier.land(slot, 0, 100, torch.ones(100))
+        gc.collect()
+        most = max(most, len(swap.alive))
+    tier.finish()
+    assert 0 < most <= 4
+    assert float(tier.sums(slots[-1])[0]) == 100.0

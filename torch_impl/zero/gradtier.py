@@ -10,7 +10,10 @@ group's partition exists only twice per step, briefly:
   the sum of squares (fp64) and the count of non-finite elements are taken right there, on
   the whole partition, exactly as the step would have taken them (so the global grad norm, the
   clip coefficient and the fp16 overflow check see every element, bit for bit), and the
-  buffer is written to the group's ``grad`` swap file and freed once written.
+  buffer is written to the group's ``grad`` swap file and freed once written. At most
+  ``ahead`` elements (beyond the newest partition) are being written at a time: past that the
+  landing waits for the oldest write, so the reduction keeps the disk's pace instead of
+  holding the step's every partition in memory.
 - **Stepping** (``take``, from ``moezero.zero.optimizer``): the step asks for the groups in
   plan order; each request waits for that group's read and starts the reads of the following
   groups, up to ``ahead`` elements in flight, so the disk works while a window steps.
@@ -55,6 +58,7 @@ class GradTier:
         self._landing: dict[Slot, list] = {}  # slot -> [buffer, columns landed]
         self._sums: dict[Slot, tuple[torch.Tensor, torch.Tensor]] = {}
         self._writes: list[tuple[torch.Tensor, list[Future]]] = []
+        self._writing = 0  # elements of the buffers in ``_writes``
         self._lock = threading.Lock()
         self._reads: deque[tuple[Slot, torch.Tensor, list[Future]]] = deque()
         self._next = 0  # the next slot (plan order) whose read is not started
@@ -82,16 +86,35 @@ class GradTier:
         with self._lock:
             self._sums[slot] = sums
             self._writes.append((buf, futures))
+            self._writing += buf.numel()
+        self._reap()
+
+    def _reap(self) -> None:
+        """Free the buffers of finished writes, oldest first; while more than ``ahead``
+        elements are being written, wait for the oldest (the reduction slows to the disk's
+        pace instead of holding every partition of the step)."""
+        while True:
+            with self._lock:
+                if not self._writes:
+                    return
+                buf, futures = self._writes[0]
+                if self._writing <= self.ahead and not all(f.done() for f in futures):
+                    return
+                self._writes.pop(0)
+                self._writing -= buf.numel()
+            for f in futures:
+                f.result()
 
     def finish(self) -> None:
         """After the reduction: every partition landed and written (buffers freed)."""
         if self._landing:
             missing = sorted(s.group.name for s in self._landing)[:3]
             raise AssertionError(f"gradient partitions reduced in part: {missing}")
-        for _, futures in self._writes:
+        while self._writes:
+            _, futures = self._writes.pop(0)
             for f in futures:
                 f.result()
-        self._writes.clear()
+        self._writing = 0
 
     def sums(self, slot: Slot) -> tuple[torch.Tensor, torch.Tensor]:
         """``square_sum`` of ``slot``'s last reduced gradient."""
