@@ -68,16 +68,29 @@ def _rows(f: dict | None, results: dict, params: int) -> list[list]:
                  f"{f['init_s']:.0f} s", f"{f['step_s']:.1f} s",
                  f"{f['read'] / GB:.1f} / {f['write'] / GB:.1f} GB", ratio,
                  f"{f['save_s']:.0f} s", f"{f['load_s']:.0f} s"]]
-    peer = results.get("peer") or {}
-    if peer.get("ok"):
-        swap = peer.get("swap_bytes")
-        rows.append(["DeepSpeed (peer)", f"{peer['params'] / 1e9:.2f} B",
-                     _gib(peer.get("peak_rss_bytes")), _gib(peer.get("peak_anon_bytes")),
-                     f"{peer['init_s']:.0f} s", f"{peer['step_s']:.1f} s",
-                     "–" if swap is None else f"{swap / GB:.1f} GB", "–", "–", "–"])
-    else:
-        rows.append(["DeepSpeed (peer)", "–", peer.get("error") or "not run"] + ["–"] * 7)
+    rows.append(_peer_row(results.get("peer") or {}))
     return rows
+
+
+def _largest(value):
+    """A figure the peer gives per rank (a list, None where a rank has none) or once."""
+    if isinstance(value, list):
+        value = max((v for v in value if v is not None), default=None)
+    return value
+
+
+def _peer_row(peer: dict) -> list:
+    """DeepSpeed's row: its figures (the larger rank), its error line when it stopped."""
+    if not peer.get("params"):
+        return ["DeepSpeed (peer)", "–", peer.get("error") or "not run"] + ["–"] * 7
+    swap, step = _largest(peer.get("swap_bytes")), _largest(peer.get("step_s"))
+    init = _largest(peer.get("init_s"))
+    return ["DeepSpeed (peer)", f"{peer['params'] / 1e9:.2f} B",
+            _gib(_largest(peer.get("peak_rss_bytes"))), _gib(_largest(peer.get("peak_anon_bytes"))),
+            "–" if init is None else f"{init:.0f} s",
+            "–" if step is None else f"{step:.1f} s",
+            "–" if swap is None else f"(its swap files: {swap / GB:.1f} GB)",
+            "–" if peer.get("ok") else f"stopped: {peer.get('error')}", "–", "–"]
 
 
 def _verdicts(f: dict | None, params: int, experts: int) -> list[str]:
@@ -137,5 +150,14 @@ def scale_section(results: dict) -> list[str]:
             f"{f['swap'] / GB:.1f} GB; checkpoint {f['ckpt_bytes'] / GB:.1f} GB.",
             "- Disk time = bytes read / dd read + bytes written / dd write (the mean of before "
             "and after), from `/proc/self/io` of both ranks (one disk)."]
+    peer = results.get("peer") or {}
+    if peer.get("params"):
+        z = (peer.get("config") or {}).get("zero_optimization", {})
+        lines.append(f"- DeepSpeed row: `benchmarks/deepspeed_scale.py` (its own JSON, its own "
+                     f"run and model of {peer['params'] / 1e9:.2f} B), kind `{peer.get('kind')}`, "
+                     f"ZeRO stage {z.get('stage')}, params and optimizer on "
+                     f"{(z.get('offload_param') or {}).get('device')}/"
+                     f"{(z.get('offload_optimizer') or {}).get('device')}, DeepSpeed "
+                     f"{(peer.get('versions') or {}).get('deepspeed')}.")
     return lines + ["", "Command (this table only): `"
                     + harness_command(results, "scale") + " --peer-json PATH --timeout 3600`"]

@@ -55,7 +55,13 @@ def test_scale_section_ratio_peer_row_and_only_its_section(tmp_path):
     peer = {"ok": True, "params": 2.05e9, "peak_rss_bytes": 5 * 2**30, "peak_anon_bytes": None,
             "init_s": 60.0, "step_s": 90.0, "swap_bytes": 3e10}
     text = "\n".join(tables_scale.scale_section(_scale_results(peer)))
-    assert "| DeepSpeed (peer) | 2.05 B | 5.00 GiB | – | 60 s | 90.0 s | 30.0 GB |" in text
+    assert "| DeepSpeed (peer) | 2.05 B | 5.00 GiB | – | 60 s | 90.0 s | (its swap files: 30.0 GB) | – |" in text
+    stopped = {"ok": False, "error": "rank 1: exceeded 8.0 GiB RSS", "params": 2.12e9,
+               "peak_rss_bytes": [None, 8 * 2**30], "init_s": 224.0, "step_s": [],
+               "swap_bytes": 2.5e10}
+    text = "\n".join(tables_scale.scale_section(_scale_results(stopped)))
+    assert ("| DeepSpeed (peer) | 2.12 B | 8.00 GiB | – | 224 s | – | (its swap files: 25.0 GB) | stopped: rank 1: "
+            "exceeded 8.0 GiB RSS |") in text
 
 
 def test_scale_section_of_a_missing_peer_file(tmp_path):
