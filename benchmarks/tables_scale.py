@@ -128,9 +128,10 @@ def scale_section(results: dict) -> list[str]:
         f"moezero at W = 2 (gloo), {m['n_layers']} layers × {m['num_experts']} experts (dim "
         f"{m['dim']}, expert width {m['ffn_dim']}, top-{m['top_k']}, ep {m['ep_size']}: each "
         f"rank steps its own {m['num_experts'] // m['ep_size']} experts per layer), fp32, "
-        f"{opts}; {params / 1e9:.2f} B parameters, training state (fp32 master, moments, param "
-        f"shard) {16 * params / GB:.1f} GB plus {4 * params / GB:.1f} GB of reduced gradients, "
-        f"all in swap files. Micro-batch {t['micro_batch_size']} × {t['seq_len']} tokens per "
+        f"{opts}; {params / 1e9:.2f} B parameters, training state (fp32 params, master, two "
+        f"moments) {16 * params / GB:.1f} GB; on disk {12 * params / GB:.1f} GB of master and "
+        f"moments (the fp32 params are read from the master's swap files) and "
+        f"{4 * params / GB:.1f} GB of reduced gradients. Micro-batch {t['micro_batch_size']} × {t['seq_len']} tokens per "
         f"rank, {t['timed']} steps, then a save, a cold load into the same engine and one more "
         "step.", "",
         f"Measured {machine['date']} on {machine['cpu']} ({machine['cores']} cores, "
