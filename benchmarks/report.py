@@ -18,6 +18,7 @@ from benchmarks import (
     tables_estimate,
     tables_io,
     tables_memory,
+    tables_scale,
 )
 from benchmarks.fmt import mbs, mib, ok, splice, table, verdict
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
@@ -291,7 +292,7 @@ NOTES_RESULTS = [
 ]
 SERIES_SECTIONS = {"grouped": grouped.section, "collectives": tables_comm.collectives_section,
                    "tiled": tables_memory.tiled_section,
-                   "estimate": tables_estimate.estimate_section}
+                   "estimate": tables_estimate.estimate_section, "scale": tables_scale.scale_section}
 """Series whose results fill sections of their own: a run of only these series rewrites only
 those sections of an existing report (``update_sections``), keeping every other section."""
 
@@ -323,6 +324,9 @@ def write(results: dict, out: Path, plots_dir: Path) -> str:
     text = render(results, links)
     if "data_prep" not in results and out.exists():  # keep the last data series measured
         kept = tables_data.existing_section(out.read_text())
+        text = splice(text, kept) if kept else text
+    if out.exists():  # and the last scale series (a run of its own: benchmarks.scale)
+        kept = tables_data.existing_section(out.read_text(), tables_scale.HEADING)
         text = splice(text, kept) if kept else text
     out.write_text(text)
     return text

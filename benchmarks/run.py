@@ -30,6 +30,7 @@ from benchmarks import grouped, report, tables_data
 from benchmarks.data_prep import data_prep
 from benchmarks.fmt import splice
 from benchmarks.machine import dd_bandwidth, machine_info, memcpy_bandwidth, swap_bandwidth
+from benchmarks.scale import run_scale_only
 from benchmarks.specs import SIZES, extra_specs, main_specs
 from benchmarks.stats import run_stats
 
@@ -68,10 +69,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="run only configurations whose name contains TEXT (repeatable)")
     p.add_argument("--series", action="append", default=[], metavar="NAME",
                    help="run only this series: main, sweep, tiled, state, ckpt, grouped, "
-                        "data, collectives, estimate (repeatable); a run of series that own "
-                        "their sections (grouped, data, tiled, collectives, estimate) updates "
+                        "data, collectives, estimate, scale (repeatable); a run of series that "
+                        "own their sections (grouped, data, tiled, collectives, estimate, scale) "
+                        "updates "
                         "only those sections of --out")
     p.add_argument("--from-json", help="render the report from this results.json; run nothing")
+    p.add_argument("--peer-json", help="scale series: the DeepSpeed peer's result "
+                                       "(benchmarks/deepspeed_scale.py --out); else 'not run'")
     return p
 
 
@@ -96,8 +100,10 @@ def error_line(log: str) -> str:
     return (hits or lines or ["no output"])[-1][:300]
 
 
-def run_one(spec: dict, tag: str, args: argparse.Namespace, work: Path) -> dict:
-    """One configuration in fresh torchrun processes; the parsed result or the failure."""
+def run_one(spec: dict, tag: str, args: argparse.Namespace, work: Path,
+            env: dict | None = None) -> dict:
+    """One configuration in fresh torchrun processes (``env``: more environment variables);
+    the parsed result or the failure."""
     options = {k: v.replace("{work}", str(work)) if isinstance(v, str) else v
                for k, v in spec["options"].items()}
     for key, folder in options.items():
@@ -114,7 +120,8 @@ def run_one(spec: dict, tag: str, args: argparse.Namespace, work: Path) -> dict:
     cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(spec["world_size"]), "-m", "benchmarks.worker", str(paths["spec"]), str(paths["result"])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           **(env or {})}
     start = time.perf_counter()
     try:
         with open(paths["log"], "w") as log:
@@ -234,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     if args.series == ["data"] and not args.from_json:
         return run_data_only(args, SIZES["quick" if args.quick else "full"], work)
+    if args.series == ["scale"]:  # one run of its own (dd around it): benchmarks.scale
+        return run_scale_only(args, Path(args.out), work)
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:

@@ -54,7 +54,8 @@ def data_section(results: dict) -> list[str]:
         "are deleted after the run."]
 
 
-def existing_section(text: str) -> list[str] | None:
-    """The data section of an existing report, as lines (None when it has none)."""
-    found = re.search(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", text, re.S | re.M)
+def existing_section(text: str, heading: str = HEADING) -> list[str] | None:
+    """The section ``heading`` (default: the data section) of an existing report, as lines
+    (None when it has none)."""
+    found = re.search(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", text, re.S | re.M)
     return found.group(0).rstrip("\n").split("\n") if found else None

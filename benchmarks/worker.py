@@ -186,6 +186,9 @@ def checkpoint_io(trainer, folder: str) -> dict:
 
 def run_rank(spec: dict) -> dict:
     """Everything one rank measures (raw); raises Unsupported for a rejected config."""
+    if spec["series"] == "scale":  # its own sequence: init, steps, one save, load, resume
+        from benchmarks.scale import scale_rank
+        return scale_rank(spec)
     anon_start, sampler = anon_rss(), AnonPeak()
     try:
         trainer = build_trainer(spec)

@@ -18,3 +18,54 @@ def test_a_collectives_run_writes_only_its_section(tmp_path):
     assert section.startswith(tables_comm.HEADING) and "Not run in this report." in section
     assert out.read_text() == OLD.replace("## Not run", f"{section}\n\n## Not run")
     assert not (tmp_path / "plots").exists()  # no plot was redrawn
+
+
+def _scale_results(peer: dict) -> dict:
+    from benchmarks.scale import SCALE_SIZES
+
+    def rank(step_s: float) -> dict:
+        step = {"s": step_s, "loss": 5.5, "swap": 2e9, "read": 1e9, "write": 0.5e9}
+        return {"status": "ok", "peak_rss": 2 * 2**30, "anon_peak": 2**30, "init_s": 30.0,
+                "steps": [step] * 3, "save_s": 40.0, "load_s": 20.0, "ckpt_bytes": 24e9,
+                "resumed": {**step, "loss": 5.4},
+                "phase_rss": {"init": 2**29, "train": 2 * 2**30}}
+
+    dd = {"read": 1e9, "write": 0.5e9, "write_buffered": 0.4e9}
+    return {"machine": {"date": "d", "cpu": "c", "cores": 2, "mem_bytes": 24 * 2**30,
+                        "torch": "t"}, "mode": "full", "size": SCALE_SIZES["full"],
+            "dd_before": dd, "dd_after": dd, "peer": peer,
+            "run": {"status": "ok", "ranks": [rank(6.0), rank(5.0)]}}
+
+
+def test_scale_section_ratio_peer_row_and_only_its_section(tmp_path):
+    from benchmarks import tables_scale
+
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text(OLD)
+    results = _scale_results({"ok": False, "error": "not run (no --peer-json given)"})
+    report.update_sections(results, out, ["scale"])
+    section = tables_scale.scale_section(results)
+    assert out.read_text() == OLD.replace("## Not run", "\n".join(section) + "\n\n## Not run")
+    text = "\n".join(section)
+    # both ranks: 2 GB read at 1 GB/s + 1 GB written at 0.5 GB/s = 4 s; the slower rank's 6 s
+    assert "| 6.0 s | 2.0 / 1.0 GB | 1.50× |" in text and "1.50× (met" in text
+    assert "2.01 B" in text and "2.00 GiB" in text and "(met, target ≤ 3 GiB)" in text
+    assert "| DeepSpeed (peer) | – | not run (no --peer-json given) |" in text
+    assert "init 0.50 GiB, train 2.00 GiB." in text
+    peer = {"ok": True, "params": 2.05e9, "peak_rss_bytes": 5 * 2**30, "peak_anon_bytes": None,
+            "init_s": 60.0, "step_s": 90.0, "swap_bytes": 3e10}
+    text = "\n".join(tables_scale.scale_section(_scale_results(peer)))
+    assert "| DeepSpeed (peer) | 2.05 B | 5.00 GiB | – | 60 s | 90.0 s | (its swap files: 30.0 GB) | – |" in text
+    stopped = {"ok": False, "error": "rank 1: exceeded 8.0 GiB RSS", "params": 2.12e9,
+               "peak_rss_bytes": [None, 8 * 2**30], "init_s": 224.0, "step_s": [],
+               "swap_bytes": 2.5e10}
+    text = "\n".join(tables_scale.scale_section(_scale_results(stopped)))
+    assert ("| DeepSpeed (peer) | 2.12 B | 8.00 GiB | – | 224 s | – | (its swap files: 25.0 GB) | stopped: rank 1: "
+            "exceeded 8.0 GiB RSS |") in text
+
+
+def test_scale_section_of_a_missing_peer_file(tmp_path):
+    from benchmarks.scale import read_peer
+
+    assert read_peer(None)["error"].startswith("not run")
+    assert read_peer(str(tmp_path / "absent.json"))["error"].startswith("not run (")

@@ -273,10 +273,11 @@ def _set_rng_state(state: dict) -> None:
 
 def swap_metrics(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     """This step's bytes read from / written to the rank's swap files (``swap_read_bytes``,
-    ``swap_write_bytes``), and of them the stage-3 param shards' (``swap_param_*``)."""
+    ``swap_write_bytes``: optimizer state, param shards and gradients), and of them the
+    stage-3 param shards' (``swap_param_*``)."""
     delta = {key: after[key] - before[key] for key in after}
-    return {"swap_read_bytes": delta["optim_read"] + delta["param_read"],
-            "swap_write_bytes": delta["optim_write"] + delta["param_write"],
+    total = lambda op: sum(delta[f"{tier}_{op}"] for tier in ("optim", "param", "grad"))
+    return {"swap_read_bytes": total("read"), "swap_write_bytes": total("write"),
             "swap_param_read_bytes": delta["param_read"],
             "swap_param_write_bytes": delta["param_write"]}
 

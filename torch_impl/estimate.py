@@ -18,6 +18,7 @@ the peak of a tier is its persistent bytes, its largest phase and, on the host, 
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -97,6 +98,7 @@ class _Placement:
     host: bool  # the compute device is the host (CPU training)
     optimizer: str  # offload_optimizer.device: none | cpu | nvme
     param: str  # offload_param.device (stage 3): none | cpu | nvme
+    param_reads_master: bool = False  # fp32, both on NVMe in one folder (state.master_is_param)
 
     def memory(self, tier: str) -> str:
         """The tier a tensor on ``device`` ('none') or the host ('cpu') is reported in."""
@@ -112,13 +114,21 @@ class _Placement:
 
     @property
     def grad_tier(self) -> str:
-        """Where the reduced gradient partition (``Slot.grad``) lives: always in memory beside
-        the params today; the one place to change if it moves to a swap file."""
-        return self.memory("none")
+        """Where the reduced gradient partition (``Slot.grad``) lives: a swap file at stage 3
+        with the optimizer on NVMe (``moezero.zero.gradtier``), else memory beside the params."""
+        return "nvme" if self.stage == 3 and self.optimizer == "nvme" else self.memory("none")
 
     @property
     def param_with_state(self) -> bool:  # param_device == state_device
         return self.host or (self.param != "none") == (self.optimizer != "none")
+
+
+def _shared_fp32_folder(zero, dtype: str) -> bool:
+    """fp32 params and optimizer both on NVMe in one folder: the params read the master's
+    swap files (``moezero.offload.state.master_is_param``)."""
+    paths = {os.path.abspath(t.nvme_path or "") for t in (zero.offload_param, zero.offload_optimizer)}
+    return dtype == "fp32" and zero.offload_param.device == zero.offload_optimizer.device == "nvme" \
+        and len(paths) == 1
 
 
 def _group_bytes(part: Partition, pl: _Placement) -> Counter:
@@ -131,7 +141,8 @@ def _group_bytes(part: Partition, pl: _Placement) -> Counter:
         out["optimizer", dev] += part.numel * 4 * (2 if pl.fp32 else 3)
         return out
     shard = part.shard_numel
-    out["grads", pl.grad_tier] += shard * pl.itemsize  # the reduced gradient partition
+    grad = shard * pl.itemsize  # the reduced gradient partition (a swap file: zero.gradtier)
+    out["grads", pl.grad_tier] += aligned_size(grad) if pl.grad_tier == "nvme" else grad
     if pl.stage < 3:
         out["params", dev] += part.numel * pl.itemsize  # the flat params
         if pl.stage == 1:
@@ -149,8 +160,8 @@ def _master_copy_bytes(shard: int, pl: _Placement) -> Counter:
     param_tier = pl.memory(pl.param)
     param_is_master = False
     if pl.stage == 3:
-        if pl.param == "nvme":
-            out["params", "nvme"] += aligned_size(shard * pl.itemsize)
+        if pl.param == "nvme":  # its own swap file, or the master's
+            out["params", "nvme"] += 0 if pl.param_reads_master else aligned_size(shard * pl.itemsize)
         elif not pl.fp32 or pl.optimizer == "nvme" or not pl.param_with_state:
             out["params", param_tier] += shard * pl.itemsize
         else:
@@ -181,7 +192,7 @@ def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda
                        split_by_expert=cfg.moe.split_groups_by_expert)
     parts = [p for p in plan_partitions(plan, world_size=world_size) if rank in p.ranks]
     pl = _Placement(zero.stage, ITEMSIZE[dtype], device == "cpu", zero.offload_optimizer.device,
-                    zero.offload_param.device)
+                    zero.offload_param.device, param_reads_master=_shared_fp32_folder(zero, dtype))
     total: Counter = Counter()
     for part in parts:
         total += _group_bytes(part, pl)

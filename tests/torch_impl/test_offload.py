@@ -8,6 +8,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import threading
 import zlib
 from pathlib import Path
@@ -420,3 +421,23 @@ def test_copy_range_between_swap_and_checkpoint_on_different_filesystems(tmp_pat
         assert (tmp_path / "ckpt").read_bytes() == data
     finally:
         src.unlink(missing_ok=True)
+
+
+def test_large_aligned_buffers_go_back_to_the_os_when_freed():
+    """Buffers of ``aio.MAPPED_BYTES`` (1 MiB) or more are mappings of their own: freeing the last view (here a
+    slice in another dtype) returns their pages at once, even after glibc has raised its mmap
+    threshold (as freeing a 30 MiB block does), when a 16 MiB malloc block would stay."""
+    MiB = 1 << 20  # noqa: N806  (aio.MAPPED_BYTES: buffers from this size on are mapped)
+
+    def rss() -> int:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) << 10
+
+    torch.ones(30 << 18).sum()  # 30 MiB, freed: glibc's threshold rises to 30 MiB
+    t = aligned_empty(16 * MiB // 4, torch.float32)
+    t.fill_(1.0)
+    view = t[1:].view(torch.int32)
+    del t
+    before = rss()
+    assert int(view[0]) == 0x3F800000
+    del view
+    assert before - rss() >= 15 * MiB

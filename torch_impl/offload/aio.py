@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from moezero.plan.bytes_io import CHUNK, byte_view
 __all__ = ["ALIGN", "AsyncIO", "OffloadIOError", "aligned_empty", "aligned_size", "wait"]
 
 ALIGN = 4096  # O_DIRECT granularity of buffer address, file offset and length (512e and 4Kn)
+MAPPED_BYTES = 1 << 20  # aligned_empty maps buffers of at least this size with mmap
 log = logging.getLogger("moezero.offload")
 
 
@@ -44,9 +46,16 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch
 
     Its storage runs ``aligned_size(nbytes)`` past the start. ``pin`` page-locks it only when
     CUDA is available (CPU builds of torch refuse ``pin_memory``); otherwise it is ignored.
+    Unpinned buffers of ``MAPPED_BYTES`` or more are anonymous mappings of their own (page
+    aligned), unmapped when the last view dies: the swap buffers of a large model come and go
+    by the gigabyte, and from malloc's heap (glibc raises its mmap threshold up to 32 MiB after
+    such frees) they left ~1.5 GB per rank resident and fragmented after a step of the
+    ``scale`` benchmark (docs/scale.md).
     """
     nbytes = aligned_size(numel * dtype.itemsize)
     pin = pin and torch.cuda.is_available()
+    if not pin and nbytes >= MAPPED_BYTES:  # its own pages, back to the OS when freed
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype)[:numel]
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     start = -raw.data_ptr() % ALIGN
     return raw[start:start + nbytes].view(dtype)[:numel]

@@ -2,8 +2,10 @@
 
 One swap file per (optimizer group, state) and rank (``offload.SwapDir``, a folder this job
 holds under a lock), holding exactly the
-rank's padded partition of that group: ``master``/``exp_avg``/``exp_avg_sq`` in fp32 and, at
-stage 3 with ``offload_param.device: nvme``, ``param`` in the compute dtype. The checkpoint
+rank's padded partition of that group: ``master``/``exp_avg``/``exp_avg_sq`` in fp32; at
+stage 3 with ``offload_optimizer.device: nvme`` the reduced ``grad`` in the compute dtype (not
+checkpointed; ``moezero.zero.gradtier``); at stage 3 with ``offload_param.device: nvme``,
+``param`` in the compute dtype. The checkpoint
 layout stores the same contiguous ranges, so a save or load copies file to file
 (``moezero.checkpoint``, which receives the swap files' paths as the optimizer's shards).
 ``SwapState.stepping`` pipelines the offloaded step over windows of groups (``ZeroOptions.
@@ -33,25 +35,32 @@ class SwapState:
     """Some states of every local group in swap files of one folder (one per rank)."""
 
     def __init__(self, folder: SwapDir, io: AsyncIO, slots: Sequence, states: tuple[str, ...],
-                 dtype: torch.dtype, *, key: str, meter=None, pin: bool = False):
+                 dtype: torch.dtype, *, key: str, meter=None, pin: bool = False,
+                 alias: str | None = None):
         self.folder, self.io, self.slots, self.states = folder, io, list(slots), states
         self.dtype, self.key, self.meter, self.pin = dtype, key, meter, pin
         self.traffic = {"read": 0, "write": 0}  # bytes requested from / to these files so far
         self.ahead = ReadAhead(self)  # reads hinted before they are needed (``hint``)
+        self.alias = alias  # read the files of this state instead; no files, no writes
+        self.readers: list[SwapState] = []  # aliases reading these files (their reads ahead)
 
     def nbytes(self) -> int:
         """Bytes of this rank's swap files (each rounded up to the alignment)."""
+        if self.alias is not None:
+            return 0
         size = self.dtype.itemsize
         return sum(aligned_size(s.shard * size) for s in self.slots) * len(self.states)
 
     def allocate(self) -> None:
         """Create (or reuse, same size) every swap file; contents are written by the caller."""
+        if self.alias is not None:
+            return
         for slot in self.slots:
             for state in self.states:
                 self.folder.allocate(slot.group.name, state, slot.shard * self.dtype.itemsize)
 
     def path(self, slot, state: str):
-        return self.folder.path(slot.group.name, state)
+        return self.folder.path(slot.group.name, self.alias or state)
 
     def buffers(self, slot) -> dict[str, torch.Tensor]:
         """Fresh aligned host buffers for ``slot``'s states (counted by the meter while alive;
@@ -70,7 +79,13 @@ class SwapState:
         return [self.io.read(self.path(slot, s), bufs[s]) for s in bufs]
 
     def write(self, slot, bufs: dict[str, torch.Tensor]) -> list[Future]:
-        self.ahead.forget(slot)  # a read ahead of this write would return stale bytes
+        """Start writing ``bufs``; nothing with an alias (its owner writes those bytes). A read
+        ahead of this slot, here or in an alias reading these files, would return stale bytes:
+        it is forgotten first."""
+        if self.alias is not None:
+            return []
+        for swap in (self, *self.readers):
+            swap.ahead.forget(slot)
         self.traffic["write"] += sum(b.nbytes for b in bufs.values())
         return [self.io.write(self.path(slot, s), bufs[s]) for s in bufs]
 
@@ -94,7 +109,10 @@ class SwapState:
 
     def put(self, slot, values: dict[str, torch.Tensor | float]) -> None:
         """Write each state's value (a tensor, cast to the file's dtype, or a fill number) to
-        ``slot``'s files now, through aligned buffers freed afterwards."""
+        ``slot``'s files now, through aligned buffers freed afterwards (with an alias: nothing,
+        the owner of those files writes them)."""
+        if self.alias is not None:
+            return
         bufs = self.buffers(slot)
         for state, value in values.items():
             if isinstance(value, torch.Tensor):
@@ -157,11 +175,14 @@ class SwapState:
 
 def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
           options: IOOptions | None = None, *, pin: bool | None = None) -> tuple:
-    """(optimizer SwapState or None, param SwapState or None) for the configured tiers: each
+    """(optimizer, param, grad: a SwapState or None each) for the configured tiers: each
     folder held by this job (``SwapDir.acquire``), checked for space (nothing is written to
-    it before that passes), cleared of a dead job's other swap files, then allocated.
+    it before that passes), cleared of a dead job's other swap files, then allocated. The
+    grad files (stage 3, optimizer on NVMe: ``moezero.zero.gradtier``) share the optimizer's
+    folder and have no meter (the tier counts its buffers). In fp32 with both tiers in one
+    folder the params are read from the master files (``master_is_param``).
     ``pin``: pin the host buffers (default: where CUDA is available)."""
-    optim = param = io = None
+    optim = param = grad = io = None
     pin = torch.cuda.is_available() if pin is None else pin
     options = options or IOOptions()
     new_io = lambda: AsyncIO(chunk_bytes=options.chunk_bytes, direct=options.direct_io)
@@ -169,15 +190,26 @@ def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
     folder = lambda path: folders.setdefault(os.path.abspath(path), SwapDir(path, rank))
     if cfg_zero.offload_optimizer.device == "nvme":
         io = new_io()
-        optim = SwapState(folder(cfg_zero.offload_optimizer.nvme_path), io, slots,
-                          STATES, torch.float32, key=OPTIMIZER_KEY, meter=meter, pin=pin)
+        where = folder(cfg_zero.offload_optimizer.nvme_path)
+        optim = SwapState(where, io, slots, STATES, torch.float32, key=OPTIMIZER_KEY,
+                          meter=meter, pin=pin)
+        if cfg_zero.stage == 3:
+            grad = SwapState(where, io, slots, ("grad",), dtype, key=OPTIMIZER_KEY, pin=pin)
     if cfg_zero.stage == 3 and cfg_zero.offload_param.device == "nvme":
         io = io or new_io()
-        param = SwapState(folder(cfg_zero.offload_param.nvme_path), io, slots,
-                          ("param",), dtype, key=PARAM_KEY, meter=meter, pin=pin)
-    stores = [s for s in (optim, param) if s is not None]
-    _prepare(stores, folders.values())
-    return optim, param
+        where = folder(cfg_zero.offload_param.nvme_path)
+        param = SwapState(where, io, slots, ("param",), dtype, key=PARAM_KEY, meter=meter,
+                          pin=pin, alias="master" if master_is_param(optim, where, dtype) else None)
+        if param.alias is not None:
+            optim.readers.append(param)  # the step's master writes forget its reads ahead
+    _prepare([s for s in (optim, param, grad) if s is not None], folders.values())
+    return optim, param, grad
+
+
+def master_is_param(optim: SwapState | None, folder: SwapDir, dtype: torch.dtype) -> bool:
+    """fp32 with both tiers in one folder: the param shard is the master's bytes, so the
+    params read the master's swap files (no file of their own, no write after the step)."""
+    return optim is not None and optim.folder is folder and dtype == torch.float32
 
 
 def _prepare(stores: list[SwapState], folders) -> None:
@@ -203,11 +235,13 @@ def _prepare(stores: list[SwapState], folders) -> None:
 def check_paths(cfg_zero, *, numel: int, share: float, param_bytes: int) -> None:
     """Before any rank starts: each NVMe folder exists, is a writable directory and has room
     for what this node's ranks will swap there: their ``share`` of the model's ``numel``
-    elements at 12 B (fp32 master + moments) and, at stage 3, ``param_bytes`` (alignment
-    aside; each rank checks its exact size again). One-line ``ConfigError`` naming the key
-    and path; writes nothing."""
+    elements at 12 B (fp32 master + moments; at stage 3 plus ``param_bytes`` of reduced
+    gradient) and, at stage 3, ``param_bytes`` of param shard (alignment aside; each rank
+    checks its exact size again). One-line ``ConfigError`` naming the key and path; writes
+    nothing."""
     need: dict[str, list] = {}
-    tiers = [(cfg_zero.offload_optimizer, OPTIMIZER_KEY, 12)]
+    grad_bytes = param_bytes if cfg_zero.stage == 3 else 0
+    tiers = [(cfg_zero.offload_optimizer, OPTIMIZER_KEY, 12 + grad_bytes)]
     if cfg_zero.stage == 3:
         tiers.append((cfg_zero.offload_param, PARAM_KEY, param_bytes))
     for tier, key, per_elem in tiers:

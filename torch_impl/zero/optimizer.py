@@ -39,6 +39,7 @@ from moezero.plan.partition import Partition
 from moezero.zero.adamw import adamw_, adamw_foreach_, clip_coef
 from moezero.zero.buckets import GroupColumns, plan_windows
 from moezero.zero.buffers import attach_grad_views, build_kinds, flatten_params, param_positions
+from moezero.zero.gradtier import square_sum
 from moezero.zero.groups import OptimizerGroups
 from moezero.zero.options import ZeroOptions
 from moezero.zero.reduce import GradReduction
@@ -59,6 +60,7 @@ class Optimizer:
     clone_fp32_grads = True  # the step's fp32 gradient is a copy, not ``Slot.grad`` itself
     optim_swap = None  # NVMe: the fp32 states' swap files (``offload.state.SwapState``)
     param_swap = None  # NVMe at stage 3: the param shards' swap files
+    grad_tier = None  # NVMe at stage 3: the reduced gradients' swap files (``zero.gradtier``)
 
     def __init__(self, params: dict[str, nn.Parameter], topology: Topology) -> None:
         self.params, self.topology = params, topology
@@ -95,7 +97,7 @@ class Optimizer:
                                        bucket_size=options.reduce_bucket_size,
                                        overlap=options.overlap_comm, all_reduce=all_reduce,
                                        release=release, world_size=self.topology.world_size,
-                                       dtype=options.reduce_dtype)
+                                       dtype=options.reduce_dtype, tier=self.grad_tier)
 
     @property
     def _device(self) -> torch.device:
@@ -114,6 +116,8 @@ class Optimizer:
     def reduce_gradients(self) -> None:
         """Launch every gradient bucket not yet launched, wait, store the sums / W."""
         self.reduction.reduce_gradients()
+        if self.grad_tier is not None:
+            self.grad_tier.finish()
 
     def zero_grad(self) -> None:
         """After a step: clear the local gradients (full gradient buffers keep their views)."""
@@ -222,7 +226,17 @@ class Optimizer:
         self.meter.drop(temporaries + held)
 
     def _upcast(self, slot: Slot, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, int]:
-        """Elements [lo, hi) of the slot's reduced gradient in fp32, and the bytes that took."""
+        """Elements [lo, hi) of the slot's reduced gradient in fp32, and the bytes that took
+        (with the gradient tier: the whole partition, read from its swap file)."""
+        if self.grad_tier is not None:
+            grad, held = self.grad_tier.take(slot)
+            g32 = grad.float()  # the read buffer is a fresh copy: no clone
+            if g32 is not grad:
+                self.meter.drop(held)
+                del grad
+                held = nbytes(g32)
+                self.meter.hold(held)
+            return g32, held
         grad = slot.grad[lo:hi]
         g32 = grad.float()
         if g32 is grad and self.clone_fp32_grads:
@@ -236,16 +250,21 @@ class Optimizer:
         flag, in one all-reduce over all ranks."""
         acc = torch.zeros(2, dtype=torch.float64, device=self._device)
         for i, slot in enumerate(self.slots):
+            if self.grad_tier is not None and upcast is None:  # taken as the partition landed
+                sq, bad = self.grad_tier.sums(slot)
+                acc[0] += sq
+                acc[1] += bad
+                continue
             lo, hi = self._local(slot)
             if upcast is not None:
                 g32, held = upcast[i][0][lo:hi], 0
             else:
                 g32, held = self._upcast(slot, lo, hi)
-            sq = g32.square()
-            self.meter.hold(nbytes(sq))
-            acc[0] += sq.sum(dtype=torch.float64)
-            acc[1] += torch.isfinite(g32).logical_not_().sum()
-            self.meter.drop(nbytes(sq) + held)
+            self.meter.hold(nbytes(g32))  # the square
+            sq, bad = square_sum(g32)
+            acc[0] += sq
+            acc[1] += bad
+            self.meter.drop(nbytes(g32) + held)
         if self.topology.distributed:
             dist.all_reduce(acc)
         return acc[0].item(), acc[1].item() > 0
@@ -318,10 +337,11 @@ class Optimizer:
 
     def swap_traffic(self) -> dict[str, int]:
         """Bytes read from / written to this rank's swap files so far, by tier and direction
-        (``optim_read``, ``optim_write``, ``param_read``, ``param_write``; 0 without one)."""
+        (``optim_``, ``param_``, ``grad_`` + ``read``/``write``; 0 without one)."""
+        tiers = (("optim", self.optim_swap), ("param", self.param_swap),
+                 ("grad", getattr(self.grad_tier, "swap", None)))
         return {f"{tier}_{op}": swap.traffic[op] if swap is not None else 0
-                for tier, swap in (("optim", self.optim_swap), ("param", self.param_swap))
-                for op in ("read", "write")}
+                for tier, swap in tiers for op in ("read", "write")}
 
     def close(self) -> None:
         """Release what the optimizer holds beyond memory (a clean exit)."""

@@ -7,7 +7,8 @@ The sharded optimizer (rows = dp_size) reduce-scatters it: one ``reduce_scatter_
 gives every rank its columns of its shard; the replicated one (one row) all-reduces it. The
 sums are divided by W (DESIGN.md §2: dense grads averaged over W; expert grads summed over the
 EDP group and divided by W, i.e. the gradient of the global mean loss) and downcast into
-``Slot.grad`` (the shard, or the whole group's range of the flat gradients). In fp32 the sums
+``Slot.grad`` (the shard, or the whole group's range of the flat gradients; at stage 3 with
+the optimizer on NVMe, ``moezero.zero.gradtier``: a swap file per group). In fp32 the sums
 round once for bf16/fp16 grads; in bf16 they travel at half the bytes, are upcast to fp32 before
 the division and are stepped in fp32 like any gradient (FSDP2's ``reduce_dtype``). With
 ``overlap_comm``, a ``register_post_accumulate_grad_hook`` on every parameter counts ready
@@ -90,12 +91,15 @@ class GradReduction:
         release: Free each ``param.grad`` once every bucket reading it has been sent.
         world_size: W, the divisor of the sums.
         dtype: The reduce dtype (send buffers and sums).
+        tier: ``moezero.zero.gradtier.GradTier``: the sums land there (and go to swap files)
+            instead of in ``Slot.grad``.
     """
 
     def __init__(self, params: dict, kinds: Sequence[Kind], *, bucket_size: int, overlap: bool,
                  all_reduce: bool, release: bool, world_size: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, tier=None):
         self.params, self.kinds, self.world_size, self.dtype = params, kinds, world_size, dtype
+        self._tier = tier
         self._all_reduce, self._release_sent = all_reduce, release
         self._device = next(iter(params.values())).device
         order = {fqn: i for i, fqn in enumerate(params)}
@@ -188,7 +192,11 @@ class GradReduction:
         out.div_(self.world_size)
         bucket, col = self.buckets[index], 0
         for si, a, b in bucket.pieces:
-            self.kinds[bucket.kind].slots[si].grad[a:b].copy_(out[col:col + b - a])
+            slot = self.kinds[bucket.kind].slots[si]
+            if self._tier is not None:
+                self._tier.land(slot, a, b, out[col:col + b - a])
+            else:
+                slot.grad[a:b].copy_(out[col:col + b - a])
             col += b - a
 
     def _reset(self) -> None:

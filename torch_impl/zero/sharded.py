@@ -33,7 +33,9 @@ the next units' shards ahead); the step ends with the downcast into the shard, n
 ``state_device`` (the host for ``cpu``) or, for ``nvme``, in swap files handed in by the
 engine (``swap_factory``: ``offload_state.SwapState`` objects, so this layer never imports
 ``offload``); ``_states`` yields each group's state in plan order, from memory or read ahead
-from the swap files and written back behind the step.
+from the swap files and written back behind the step. At stage 3 with the optimizer on
+NVMe the reduced gradients go to swap files too (``moezero.zero.gradtier``): ``Slot.grad`` stays
+None, a group's partition lives in memory only while it lands and while it is stepped.
 Reference counterpart: ``reference/plan/partition.py`` and ``reference/zero.py``.
 """
 
@@ -46,6 +48,7 @@ from moezero.distributed.topology import Topology, gather_groups
 from moezero.zero.allgather import gather_all
 from moezero.zero.buckets import plan_gathers, scatter_columns
 from moezero.zero.gather import ParamGatherer
+from moezero.zero.gradtier import GradTier
 from moezero.zero.groups import OptimizerGroups
 from moezero.zero.optimizer import Optimizer
 from moezero.zero.options import ZeroOptions
@@ -64,8 +67,9 @@ class ShardedOptimizer(Optimizer):
         model: Stage 3 only: its modules are the gather units.
         state_device, param_device: Where the fp32 state / stage-3 param shards live in
             memory (the params' device, or the host for ``cpu`` offload).
-        swap_factory: ``(slots, meter) -> (optimizer SwapState | None, param SwapState |
-            None)`` for NVMe offload (``moezero.offload.state.build``).
+        swap_factory: ``(slots, meter) -> (optimizer, param, grad SwapState or None each)``
+            for NVMe offload (``moezero.offload.state.build``; grad: stage 3 only, the
+            gradient tier ``moezero.zero.gradtier``).
         initial: FQN -> the param's initial value, read instead of the params (stage 3 with
             params built without storage: ``moezero.model.materialize``).
     """
@@ -86,8 +90,11 @@ class ShardedOptimizer(Optimizer):
         # device, or the host for 'cpu'), or swap files (``offload.state.SwapState``).
         self.state_device = state_device or self._device
         self.param_device = param_device or self._device
-        self.optim_swap, self.param_swap = (swap_factory(self.slots, self.meter) if swap_factory
-                                            else (None, None))
+        self.optim_swap, self.param_swap, grad_swap = (
+            swap_factory(self.slots, self.meter) if swap_factory else (None, None, None))
+        if grad_swap is not None:
+            self.grad_tier = GradTier(grad_swap, self.slots, ahead=options.host_window,
+                                      meter=self.meter)
         self._initial = initial or (lambda fqn: self.params[fqn].data)
         self._init_state()
         self._initial = None  # drops the init source's cached param
@@ -116,8 +123,9 @@ class ShardedOptimizer(Optimizer):
             and self.optim_swap is None and self.state_device == self._device
         flat = {slot: kind.params for kind in self.kinds for slot in kind.slots}
         for slot in self.slots:
-            slot.grad = torch.zeros(slot.shard, dtype=dtype, device=self._device)
-            self.meter.add_persistent(slot.grad)
+            if self.grad_tier is None:  # else the gradient exists while it lands only
+                slot.grad = torch.zeros(slot.shard, dtype=dtype, device=self._device)
+                self.meter.add_persistent(slot.grad)
             if master_is_param:
                 self._init_master_in_params(slot, flat[slot])
             else:
@@ -174,7 +182,9 @@ class ShardedOptimizer(Optimizer):
         """Drop gathers in flight and remove the swap files (a clean exit)."""
         if self.gatherer is not None:
             self.gatherer.drain()
-        for swap in (self.optim_swap, self.param_swap):
+        if self.grad_tier is not None:
+            self.grad_tier.drain()
+        for swap in (self.optim_swap, self.param_swap, getattr(self.grad_tier, "swap", None)):
             if swap is not None:
                 swap.close(remove=True)
 
@@ -229,6 +239,8 @@ class ShardedOptimizer(Optimizer):
     # ------------------------------------------------------------------ inspection
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The reduced gradients by FQN, all-gathered (collective; after ``reduce_gradients``)."""
+        if self.grad_tier is not None:
+            return self._full(lambda slot: self.grad_tier.load(slot).to(self._device))
         return self._full(lambda slot: slot.grad)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -261,5 +273,5 @@ class ShardedOptimizer(Optimizer):
                     "dp_rank": slot.dp_rank, "range": part.rank_range(slot.dp_rank),
                     "ranks": list(part.ranks), "master": slot.shard,
                     "exp_avg": slot.shard, "exp_avg_sq": slot.shard,
-                    "grad": slot.grad.numel()})
+                    "grad": slot.grad.numel() if slot.grad is not None else 0})
         return sorted(rows, key=lambda r: r["index"])
