@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script by torchrun: the repository root on sys.path
@@ -56,6 +57,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=2, help="AutoEP's expert-parallel size")
     p.add_argument("--sub-group-size", type=int, default=100_000_000,
                    help="ZeRO-3 optimizer sub-group (elements swapped in at once)")
+    p.add_argument("--param-buffers", type=int, default=5,
+                   help="offload_param.buffer_count (each holds the largest partition)")
     p.add_argument("--max-rss-gib", type=float, default=16.0, help="all ranks together")
     p.add_argument("--timeout-min", type=float, default=40.0)
     return p
@@ -105,7 +108,9 @@ def shape(args: argparse.Namespace) -> dict:
 def ds_config(args: argparse.Namespace, largest_param: int, world: int) -> dict:
     """ZeRO-3, params and optimizer on NVMe, fp32, torch's AdamW (no op build). The param swap
     buffers hold the largest partition; ``stage3_prefetch_bucket_size: 0`` because prefetch
-    asserts with NVMe params on this version (docs/offload.md's peer notes)."""
+    asserts with NVMe params on this version (shared PEERS notes, DeepSpeed 0.19.8); reuse
+    distance and live parameters 0, or gathered params keep their swap buffers (the defaults,
+    1e9 elements, held every buffer after one step: "Not enough buffers 0 for swapping 3")."""
     nvme = str(Path(args.nvme).resolve())
     buffer = math.ceil(largest_param / world / 2**20) * 2**20
     cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
@@ -115,9 +120,10 @@ def ds_config(args: argparse.Namespace, largest_param: int, world: int) -> dict:
                "torch_adam": True}},
            "zero_optimization": {
                "stage": 3, "stage3_prefetch_bucket_size": 0,
+               "stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0,
                "sub_group_size": args.sub_group_size,
                "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": False,
-                                 "buffer_count": 5, "buffer_size": buffer, "max_in_cpu": 0},
+                                 "buffer_count": args.param_buffers, "buffer_size": buffer, "max_in_cpu": 0},
                "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False}},
            "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
                    "single_submit": False, "overlap_events": True}}
@@ -199,11 +205,14 @@ def result(info: dict, ok: bool, error: str | None, rss: list, anon: list) -> di
     """The JSON object: ``ok``, ``error`` (one line), ``kind``, ``params``, ``peak_rss_bytes``
     and ``peak_anon_bytes`` per rank (VmHWM; anonymous resident memory sampled every 10 ms),
     ``init_s``, ``step_s`` per step, ``swap_bytes`` (the NVMe folder after init), ``config``
-    (DeepSpeed's), plus ``model`` (its shape), ``losses`` and the versions."""
+    (DeepSpeed's), plus ``model`` (its shape, and how many MoE blocks AutoEP replaced),
+    ``losses``, ``swap_bytes_after_steps`` (optimizer swap files grow on the first step) and
+    the versions."""
     return {"ok": ok, "error": error, "kind": info["kind"], "params": info["params"],
             "peak_rss_bytes": rss, "peak_anon_bytes": anon, "init_s": info["init_s"],
             "step_s": info["step_s"], "swap_bytes": info["swap_bytes"],
             "config": info["config"], "model": info["model"], "losses": info["losses"],
+            "swap_bytes_after_steps": info.get("swap_bytes_after_steps"),
             "versions": info.get("versions")}
 
 
@@ -253,7 +262,10 @@ def measure(run: Run) -> None:
     dist.barrier()
     run.info["init_s"] = time.perf_counter() - run.start
     run.info["swap_bytes"] = tree_bytes(run.args.nvme)[0]
+    run.info["model"]["autoep_layers"] = sum(type(m).__name__ == "AutoEPMoELayer"
+                                             for m in engine.module.modules())
     train(run, engine)
+    run.info["swap_bytes_after_steps"] = tree_bytes(run.args.nvme)[0]
     run.finish()
     records = [None] * run.world
     dist.all_gather_object(records, run.record())
@@ -276,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         deepspeed.init_distributed(dist_backend="gloo")
         measure(run)
     except Exception as exc:  # a failure is a result: "the error it stops with"
+        traceback.print_exc()  # the log keeps where it stopped; the result keeps one line
         run.fail(one_line(exc))
     return 0
 

@@ -30,6 +30,8 @@ def test_config_is_zero3_with_params_and_optimizer_on_nvme():
     cfg = ds.ds_config(args, largest, world=2)
     zero = cfg["zero_optimization"]
     assert zero["stage"] == 3 and zero["stage3_prefetch_bucket_size"] == 0
+    # with the default reuse distance gathered params kept their swap buffers: step 2 failed
+    assert zero["stage3_max_reuse_distance"] == zero["stage3_max_live_parameters"] == 0
     assert zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "nvme"
     assert zero["offload_param"]["nvme_path"] == "/tmp/swap"
     assert zero["offload_param"]["buffer_size"] * 2 >= largest
