@@ -113,6 +113,9 @@ def bench(session: nox.Session) -> None:
             session.run(pip, "install", "--no-build-isolation", "deepspeed==0.19.8",
                         env={"DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu"}, external=True,
                         stdout=log)
+            # benchmarks/deepspeed_scale.py: the model classes (AutoEP's Mixtral preset needs 5.x);
+            # accelerate for transformers' ZeRO-3 construction (HfDeepSpeedConfig)
+            session.run(pip, "install", "transformers>=5.0", "accelerate>=1.1", external=True, stdout=log)
         except nox.command.CommandFailed as exc:
             lines = [ln.strip() for ln in log_path.read_text().splitlines() if ln.strip()]
             errors = [ln for ln in lines if "error" in ln.lower()] or lines or [str(exc.reason)]

@@ -1,7 +1,8 @@
 """Pieces every benchmarked system shares inside a rank: the model shape, the data, sizes.
 
 Imports torch_impl's model and data modules only (no pydantic), so the peer venv can use it
-with the repository on ``sys.path``.
+with the repository on ``sys.path``; the memory helpers import no moezero module at all, so a
+peer script that uses only them needs no moezero install (``benchmarks/deepspeed_scale.py``).
 """
 
 from __future__ import annotations
@@ -12,10 +13,6 @@ from pathlib import Path
 
 import torch
 
-from moezero.data import Batches, make_corpus
-from moezero.engine import peak_memory_bytes
-from moezero.model.decoder import ModelArgs
-
 # The synthetic corpus settings of moezero.config.DataConfig's defaults.
 CORPUS = {"vocab": 32, "sources": 4, "seed": 1234}
 INIT_STD = 0.02
@@ -25,16 +22,20 @@ class Unsupported(Exception):
     """The system cannot run this configuration yet (reported, not fatal)."""
 
 
-def model_args(model: dict, *, ep_size: int) -> ModelArgs:
+def model_args(model: dict, *, ep_size: int):
     """The decoder shape of a run spec's ``model`` block with the given expert parallelism."""
+    from moezero.model.decoder import ModelArgs
+
     return ModelArgs(vocab_size=model["vocab_size"], dim=model["dim"], n_layers=model["n_layers"],
                      n_heads=model["n_heads"], ffn_dim=model["ffn_dim"],
                      num_experts=model["num_experts"], top_k=model["top_k"], ep_size=ep_size,
                      init_std=INIT_STD)
 
 
-def make_batches(train: dict, *, rank: int, world: int) -> Batches:
+def make_batches(train: dict, *, rank: int, world: int):
     """This rank's slice of the global batches moezero's trainer would draw (same seeds)."""
+    from moezero.data import Batches, make_corpus
+
     corpus = make_corpus(None, **CORPUS)
     return Batches(corpus, global_batch=train["micro_batch_size"] * world,
                    seq_len=train["seq_len"], seed=train["seed"], dp_rank=rank, dp_size=world)
@@ -70,6 +71,8 @@ class AnonPeak:
 
 def peak_rss() -> int:
     """This program's peak resident set size so far, in bytes (``VmHWM``)."""
+    from moezero.engine import peak_memory_bytes
+
     return peak_memory_bytes(torch.device("cpu"))
 
 
