@@ -38,6 +38,7 @@ from moezero.model.moe import expert_tag
 from moezero.model.recompute import checkpoint_blocks
 from moezero.model.router import update_expert_biases
 from moezero.offload import state as offload_state
+from moezero.offload.malloc import map_large_blocks
 from moezero.offload.options import IOOptions
 from moezero.plan import plan_layout
 from moezero.plan.records import EngineRecord, TopologyRecord
@@ -77,6 +78,7 @@ class Engine:
         self.io = io or IOOptions()
         self.dtype = resolve_dtype(cfg, device)
         zero = cfg.zero_optimization
+        _host_blocks(zero, self.io)
         if init is not None:
             materialize(model, init, device=device, dtype=self.dtype, values=zero.stage < 3)
         self.model = model.to(device=device, dtype=self.dtype)
@@ -269,6 +271,14 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(unb64(state["torch_cpu"]))
     if "torch_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(unb64(state["torch_cuda"]))
+
+
+def _host_blocks(zero, io: IOOptions) -> None:
+    """With an offloaded tier, glibc maps large host blocks and unmaps them when freed
+    (``IOOptions.host_mmap_threshold``; ``moezero.offload.malloc``)."""
+    offloaded = zero.offload_optimizer.device != "none" or zero.offload_param.device != "none"
+    if offloaded and io.host_mmap_threshold is not None:
+        map_large_blocks(io.host_mmap_threshold)
 
 
 def swap_metrics(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

@@ -27,6 +27,10 @@ class IOOptions:
         chunk_bytes: Bytes per pread/pwrite call of the async I/O engine (a multiple of 4096).
         syncfs: Flush a rank's checkpoint files with one ``syncfs`` where that is known to be
             enough (``checkpoint.writer.FolderFlush``); False: ``fsync`` file by file.
+        host_mmap_threshold: With an offloaded tier (``cpu`` or ``nvme``), host blocks of this
+            many bytes or more are mapped and returned to the OS when freed
+            (``moezero.offload.malloc``: glibc's dynamic threshold otherwise keeps a step's
+            freed buffers resident); None: glibc's default.
         test_save_delay_s: Test hook: seconds to sleep before each partition write, the
             manifest and the commit, so crash tests can land a SIGKILL inside a save.
         test_enospc: Test hook: ``(rank, step)``: that rank's checkpoint writes of that
@@ -38,5 +42,6 @@ class IOOptions:
     stage_bytes: int = 16 << 20
     chunk_bytes: int = CHUNK
     syncfs: bool = True
+    host_mmap_threshold: int | None = 1 << 20
     test_save_delay_s: float = 0.0
     test_enospc: tuple[int, int] | None = None
