@@ -42,21 +42,21 @@ SCALE_SIZES = {
     "quick": {"model": {"vocab_size": 256, "dim": 1024, "n_layers": 1, "n_heads": 8,
                         "ffn_dim": 2048, "num_experts": 32, "top_k": 2, "ep_size": 2},
               "train": _TRAIN, "dd_mib": 512},
-    "full": {"model": {"vocab_size": 256, "dim": 1024, "n_layers": 10, "n_heads": 8,
-                       "ffn_dim": 2000, "num_experts": 32, "top_k": 2, "ep_size": 2},
+    "full": {"model": {"vocab_size": 256, "dim": 1024, "n_layers": 20, "n_heads": 8,
+                       "ffn_dim": 1000, "num_experts": 32, "top_k": 2, "ep_size": 2},
              "train": _TRAIN, "dd_mib": 1024},
 }
-"""The series' model per mode: ``full`` is 2.01 B parameters (32 experts per MoE layer, 16 per
-rank at ep 2; fp32 master + moments + param shard = 32.1 GB of training state; on disk 32.1 GB
-of swap files and a 24.1 GB checkpoint), ``quick`` the same shape with one layer and expert
-width 2048 (0.21 B)."""
+"""The series' model per mode: ``full`` is 2.05 B parameters in 20 layers (32 experts of
+width 1000 per MoE layer, 16 per rank at ep 2, so a gather unit is 200 MB; fp32 master +
+moments + param shard = 32.8 GB of training state), ``quick`` one layer of 32 experts of width
+2048 (0.21 B). An earlier full model (10 layers of width 2000, 2.01 B) had 400 MB units: with
+one unit read ahead its peak RSS was 3.00 GiB per rank, 2.2 MiB over the 3 GiB target."""
 
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-"""The ranks' glibc setting: blocks of 1 MiB or more are mapped, and unmapped when freed.
-Without it glibc raises its threshold up to 32 MiB after the first large frees, and the
-transient tensors of a step (AdamW temporaries, gradient squares, group-sized buffers, on
-several threads' arenas) stay resident and fragmented: about 2.9 GiB peak and 2 GiB at rest
-per rank on the quick model, against 1.6 GiB and 0.35 GiB with it (docs/scale.md)."""
+RANK_ENV: dict[str, str] = {}
+"""Extra environment of the ranks: none. The glibc setting the series once passed here
+(``MALLOC_MMAP_THRESHOLD_=1048576``) is now made by the engine itself for offloaded tiers
+(``moezero.offload.malloc``, docs/offload.md), so the series measures what ``moezero train``
+gets."""
 
 TARGETS = {"rss_bytes": 3 * 2**30, "disk_ratio": 1.5, "params": 2.0e9, "experts": 32}
 
@@ -169,8 +169,8 @@ def run_scale(args, work: Path) -> dict:
     swap.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine_info(), "command": command_line(), "mode": mode,
                "size": SCALE_SIZES[mode], "dd_before": dd_bandwidth(swap, SCALE_SIZES[mode]["dd_mib"])}
-    results["env"] = MALLOC_ENV
-    results["run"] = run_one(scale_spec(mode), f"scale-{mode}", args, work, env=MALLOC_ENV)
+    results["env"] = RANK_ENV
+    results["run"] = run_one(scale_spec(mode), f"scale-{mode}", args, work, env=RANK_ENV)
     results["dd_after"] = dd_bandwidth(swap, SCALE_SIZES[mode]["dd_mib"])
     results["peer"] = read_peer(args.peer_json)
     shutil.rmtree(swap, ignore_errors=True)

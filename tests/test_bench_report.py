@@ -49,7 +49,7 @@ def test_scale_section_ratio_peer_row_and_only_its_section(tmp_path):
     text = "\n".join(section)
     # both ranks: 2 GB read at 1 GB/s + 1 GB written at 0.5 GB/s = 4 s; the slower rank's 6 s
     assert "| 6.0 s | 2.0 / 1.0 GB | 1.50× |" in text and "1.50× (met" in text
-    assert "2.01 B" in text and "2.00 GiB" in text and "(met, target ≤ 3 GiB)" in text
+    assert "2.05 B" in text and "2.00 GiB" in text and "(met, target ≤ 3 GiB)" in text
     assert "| DeepSpeed (peer) | – | not run (no --peer-json given) |" in text
     assert "init 0.50 GiB, train 2.00 GiB." in text
     peer = {"ok": True, "params": 2.05e9, "peak_rss_bytes": 5 * 2**30, "peak_anon_bytes": None,
