@@ -22,6 +22,7 @@ from moezero.config import load_config
 from moezero.estimate import RUNTIME_BYTES, activation_bytes, estimate
 from moezero.model.decoder import Decoder
 from moezero.train import model_args
+from tests.support.saved import saved_storages
 from tests.support.world import run_world
 from tests.torch_impl.tolerances import ACTIVATION_RTOL, ESTIMATE_PEAK_RTOL
 
@@ -80,18 +81,9 @@ def saved_bytes(cfg) -> int:
     dtype = torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
     model = Decoder(model_args(cfg)).to(dtype)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
     tokens = torch.randint(0, cfg.model.vocab_size,
                            (cfg.train.micro_batch_size, cfg.train.seq_len + 1))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(model) as seen:
         logits, aux = model(tokens[:, :-1])
         torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
     return sum(seen.values())

@@ -18,6 +18,7 @@ from moezero.engine import initialize
 from moezero.model.recompute import checkpoint_blocks
 from moezero.telemetry import ExpertLoad
 from moezero.train import build_model
+from tests.support.saved import saved_storages
 from tests.support.world import run_world
 from tests.torch_impl.test_distributed import MICRO
 from tests.torch_impl.test_estimate import case
@@ -150,17 +151,8 @@ def saved_activation_bytes(every: int | None, layers: int = 8) -> int:
     model = build_model(cfg, build_topology([1], num_experts=cfg.moe.num_experts))
     if every is not None:
         checkpoint_blocks(model, every)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
     tokens = torch.randint(0, 32, (4, 33), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(model) as kept:
         loss, _ = model.loss(tokens)
     loss.backward()
     return sum(kept.values())
