@@ -176,20 +176,46 @@ def _gather_held(bucket, cols: Sequence, itemsize: int) -> int:
 
 
 def activation_bytes(cfg: Config, itemsize: int) -> int:
-    """Bytes one micro-batch's forward keeps for backward on one rank, per token and block:
-    6 D-wide tensors in fp32 whatever the compute dtype (the norms compute in fp32 and keep
-    their fp32 inputs; the residuals), the queries, the attention's output and its reshaped
-    copy (3 H·K), the keys and values (2 G·K: grouped-query heads are never expanded; the
-    attention kernels, flash on GPUs and CPUs alike, keep only a log-sum-exp per head), the
-    top-k rows into the experts (k D) and out of them in fp32 (k D), two of their SwiGLU
-    hidden activations (2 k F) and three of the shared expert's (3 F_shared), the router's
-    fp32 logits and probabilities (2 E); then the logits and the loss's fp32
-    log-probabilities. Counted from the tensors autograd saves, fp32 and bf16, with and
-    without grouped-query heads and a shared expert (tests/torch_impl/test_estimate_peak.py)."""
+    """Bytes of one micro-batch's activations on one rank at their peak, when backward starts:
+    what the forward keeps (``kept_activation_bytes``) and, with activation checkpointing, the
+    activations of the one checkpointed block being recomputed (``moezero.model.recompute``:
+    blocks are recomputed one at a time, each just before its own backward)."""
+    recomputed = _block_bytes(cfg, itemsize) if cfg.activation_checkpointing.enabled else 0
+    return kept_activation_bytes(cfg, itemsize) + _tokens(cfg) * recomputed
+
+
+def kept_activation_bytes(cfg: Config, itemsize: int) -> int:
+    """Bytes one micro-batch's forward keeps for backward on one rank: per token, each block's
+    activations (``_block_bytes``), or for a checkpointed block (blocks 0, n, 2n, ... with
+    ``activation_checkpointing.every_n_layers`` n) only its D-wide input; then the head's:
+    the final norm's fp32 input, the projection's input, the logits and the loss's fp32
+    log-probabilities. Counted from the tensors autograd saves, fp32 and bf16,
+    with and without grouped-query heads, a shared expert and checkpointing
+    (tests/torch_impl/test_estimate_peak.py)."""
+    m, ac = cfg.model, cfg.activation_checkpointing
+    checkpointed = -(-m.n_layers // ac.every_n_layers) if ac.enabled else 0
+    per_token = (m.n_layers - checkpointed) * _block_bytes(cfg, itemsize) \
+        + checkpointed * m.dim * itemsize
+    head = m.dim * (4 + itemsize) + m.vocab_size * (itemsize + 4)
+    return _tokens(cfg) * (per_token + head)
+
+
+def _tokens(cfg: Config) -> int:
+    return cfg.train.micro_batch_size * cfg.train.seq_len
+
+
+def _block_bytes(cfg: Config, itemsize: int) -> int:
+    """Bytes a decoder block's forward keeps per token: 6 D-wide tensors in fp32 whatever the
+    compute dtype (each of the two norms keeps its fp32 input and normalised value, the router
+    its fp32 input; the sixth covers the small ones: routing indices and weights, rotary
+    tables, per-row statistics), the queries, the attention's output and its reshaped copy
+    (3 H·K), the keys and values (2 G·K: grouped-query heads are never expanded; the attention
+    kernels, flash on GPUs and CPUs alike, keep only a log-sum-exp per head), the top-k rows
+    into the experts (k D) and out of them in fp32 (k D), two of their SwiGLU hidden
+    activations (2 k F) and three of the shared expert's (3 F_shared), the router's fp32 logits
+    and probabilities (2 E)."""
     m, k = cfg.model, cfg.moe.top_k
     head = m.head_dim or m.dim // m.n_heads
     widths = 3 * m.n_heads * head + 2 * (m.n_kv_heads or m.n_heads) * head + k * m.dim \
         + 2 * k * m.ffn_dim + 3 * cfg.moe.shared_ffn_dim
-    per_token = itemsize * widths + 4 * ((6 + k) * m.dim + 2 * cfg.moe.num_experts)
-    tokens = cfg.train.micro_batch_size * cfg.train.seq_len
-    return tokens * (m.n_layers * per_token + m.vocab_size * (itemsize + 4))
+    return itemsize * widths + 4 * ((6 + k) * m.dim + 2 * cfg.moe.num_experts)
