@@ -18,7 +18,6 @@ the peak of a tier is its persistent bytes, its largest phase and, on the host, 
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from moezero.config import Config
 from moezero.distributed.topology import Topology
 from moezero.model.decoder import Decoder
 from moezero.offload.aio import aligned_size
+from moezero.offload.state import params_read_master
 from moezero.plan.grouping import plan_groups
 from moezero.plan.partition import Partition, plan_partitions
 from moezero.transients import PHASES, StepShape, Transient, activation_bytes, transients
@@ -98,7 +98,7 @@ class _Placement:
     host: bool  # the compute device is the host (CPU training)
     optimizer: str  # offload_optimizer.device: none | cpu | nvme
     param: str  # offload_param.device (stage 3): none | cpu | nvme
-    param_reads_master: bool = False  # fp32, both on NVMe in one folder (state.master_is_param)
+    param_reads_master: bool = False  # offload.state.params_read_master
 
     def memory(self, tier: str) -> str:
         """The tier a tensor on ``device`` ('none') or the host ('cpu') is reported in."""
@@ -121,14 +121,6 @@ class _Placement:
     @property
     def param_with_state(self) -> bool:  # param_device == state_device
         return self.host or (self.param != "none") == (self.optimizer != "none")
-
-
-def _shared_fp32_folder(zero, dtype: str) -> bool:
-    """fp32 params and optimizer both on NVMe in one folder: the params read the master's
-    swap files (``moezero.offload.state.master_is_param``)."""
-    paths = {os.path.abspath(t.nvme_path or "") for t in (zero.offload_param, zero.offload_optimizer)}
-    return dtype == "fp32" and zero.offload_param.device == zero.offload_optimizer.device == "nvme" \
-        and len(paths) == 1
 
 
 def _group_bytes(part: Partition, pl: _Placement) -> Counter:
@@ -192,7 +184,8 @@ def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda
                        split_by_expert=cfg.moe.split_groups_by_expert)
     parts = [p for p in plan_partitions(plan, world_size=world_size) if rank in p.ranks]
     pl = _Placement(zero.stage, ITEMSIZE[dtype], device == "cpu", zero.offload_optimizer.device,
-                    zero.offload_param.device, param_reads_master=_shared_fp32_folder(zero, dtype))
+                    zero.offload_param.device,
+                    param_reads_master=params_read_master(zero, fp32=dtype == "fp32"))
     total: Counter = Counter()
     for part in parts:
         total += _group_bytes(part, pl)

@@ -180,7 +180,7 @@ def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
     it before that passes), cleared of a dead job's other swap files, then allocated. The
     grad files (stage 3, optimizer on NVMe: ``moezero.zero.gradtier``) share the optimizer's
     folder and have no meter (the tier counts its buffers). In fp32 with both tiers in one
-    folder the params are read from the master files (``master_is_param``).
+    folder the params are read from the master files (``params_read_master``).
     ``pin``: pin the host buffers (default: where CUDA is available)."""
     optim = param = grad = io = None
     pin = torch.cuda.is_available() if pin is None else pin
@@ -197,19 +197,22 @@ def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
             grad = SwapState(where, io, slots, ("grad",), dtype, key=OPTIMIZER_KEY, pin=pin)
     if cfg_zero.stage == 3 and cfg_zero.offload_param.device == "nvme":
         io = io or new_io()
-        where = folder(cfg_zero.offload_param.nvme_path)
-        param = SwapState(where, io, slots, ("param",), dtype, key=PARAM_KEY, meter=meter,
-                          pin=pin, alias="master" if master_is_param(optim, where, dtype) else None)
+        alias = "master" if params_read_master(cfg_zero, fp32=dtype == torch.float32) else None
+        param = SwapState(folder(cfg_zero.offload_param.nvme_path), io, slots, ("param",), dtype,
+                          key=PARAM_KEY, meter=meter, pin=pin, alias=alias)
         if param.alias is not None:
             optim.readers.append(param)  # the step's master writes forget its reads ahead
     _prepare([s for s in (optim, param, grad) if s is not None], folders.values())
     return optim, param, grad
 
 
-def master_is_param(optim: SwapState | None, folder: SwapDir, dtype: torch.dtype) -> bool:
-    """fp32 with both tiers in one folder: the param shard is the master's bytes, so the
-    params read the master's swap files (no file of their own, no write after the step)."""
-    return optim is not None and optim.folder is folder and dtype == torch.float32
+def params_read_master(cfg_zero, *, fp32: bool) -> bool:
+    """fp32 with params and optimizer both on NVMe in one folder: the param shard is the
+    master's bytes, so the params read the master's swap files (no file of their own, no write
+    after the step). From the config alone (``moezero.estimate`` sizes the files by it)."""
+    optim, param = cfg_zero.offload_optimizer, cfg_zero.offload_param
+    return fp32 and optim.device == param.device == "nvme" \
+        and os.path.abspath(optim.nvme_path) == os.path.abspath(param.nvme_path)
 
 
 def _prepare(stores: list[SwapState], folders) -> None:
