@@ -80,15 +80,6 @@ def proc_io() -> dict:
     return {"read": int(fields["read_bytes"]), "write": int(fields["write_bytes"])}
 
 
-def reset_peak() -> None:
-    """Restart this process's peak RSS (``VmHWM``) from its current RSS (Linux
-    ``clear_refs`` 5), so each phase reports its own peak; ignored where refused."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
 def _swap_bytes(trainer) -> int:
     """Bytes the engine's swap I/O engine has moved so far (its ``stats``)."""
     opt = trainer.engine.optimizer
@@ -111,35 +102,38 @@ def _timed_step(trainer, batches) -> dict:
 
 def scale_rank(spec: dict) -> dict:
     """One rank of the series: init, steps, save, cold load, one resumed step (raw figures)."""
+    import torch
     import torch.distributed as dist
 
-    from benchmarks.common import AnonPeak, anon_rss, peak_rss, tree_bytes
+    from benchmarks.common import AnonPeak, anon_rss, tree_bytes
     from benchmarks.moezero_trainer import MoezeroTrainer
     from benchmarks.worker import _barrier_timed, drop_page_cache
+    from moezero.telemetry import PeakMemory
 
+    memory = PeakMemory(torch.device("cpu"))  # VmHWM, restarted at each phase (clear_refs)
     anon_start, sampler = anon_rss(), AnonPeak()
     start = time.perf_counter()
     trainer = MoezeroTrainer(spec)
     dist.barrier()
     out = {"status": "ok", "anon_start": anon_start, "init_s": time.perf_counter() - start,
            "info": trainer.info}
-    phases = {"init": peak_rss()}
-    reset_peak()
+    phases = {"init": memory.peak()}
+    memory.reset()
     out["steps"] = [_timed_step(trainer, trainer.batches) for _ in range(spec["train"]["timed"])]
-    phases["train"] = peak_rss()
+    phases["train"] = memory.peak()
     folder = spec["ckpt_dir"]
-    reset_peak()
+    memory.reset()
     out["save_s"] = _barrier_timed(trainer.save, folder)
-    phases["save"] = peak_rss()
+    phases["save"] = memory.peak()
     out["ckpt_bytes"] = tree_bytes(folder)[0]
     if dist.get_rank() == 0:
         drop_page_cache(folder)
-    reset_peak()
+    memory.reset()
     out["load_s"] = _barrier_timed(trainer.load, folder)
-    phases["load"] = peak_rss()
-    reset_peak()
+    phases["load"] = memory.peak()
+    memory.reset()
     out["resumed"] = _timed_step(trainer, trainer.batches)
-    phases["resumed"] = peak_rss()
+    phases["resumed"] = memory.peak()
     out.update(anon_peak=sampler.stop(), peak_rss=max(phases.values()), phase_rss=phases)
     dist.barrier()
     if dist.get_rank() == 0:

@@ -13,8 +13,6 @@ each storage once, the parameters left out).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -33,25 +31,22 @@ MODEL = ["model.dim=256", "model.n_layers=4", "model.ffn_dim=1024", "moe.num_exp
          "precision.dtype=fp32", "optimizer.warmup_steps=0"]
 
 
-def _status(key: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    return int(next(ln for ln in text.splitlines() if ln.startswith(key)).split()[1]) * 1024
-
-
 def grow(overrides: list[list[str]]) -> list[tuple[int, int]]:
     """Per config on this rank: (rank, growth of peak RSS over the RSS before the engine)."""
     import torch.distributed as dist
 
+    from moezero.telemetry import PeakMemory
     from moezero.train import setup
 
-    out = []
+    memory, out = PeakMemory(torch.device("cpu")), []
     for extra in overrides:
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        before = _status("VmRSS:")
+        memory.reset()  # VmHWM := VmRSS
+        assert memory.resettable, "cannot reset the peak RSS (/proc/self/clear_refs)"
+        before = memory.peak()
         engine, batches = setup(load_config(None, MODEL + extra), torch.device("cpu"))
         for _ in range(2):
             engine.train_step([torch.from_numpy(batches.next())])
-        out.append((dist.get_rank(), _status("VmHWM:") - before))
+        out.append((dist.get_rank(), memory.peak() - before))
         engine.close()
         del engine, batches
     return out
