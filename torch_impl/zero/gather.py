@@ -162,7 +162,7 @@ class ParamGatherer:
         self.params, self.slots, self.fetch = params, slots, fetch
         self.groups, self.prefetch, self.bucket_size = groups, prefetch, bucket_size
         self.hint, self.read_ahead = (hint, read_ahead) if hint and read_ahead > 0 else (None, 0)
-        self._post: list[list[int]] = []  # units by post-forward hook since the last backward
+        self._post: list[list[int]] = []  # with read-ahead: units by post-forward hook since the last backward
         self._plans: dict[tuple[int, ...], tuple[GatherBucket, ...]] = {}
         modules = unit_modules(model)
         self.units = plan_units([n for n, _ in modules],
@@ -201,9 +201,10 @@ class ParamGatherer:
         tensors = [t for t in _flatten(out) if t.requires_grad]
         if not tensors:
             return out
-        self._post.append(units)
-        if root:  # the forward is done: backward fetches next
-            self._read_ahead(self._backward_fetches(0))
+        if self.hint is not None:  # read-ahead: remember the order backward will fetch in
+            self._post.append(units)
+            if root:  # the forward is done: backward fetches next
+                self._read_ahead(self._backward_fetches(0))
         wrapped = iter(_Regather.apply(self, units, *tensors))
         swap = {id(t): next(wrapped) for t in tensors}
         return _rebuild(out, swap)
@@ -214,8 +215,8 @@ class ParamGatherer:
             self.pending[u], self.active[u] = len(self.units[u].fqns), True
         if self.prefetch and units[0] > 0:
             self._start(self.units[units[0] - 1].slots)
-        calls = self._post[::-1]  # the latest forward's first
-        if units in calls:
+        if self.hint is not None and units in self._post:
+            calls = self._post[::-1]  # the latest forward's first
             self._read_ahead(self._backward_fetches(calls.index(units) + 1))
 
     def _on_grad(self, fqn: str) -> None:
