@@ -100,10 +100,8 @@ def error_line(log: str) -> str:
     return (hits or lines or ["no output"])[-1][:300]
 
 
-def run_one(spec: dict, tag: str, args: argparse.Namespace, work: Path,
-            env: dict | None = None) -> dict:
-    """One configuration in fresh torchrun processes (``env``: more environment variables);
-    the parsed result or the failure."""
+def run_one(spec: dict, tag: str, args: argparse.Namespace, work: Path) -> dict:
+    """One configuration in fresh torchrun processes; the parsed result or the failure."""
     options = {k: v.replace("{work}", str(work)) if isinstance(v, str) else v
                for k, v in spec["options"].items()}
     for key, folder in options.items():
@@ -120,8 +118,7 @@ def run_one(spec: dict, tag: str, args: argparse.Namespace, work: Path,
     cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(spec["world_size"]), "-m", "benchmarks.worker", str(paths["spec"]), str(paths["result"])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           **(env or {})}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     start = time.perf_counter()
     try:
         with open(paths["log"], "w") as log:

@@ -12,7 +12,10 @@ the same engine and one more step (the resume). The disk's direct-I/O bandwidth 
 with ``dd`` in the swap folder right before and right after the run (``machine.dd_bandwidth``);
 a step's disk time is its bytes at those speeds (both ranks share the disk), and the report
 gives the step time's ratio to it. The DeepSpeed peer row is read from ``--peer-json`` (written
-by ``benchmarks/deepspeed_scale.py``); without one the row says "not run".
+by ``benchmarks/deepspeed_scale.py``); without one the row says "not run". The ranks run in
+the default environment: the glibc setting the series once passed them
+(``MALLOC_MMAP_THRESHOLD_=1048576``) is made by the engine itself for offloaded tiers
+(``moezero.offload.malloc``), so the series measures what ``moezero train`` gets.
 """
 
 from __future__ import annotations
@@ -53,12 +56,6 @@ moments + param shard = 32.8 GB of training state), ``quick`` one layer of 32 ex
 2048 (0.21 B). An earlier full model (10 layers of width 2000, 2.01 B) had 400 MB units: with
 one unit read ahead its peak RSS was 3.00 GiB per rank, 2.2 MiB over the 3 GiB target; with
 two, 3.36 GiB. Halving the unit is what lets two units be read ahead within the budget."""
-
-RANK_ENV: dict[str, str] = {}
-"""Extra environment of the ranks: none. The glibc setting the series once passed here
-(``MALLOC_MMAP_THRESHOLD_=1048576``) is now made by the engine itself for offloaded tiers
-(``moezero.offload.malloc``, docs/offload.md), so the series measures what ``moezero train``
-gets."""
 
 TARGETS = {"rss_bytes": 3 * 2**30, "disk_ratio": 1.5, "params": 2.0e9, "experts": 32}
 
@@ -165,8 +162,7 @@ def run_scale(args, work: Path) -> dict:
     swap.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine_info(), "command": command_line(), "mode": mode,
                "size": SCALE_SIZES[mode], "dd_before": dd_bandwidth(swap, SCALE_SIZES[mode]["dd_mib"])}
-    results["env"] = RANK_ENV
-    results["run"] = run_one(scale_spec(mode), f"scale-{mode}", args, work, env=RANK_ENV)
+    results["run"] = run_one(scale_spec(mode), f"scale-{mode}", args, work)
     results["dd_after"] = dd_bandwidth(swap, SCALE_SIZES[mode]["dd_mib"])
     results["peer"] = read_peer(args.peer_json)
     shutil.rmtree(swap, ignore_errors=True)

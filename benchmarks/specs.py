@@ -99,11 +99,11 @@ ESTIMATE_ROWS: list[tuple[str, dict]] = [
                            "zero_optimization.offload_param.device": "cpu"}),
     ("stage 3 + nvme/nvme", NVME_OVERRIDES),
 ]
+"""The ``estimate`` series: ``moezero estimate`` against each rank's measured peak RSS, on
+``size["estimate_model"]`` (state of ~1-2 GB per rank dominates the process)."""
 ESTIMATE_RUNTIME_ROW = "runtime: stage 2 on a tiny model"
 """A row of the ``estimate`` series on ``size["tiny_model"]``: the process and nothing else,
 the measurement behind ``moezero.estimate.RUNTIME_BYTES``."""
-"""The ``estimate`` series: ``moezero estimate`` against each rank's measured peak RSS, on
-``size["estimate_model"]`` (state of ~1-2 GB per rank dominates the process)."""
 
 COLLECTIVE_STAGES = (2, 3)
 GATHER_MODES: dict[str, dict] = {"bucketed": {},

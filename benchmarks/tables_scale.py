@@ -49,6 +49,8 @@ def figures(results: dict) -> dict | None:
 
 
 def _env(results: dict) -> str:
+    """The ranks' extra environment: none now; results of earlier runs (``--from-json``) may
+    record one (``MALLOC_MMAP_THRESHOLD_`` before the engine set glibc's threshold itself)."""
     env = results.get("env") or {}
     return ", ".join(f"`{k}={v}`" for k, v in env.items()) or "the default environment"
 
