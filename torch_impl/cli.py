@@ -225,7 +225,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = _adopt(cfg, run_dir)
     from moezero.data.build import check_data
 
-    cfg = check_data(cfg)  # every data check of the ranks; records the datasets' tokenizer
+    cfg = check_data(cfg, note=_note)  # every data check of the ranks, shards verified
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
     from moezero.distributed.topology import validate  # torch: prepare-data never loads it
 
@@ -244,6 +244,10 @@ def _train(args: argparse.Namespace) -> int:
     io = IOOptions(test_save_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0") or 0),
                    test_enospc=_rank_step(os.environ.get(TEST_ENOSPC_ENV)))
     return launch_training(cfg, run_dir, args.nproc, io)
+
+
+def _note(line: str) -> None:
+    print(f"moezero: note: {line}", file=sys.stderr)
 
 
 def _rank_step(value: str | None) -> tuple[int, int] | None:

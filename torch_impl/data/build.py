@@ -5,11 +5,13 @@ one or more prepared datasets (``moezero prepare-data``), blended by ``data.weig
 training tokens when unset), each split by documents (``data.val_fraction`` held out).
 ``check_data`` runs every check the ranks would, before any rank starts, and records the
 datasets' tokenizer in ``cfg.tokenizer`` when the config has none yet (so checkpoints carry
-it and ``export`` writes it back).
+it and ``export`` writes it back). It also verifies every shard's crc32 and largest token
+id (``TokenDataset.verify``); the ranks check the largest ids the manifests record.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from moezero.config import Config
@@ -63,8 +65,27 @@ def _check_dataset(cfg: Config, ds: TokenDataset, train: PackedSplit,
         val.check(" (raise data.val_fraction, or set train.eval_every=0)")
 
 
+def _check_token_ids(ds: TokenDataset, maxima: list[int | None], vocab_size: int) -> None:
+    """DataError naming the first shard holding an id the model has no embedding for."""
+    for entry, top in zip(ds.manifest["shards"], maxima, strict=True):
+        if top is not None and top >= vocab_size:
+            raise DataError(f"{ds.path / entry['file']}: holds token id {top}, beyond the "
+                            f"model's vocabulary (model.vocab_size {vocab_size})")
+
+
+def verify_dataset(ds: TokenDataset, vocab_size: int,
+                   note: Callable[[str], None] | None = None) -> None:
+    """Every shard read through: its crc32 and largest id against the manifest, its ids against
+    the model's vocabulary; ``note`` hears about a manifest without checksums."""
+    if not ds.has_checksums and note is not None:
+        note(f"dataset {ds.path}: no shard checksums in its manifest (an older prepare-data); "
+             "token ids range-checked only")
+    _check_token_ids(ds, ds.verify(), vocab_size)
+
+
 def open_datasets(cfg: Config) -> list[tuple[TokenDataset, PackedSplit, PackedSplit | None]]:
-    """Every prepared dataset of ``data.path`` with its splits, all checked."""
+    """Every prepared dataset of ``data.path`` with its splits, all checked (token ids against
+    the largest the manifests record)."""
     opened = [open_splits(p, seq_len=cfg.train.seq_len, val_fraction=cfg.data.val_fraction)
               for p in cfg.data.paths]
     first = opened[0][0]
@@ -73,6 +94,7 @@ def open_datasets(cfg: Config) -> list[tuple[TokenDataset, PackedSplit, PackedSp
             raise DataError(f"data.path: {ds.path} and {first.path} were prepared with "
                             "different tokenizers; a blend needs one")
         _check_dataset(cfg, ds, train, val)
+        _check_token_ids(ds, ds.max_token_ids(), cfg.model.vocab_size)
     return opened
 
 
@@ -99,15 +121,20 @@ def build_batches(cfg: Config, *, dp_rank: int, dp_size: int) -> DataStream:
     return _prepared(cfg, dp_rank=dp_rank, dp_size=dp_size)
 
 
-def check_data(cfg: Config) -> Config:
-    """Every data check of the ranks, before any starts; ``cfg`` with ``tokenizer.*`` taken
-    from the prepared datasets when it records none.
+def check_data(cfg: Config, note: Callable[[str], None] | None = None) -> Config:
+    """Every data check of the ranks, before any starts, and every prepared shard verified
+    (crc32, token ids; ``note`` hears about manifests without checksums); ``cfg`` with
+    ``tokenizer.*`` taken from the prepared datasets when it records none.
 
     Raises:
         DataError: (one line) naming the path and what is wrong.
     """
     batches = build_batches(cfg, dp_rank=0, dp_size=1)
-    if not isinstance(batches, TokenBatches) or cfg.tokenizer.sha256:
+    if not isinstance(batches, TokenBatches):
+        return cfg
+    for ds in batches.corpus.datasets:
+        verify_dataset(ds, cfg.model.vocab_size, note)
+    if cfg.tokenizer.sha256:
         return cfg
     tok = batches.corpus.datasets[0].tokenizer
     special = {"eos_token_id": tok["eod_id"], **(tok.get("special") or {})}

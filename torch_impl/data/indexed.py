@@ -12,11 +12,17 @@ tokenizer's speed). A ``PackedSplit`` concatenates the documents of one side and
 stream into samples of ``seq_len + 1`` tokens that overlap by one (inputs and shifted
 targets): sample ``j`` is tokens ``[j L, j L + L + 1)``; documents are packed across sample
 boundaries, each ending with its end-of-document token.
+
+Integrity: the manifest records each shard's ``crc32`` and ``max_token_id`` (and the
+dataset's ``max_token_id``). Opening checks the counts against the files; :meth:`TokenDataset.verify`
+streams every shard in chunks to check its crc32 and largest id; ``max_token_ids`` gives
+the ids the vocabulary check needs. Manifests of older versions carry neither field.
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +33,7 @@ FORMAT = "moezero.tokens.v1"
 MANIFEST = "manifest.json"
 DOCUMENTS = "documents.npy"
 UNIGRAM = "unigram.npy"
+VERIFY_CHUNK = 8 << 20  # bytes read at a time by ``TokenDataset.verify``
 
 
 def shard_name(index: int) -> str:
@@ -53,6 +60,9 @@ class TokenDataset:
         self.shards = [self._open_shard(s) for s in self.manifest["shards"]]
         self.shard_starts = np.zeros(len(self.shards) + 1, dtype=np.int64)
         np.cumsum([s.size for s in self.shards], out=self.shard_starts[1:])
+        if self.manifest.get("num_tokens") != int(self.shard_starts[-1]):
+            raise DataError(f"{self.path / MANIFEST}: num_tokens {self.manifest.get('num_tokens')}"
+                            f" differs from its shards' {int(self.shard_starts[-1])} tokens")
         self.offsets = self._load(DOCUMENTS, mmap_mode="r")
         if self.offsets.shape != (self.manifest["num_documents"] + 1,) or \
                 int(self.offsets[-1]) != self.shard_starts[-1]:
@@ -83,6 +93,35 @@ class TokenDataset:
             return np.zeros(0, dtype=self.dtype)
         return np.memmap(path, dtype=self.dtype, mode="r")
 
+    @property
+    def has_checksums(self) -> bool:
+        """Whether the manifest records every shard's crc32 (older versions did not)."""
+        return all("crc32" in s and "max_token_id" in s for s in self.manifest["shards"])
+
+    def max_token_ids(self) -> list[int | None]:
+        """Each shard's largest token id as the manifest records it (None: not recorded)."""
+        return [s.get("max_token_id") for s in self.manifest["shards"]]
+
+    def verify(self, chunk_bytes: int = VERIFY_CHUNK) -> list[int]:
+        """Each shard's largest token id, read from the files ``chunk_bytes`` at a time; checks
+        the crc32 and largest id the manifest records (when it records them).
+
+        Raises:
+            DataError: (one line) naming the first shard that differs from its manifest entry.
+        """
+        maxima = []
+        for entry in self.manifest["shards"]:
+            path = self.path / entry["file"]
+            crc, top = scan_shard(path, self.dtype, chunk_bytes)
+            if "crc32" in entry and crc != entry["crc32"]:
+                raise DataError(f"{path}: crc32 {crc:#010x}, manifest says {entry['crc32']:#010x}"
+                                " (the shard changed after prepare-data)")
+            if entry.get("max_token_id", top) != top:
+                raise DataError(f"{path}: largest token id {top}, manifest says "
+                                f"{entry['max_token_id']}")
+            maxima.append(top)
+        return maxima
+
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of the concatenated stream, int64 (may span shards)."""
         out = np.empty(stop - start, dtype=np.int64)
@@ -102,6 +141,19 @@ class TokenDataset:
                 f"tokens, vocab {self.vocab_size:,}, unigram "
                 f"{entropy_nats(self.unigram_counts() / max(1, self.shard_starts[-1])):.3f} "
                 "nats/token")
+
+
+def scan_shard(path: Path, dtype: np.dtype, chunk_bytes: int = VERIFY_CHUNK) -> tuple[int, int]:
+    """The crc32 and the largest token id (-1 when empty) of a shard file, read in chunks
+    into one reused buffer."""
+    buf = bytearray(max(1, chunk_bytes // dtype.itemsize) * dtype.itemsize)
+    view, crc, top = memoryview(buf), 0, -1
+    with open(path, "rb") as f:
+        while n := f.readinto(view):
+            crc = zlib.crc32(view[:n], crc)
+            ids = np.frombuffer(buf, dtype=dtype, count=n // dtype.itemsize)
+            top = max(top, int(ids.max())) if ids.size else top
+    return crc, top
 
 
 def _read_manifest(path: Path) -> dict:

@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -60,6 +61,8 @@ class ShardResult:
     path: str
     documents: np.ndarray  # int64 token count of each document
     counts: np.ndarray  # int64 [vocab] token histogram
+    crc32: int  # of the shard file's bytes
+    max_token_id: int  # -1 for an empty shard
 
 
 _WORKER: dict = {}
@@ -111,14 +114,17 @@ def _run_item(item: readers.WorkItem) -> ShardResult:
     dtype = np.dtype(job.dtype)
     path = Path(job.out) / shard_name(item.index)
     lengths, counts = [], np.zeros(job.vocab_size, dtype=np.int64)
+    crc, top = 0, -1
     with open(path, "wb") as f:
         for texts in _batches(readers.read_documents(item, job.read)):
             flat, docs = tokenize_documents(tok, texts, job.eod_id, dtype)
             flat.tofile(f)
+            crc = zlib.crc32(flat, crc)
+            top = max(top, int(flat.max())) if flat.size else top
             lengths.append(docs)
             counts += np.bincount(flat, minlength=job.vocab_size)[:job.vocab_size]
     documents = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    return ShardResult(item.index, item.path, documents, counts)
+    return ShardResult(item.index, item.path, documents, counts, crc, top)
 
 
 def _check_out(out: Path) -> Path:
@@ -213,8 +219,10 @@ def _write_index(partial: Path, results: list[ShardResult], info: tokenizer.Toke
         "tokenizer": {"sha256": info.sha256, "vocab_size": info.vocab_size, "eod_id": eod_id,
                       "path": str(info.json_path.resolve()), "special": info.special},
         "num_documents": int(lengths.size), "num_tokens": int(offsets[-1]),
+        "max_token_id": max(r.max_token_id for r in results),
         "shards": [{"file": shard_name(r.index), "documents": int(r.documents.size),
-                    "tokens": int(r.documents.sum())} for r in results],
+                    "tokens": int(r.documents.sum()), "crc32": r.crc32,
+                    "max_token_id": r.max_token_id} for r in results],
         "documents": DOCUMENTS, "unigram": UNIGRAM,
         "inputs": [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in paths],
         "options": {**asdict(options.read), "eod_token": options.eod_token},
