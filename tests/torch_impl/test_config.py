@@ -278,7 +278,8 @@ def test_error_points_at_the_input_that_set_the_key(tmp_path):
     assert str(info.value).startswith("moe.top_k: must be <= moe.num_experts (2), got 3 (")
     with pytest.raises(ConfigError) as info:
         load_config(overrides=["zero_optimization.stagee=2"])
-    assert str(info.value) == ("zero_optimization.stagee: unknown key; did you mean 'stage'? "
+    assert str(info.value) == ("zero_optimization.stagee: unknown key; did you mean "
+                               "'zero_optimization.stage'? "
                                "(--set zero_optimization.stagee=2)")
 
 

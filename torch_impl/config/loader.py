@@ -47,10 +47,22 @@ def parse_override(text: str) -> tuple[list[str], object]:
     if not all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", part) for part in path):
         raise ConfigError(key or "--set", "bad key: expected dotted names like a.b.c", f"--set {text}")
     try:
-        value = yaml.load(raw, Loader=_Loader) if raw.strip() else None
+        value = parse_value(raw)
     except yaml.YAMLError as e:
         raise ConfigError(key, f"value is not valid YAML: {_first_line(e)}", f"--set {text}") from None
     return path, value
+
+
+def parse_value(raw: str) -> object:
+    """A ``--set`` value: YAML when the whole text is one YAML value, else the text itself (so
+    ``/data/ck #2`` stays as written instead of losing a "comment"); empty is None."""
+    text = raw.strip()
+    if not text:
+        return None
+    node = yaml.compose(text, Loader=_Loader)
+    if node is None or node.end_mark.index < len(text):  # YAML would drop a comment
+        return text
+    return yaml.load(text, Loader=_Loader)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -100,8 +112,9 @@ def _read_file(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError("config", f"cannot read file: {_first_line(e)}", where) from None
     try:
         if Path(path).suffix.lower() == ".json":
-            data = json.loads(text)
+            data = _unique(json.loads(text, object_pairs_hook=_Pairs), (), where)
         else:
+            _check_unique_yaml(yaml.compose(text, Loader=_Loader), (), where)
             data = yaml.load(text, Loader=_Loader)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ConfigError("config", f"not valid {_kind(path)}: {_first_line(e)}", where) from None
@@ -113,6 +126,42 @@ def _read_file(path: str | os.PathLike) -> dict[str, Any]:
     if bad:
         raise ConfigError(str(bad[0]), "keys must be strings", where)
     return data
+
+
+class _Pairs(list):
+    """A JSON object's (key, value) pairs in order, before duplicates are looked for."""
+
+
+def _unique(value: object, path: tuple[str, ...], where: str) -> object:
+    """JSON objects read as ``_Pairs`` made dicts; ConfigError naming a key given twice."""
+    if isinstance(value, _Pairs):
+        out: dict[str, Any] = {}
+        for key, item in value:
+            if key in out:
+                raise ConfigError(".".join((*path, key)), "given twice", where)
+            out[key] = _unique(item, (*path, key), where)
+        return out
+    if isinstance(value, list):
+        return [_unique(item, path, where) for item in value]
+    return value
+
+
+def _check_unique_yaml(node: yaml.Node | None, path: tuple[str, ...], where: str) -> None:
+    """ConfigError naming the first mapping key a YAML document gives twice (and its lines)."""
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _check_unique_yaml(item, path, where)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    lines: dict[object, int] = {}
+    for key_node, value_node in node.value:
+        key, line = key_node.value, key_node.start_mark.line + 1
+        dotted = (*path, str(key))
+        if key in lines:
+            raise ConfigError(".".join(dotted), f"given twice (lines {lines[key]} and {line})",
+                              where)
+        lines[key] = line
+        _check_unique_yaml(value_node, dotted, where)
 
 
 def _field(model: type[BaseModel] | None, key: str) -> FieldInfo | None:
@@ -202,7 +251,7 @@ def _convert(exc: ValidationError, sources: dict[tuple[str, ...], str]) -> Confi
         if isinstance(cause, FieldError):
             loc, problem = (*loc, *cause.field.split(".")), cause.problem
         elif err["type"] == "extra_forbidden":
-            problem = "unknown key" + _suggest(loc)
+            problem = "unknown key" + _suggest(loc, err.get("input"))
         elif not isinstance(err.get("input"), dict | list):
             problem = f"{problem}, got {_short(err.get('input'))}"
         parts.append((loc, problem))
@@ -223,15 +272,42 @@ def _where(loc: tuple[str, ...], sources: dict[tuple[str, ...], str]) -> str:
     return "defaults"
 
 
-def _suggest(loc: tuple[str, ...]) -> str:
+def _suggest(loc: tuple[str, ...], value: object) -> str:
+    """``; did you mean 'a.b.c'?`` with the full key closest to the unknown ``loc[-1]``: a key of
+    its section it is a prefix of, else difflib's nearest; the keys set under it follow when
+    they are one path of the suggested section (``zero.stage`` -> ``zero_optimization.stage``)."""
     model: type[BaseModel] | None = Config
     for part in loc[:-1]:
         model = _sub_model(model, part)
-    if model is None:
+    close = _closest(loc[-1], model)
+    if close is None:
         return ""
-    names = [f.alias or n for n, f in model.model_fields.items()]
-    close = difflib.get_close_matches(loc[-1], names, n=1)
-    return f"; did you mean '{close[0]}'?" if close else ""
+    return f"; did you mean '{'.'.join((*loc[:-1], close, *_known_path(model, close, value)))}'?"
+
+
+def _names(model: type[BaseModel]) -> list[str]:
+    return [f.alias or n for n, f in model.model_fields.items()]
+
+
+def _closest(key: str, model: type[BaseModel] | None) -> str | None:
+    if model is None:
+        return None
+    names = _names(model)
+    prefixed = [n for n in names if n.startswith(key)] if len(key) >= 3 else []
+    close = prefixed or difflib.get_close_matches(key, names, n=1)
+    return close[0] if close else None
+
+
+def _known_path(model: type[BaseModel], key: str, value: object) -> tuple[str, ...]:
+    """The keys under ``value`` when they form one path of known keys below ``model.key``."""
+    path: list[str] = []
+    while isinstance(value, dict) and len(value) == 1:
+        model = _sub_model(model, key)
+        key, value = next(iter(value.items()))
+        if model is None or key not in _names(model):
+            return ()
+        path.append(key)
+    return tuple(path)
 
 
 def _kind(path: str | os.PathLike) -> str:
