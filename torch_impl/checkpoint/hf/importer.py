@@ -83,12 +83,12 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"--out {out}: exists and is not an empty directory")
     cfg = import_config(arch, out, str(src / HF_CONFIG), hf_tokenizer.describe_import(src, out))
-    hf_tokenizer.copy_import(src, out)
     tensors = HFTensors(src)
     layout = _layout(arch, cfg)
     sources = {fqn: _source(tensors, fqn, shape, arch, family, src)
                for fqn, shape in layout.shapes}
     _check_all_used(tensors, {key for key, _ in sources.values()}, arch, src)
+    hf_tokenizer.copy_import(src, out)  # every header read and checked: now write
     final = _write(layout, tensors, sources, out, meta={
         "config": cfg.model_dump(by_alias=True, mode="json"),
         "topology": {"world_size": 1, "ep_sizes": [cfg.moe.ep_size], "zero_stage": None,

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from moezero.plan.layout import INDEX_NAME
 from moezero.plan.store import CheckpointError
@@ -25,17 +25,14 @@ class HFTensors:
                 raise CheckpointError(f"{index}: unreadable index: {exc}") from None
             self.files = {k: root / v for k, v in weight_map.items()}
         elif (root / "model.safetensors").is_file():
-            with safe_open(root / "model.safetensors", "pt") as f:
+            with open_safetensors(root / "model.safetensors") as f:
                 self.files = dict.fromkeys(f.keys(), root / "model.safetensors")
         else:
             raise CheckpointError(f"{root}: no model.safetensors or {INDEX_NAME} (only "
                                   "safetensors weights are read, never pickled .bin files)")
 
     def _open(self, key: str):
-        try:
-            return safe_open(self.files[key], "pt")
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{self.files[key]}: cannot read {key}: {exc}") from None
+        return open_safetensors(self.files[key])
 
     def check_shape(self, key: str, index: tuple, shape: tuple[int, ...]) -> None:
         """CheckpointError unless ``key[index]`` (leading dim of a slice dropped) is ``shape``;
@@ -62,6 +59,16 @@ class HFTensors:
         with self._open(key) as f:
             part = f.get_slice(key)
             return (part[index][0] if index else part[rows]).float()
+
+
+def open_safetensors(path: Path):
+    """``safe_open(path)``; a missing or damaged file (its header read and checked against the
+    file's size) is a one-line CheckpointError naming it."""
+    try:
+        return safe_open(path, "pt")
+    except (OSError, ValueError, SafetensorError) as exc:
+        cause = " ".join(str(exc).split())
+        raise CheckpointError(f"{path}: not a readable safetensors file ({cause})") from None
 
 
 def _slice_text(index: tuple) -> str:
