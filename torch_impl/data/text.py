@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ class TextCorpus:
         self.entropy_floor: float | None = None
         self.unigram_entropy = entropy_nats(counts / counts.sum())
         self.vocab_size_needed = MODEL_VOCAB
-        self.cut = self.bytes_.size - math.ceil(val_fraction * self.bytes_.size)
+        self.cut = self.bytes_.size - held_out(self.bytes_.size, val_fraction)
         self.train_bytes, self.val_bytes = self.bytes_[:self.cut], self.bytes_[self.cut:]
 
     def check_seq_len(self, seq_len: int, *, validation: bool = False) -> None:
@@ -73,3 +74,10 @@ class TextCorpus:
             f"bytes of {self.path}: {self.bytes_.size} bytes{held}, vocab 256, "
             f"unigram {self.unigram_entropy:.3f} nats/token"
         )
+
+
+def held_out(size: int, val_fraction: float) -> int:
+    """``ceil(val_fraction × size)`` for the fraction as written (``0.07`` is 7/100): the float
+    product can land just above an integer (``0.07 * 100 == 7.000000000000001``) and move the
+    cut a byte into the training head."""
+    return math.ceil(Fraction(repr(float(val_fraction))) * size)
