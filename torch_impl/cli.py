@@ -148,6 +148,13 @@ def _prepare_parser(sub) -> None:
                       help="tokenizer processes (default: the usable cores)")
     prep.add_argument("--chunk-mb", type=float, default=ReadOptions.chunk_bytes / 2**20,
                       metavar="MB", help="input per work item and shard (default 16)")
+    prep.add_argument("--format", choices=("text", "chat", "prompt-completion"), default="text",
+                      help="documents (text), .jsonl 'messages' rendered with the chat template "
+                           "(chat), or .jsonl 'prompt'/'completion' (docs/data.md)")
+    prep.add_argument("--train-on", choices=("all", "assistant", "last-assistant"),
+                      default="assistant", help="tokens the loss mask keeps (chat formats)")
+    prep.add_argument("--chat-template", metavar="FILE",
+                      help="a jinja chat template to use instead of the tokenizer's")
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
@@ -159,7 +166,9 @@ def _prepare_data(args: argparse.Namespace) -> int:
                         f"{args.chunk_mb}")
     read = readers.ReadOptions(args.text_field, args.txt_split,
                                max(1, int(args.chunk_mb * 2**20)))
-    options = prepare.PrepareOptions(read, args.eod_token, workers, prepare.progress_default())
+    options = prepare.PrepareOptions(
+        read, args.eod_token, workers, prepare.progress_default(), args.format, args.train_on,
+        Path(args.chat_template) if args.chat_template else None)
     try:
         manifest = prepare.prepare(args.inputs, args.out, args.tokenizer, options)
     except OSError as exc:

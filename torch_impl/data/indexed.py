@@ -40,6 +40,10 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.bin"
 
 
+def mask_name(index: int) -> str:
+    return f"mask-{index:05d}.bin"
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits, else uint32."""
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
@@ -58,6 +62,8 @@ class TokenDataset:
         self.tokenizer: dict = self.manifest["tokenizer"]
         self.dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
         self.shards = [self._open_shard(s) for s in self.manifest["shards"]]
+        self.masks = [self._open_mask(s) for s in self.manifest["shards"]] if self.has_mask \
+            else None
         self.shard_starts = np.zeros(len(self.shards) + 1, dtype=np.int64)
         np.cumsum([s.size for s in self.shards], out=self.shard_starts[1:])
         if self.manifest.get("num_tokens") != int(self.shard_starts[-1]):
@@ -93,6 +99,20 @@ class TokenDataset:
             return np.zeros(0, dtype=self.dtype)
         return np.memmap(path, dtype=self.dtype, mode="r")
 
+    def _open_mask(self, entry: dict) -> np.ndarray:
+        path = self.path / entry.get("mask_file", "")
+        if not path.is_file() or path.stat().st_size != entry["tokens"]:
+            raise DataError(f"{path}: missing or not {entry['tokens']} loss-mask bytes (an "
+                            "incomplete copy of the dataset?)")
+        if entry["tokens"] == 0:
+            return np.zeros(0, dtype=np.uint8)
+        return np.memmap(path, dtype=np.uint8, mode="r")
+
+    @property
+    def has_mask(self) -> bool:
+        """Whether a loss mask was prepared beside the tokens (chat, prompt-completion)."""
+        return "loss_mask" in self.manifest
+
     @property
     def has_checksums(self) -> bool:
         """Whether the manifest records every shard's crc32 (older versions did not)."""
@@ -120,18 +140,30 @@ class TokenDataset:
                 raise DataError(f"{path}: largest token id {top}, manifest says "
                                 f"{entry['max_token_id']}")
             maxima.append(top)
+            if self.has_mask:
+                self._verify_mask(entry, chunk_bytes)
         return maxima
+
+    def _verify_mask(self, entry: dict, chunk_bytes: int) -> None:
+        path = self.path / entry["mask_file"]
+        crc, top = scan_shard(path, np.dtype(np.uint8), chunk_bytes)
+        if crc != entry.get("mask_crc32", crc):
+            raise DataError(f"{path}: crc32 {crc:#010x}, manifest says "
+                            f"{entry['mask_crc32']:#010x} (the loss mask changed after "
+                            "prepare-data)")
+        if top > 1:
+            raise DataError(f"{path}: holds {top}, a loss mask holds only 0 and 1")
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` of the concatenated stream, int64 (may span shards)."""
-        out = np.empty(stop - start, dtype=np.int64)
-        pos, shard = start, int(np.searchsorted(self.shard_starts, start, side="right")) - 1
-        while pos < stop:
-            base = self.shard_starts[shard]
-            take = min(stop, self.shard_starts[shard + 1]) - pos
-            out[pos - start:pos - start + take] = self.shards[shard][pos - base:pos - base + take]
-            pos, shard = pos + take, shard + 1
-        return out
+        return _gather(self.shards, self.shard_starts, start, stop, np.int64)
+
+    def mask(self, start: int, stop: int) -> np.ndarray:
+        """Loss mask of tokens ``[start, stop)`` (bool: True = trained); all True for a
+        dataset prepared without one (plain text: every token is trained)."""
+        if self.masks is None:
+            return np.ones(stop - start, dtype=bool)
+        return _gather(self.masks, self.shard_starts, start, stop, np.uint8).astype(bool)
 
     def unigram_counts(self) -> np.ndarray:
         return self._load(UNIGRAM)
@@ -141,6 +173,19 @@ class TokenDataset:
                 f"tokens, vocab {self.vocab_size:,}, unigram "
                 f"{entropy_nats(self.unigram_counts() / max(1, self.shard_starts[-1])):.3f} "
                 "nats/token")
+
+
+def _gather(shards: list[np.ndarray], shard_starts: np.ndarray, start: int, stop: int,
+            dtype) -> np.ndarray:
+    """Elements ``[start, stop)`` of the concatenation of ``shards`` (may span shards)."""
+    out = np.empty(stop - start, dtype=dtype)
+    pos, shard = start, int(np.searchsorted(shard_starts, start, side="right")) - 1
+    while pos < stop:
+        base = shard_starts[shard]
+        take = min(stop, shard_starts[shard + 1]) - pos
+        out[pos - start:pos - start + take] = shards[shard][pos - base:pos - base + take]
+        pos, shard = pos + take, shard + 1
+    return out
 
 
 def scan_shard(path: Path, dtype: np.dtype, chunk_bytes: int = VERIFY_CHUNK) -> tuple[int, int]:

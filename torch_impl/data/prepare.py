@@ -26,9 +26,17 @@ from pathlib import Path
 
 import numpy as np
 
-from moezero.data import readers, tokenizer
+from moezero.data import chat, chat_template, readers, tokenizer
 from moezero.data.common import DataError
-from moezero.data.indexed import DOCUMENTS, FORMAT, MANIFEST, UNIGRAM, shard_name, token_dtype
+from moezero.data.indexed import (
+    DOCUMENTS,
+    FORMAT,
+    MANIFEST,
+    UNIGRAM,
+    mask_name,
+    shard_name,
+    token_dtype,
+)
 
 _BATCH_CHARS = 4 << 20  # text per encode call: bounds a worker's memory for the encodings
 
@@ -41,6 +49,9 @@ class PrepareOptions:
     eod_token: str | None = None
     workers: int = 1
     progress: bool = True
+    format: str = "text"  # text | chat | prompt-completion
+    train_on: chat.TrainOn = "assistant"
+    chat_template: Path | None = None  # --chat-template FILE
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,7 @@ class _Job:
     vocab_size: int
     read: readers.ReadOptions
     out: str
+    chat: chat.ChatOptions | None = None  # None: plain text documents
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,8 @@ class ShardResult:
     counts: np.ndarray  # int64 [vocab] token histogram
     crc32: int  # of the shard file's bytes
     max_token_id: int  # -1 for an empty shard
+    mask_crc32: int | None = None  # of the loss-mask file (chat and prompt-completion)
+    trained: int = 0  # tokens the mask trains on
 
 
 _WORKER: dict = {}
@@ -111,6 +125,8 @@ def _batches(docs, limit: int = _BATCH_CHARS):
 def _run_item(item: readers.WorkItem) -> ShardResult:
     """One piece: read, tokenize in batches, write its shard (in a worker or in-process)."""
     job, tok = _WORKER["job"], _WORKER["tokenizer"]
+    if job.chat is not None:
+        return _run_records(item, job, tok)
     dtype = np.dtype(job.dtype)
     path = Path(job.out) / shard_name(item.index)
     lengths, counts = [], np.zeros(job.vocab_size, dtype=np.int64)
@@ -127,6 +143,36 @@ def _run_item(item: readers.WorkItem) -> ShardResult:
     return ShardResult(item.index, item.path, documents, counts, crc, top)
 
 
+def _encoded_records(item: readers.WorkItem, job: _Job, tok):
+    """(ids, mask) of each record of a ``.jsonl`` piece; errors name ``file:line``."""
+    for record, offset in readers.read_records(item):
+        try:
+            yield chat.encode_record(record, tok, job.chat, job.eod_id)
+        except DataError as exc:
+            raise DataError(f"{readers.location(item.path, offset)}: {exc}") from None
+
+
+def _run_records(item: readers.WorkItem, job: _Job, tok) -> ShardResult:
+    """A chat or prompt-completion piece: its token shard and, beside it, its loss mask."""
+    dtype = np.dtype(job.dtype)
+    lengths, counts = [], np.zeros(job.vocab_size, dtype=np.int64)
+    crc, mask_crc, top, trained = 0, 0, -1, 0
+    out = Path(job.out)
+    with open(out / shard_name(item.index), "wb") as f, \
+            open(out / mask_name(item.index), "wb") as m:
+        for ids, mask in _encoded_records(item, job, tok):
+            flat = np.asarray(ids, dtype=dtype)
+            flat.tofile(f)
+            mask.tofile(m)
+            crc, mask_crc = zlib.crc32(flat, crc), zlib.crc32(mask, mask_crc)
+            top = max(top, int(flat.max())) if flat.size else top
+            trained += int(mask.sum())
+            lengths.append(flat.size)
+            counts += np.bincount(flat, minlength=job.vocab_size)[:job.vocab_size]
+    documents = np.asarray(lengths, dtype=np.int64)
+    return ShardResult(item.index, item.path, documents, counts, crc, top, mask_crc, trained)
+
+
 def _check_out(out: Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DataError(f"--out {out}: exists and is not an empty directory")
@@ -137,9 +183,37 @@ def _check_out(out: Path) -> Path:
     return partial
 
 
-def _job(info: tokenizer.TokenizerInfo, eod_id: int, options: PrepareOptions, out: Path) -> _Job:
+def _job(info: tokenizer.TokenizerInfo, eod_id: int, options: PrepareOptions, out: Path,
+         chat_options: chat.ChatOptions | None) -> _Job:
     return _Job(str(info.json_path), eod_id, token_dtype(info.vocab_size).name, info.vocab_size,
-                options.read, str(out))
+                options.read, str(out), chat_options)
+
+
+def _chat_options(info: tokenizer.TokenizerInfo, options: PrepareOptions, paths: list[Path]
+                  ) -> chat.ChatOptions | None:
+    """The record options of a chat or prompt-completion run (None for text): inputs must be
+    ``.jsonl``; a chat needs a template (prompt-completion only for message lists, so it is
+    looked up when there is one)."""
+    if options.format == "text":
+        return None
+    for path in paths:
+        if path.suffix != ".jsonl":
+            raise DataError(f"{path}: --format {options.format} reads .jsonl files (one record "
+                            "per line)")
+    template = None
+    if options.format == "chat" or options.chat_template is not None:
+        template = chat_template.find(info.folder, options.chat_template)
+    elif _has_template(info.folder):
+        template = chat_template.find(info.folder, None)
+    return chat.ChatOptions(options.format, options.train_on, template)
+
+
+def _has_template(folder: Path) -> bool:
+    try:
+        chat_template.find(folder, None)
+    except DataError:
+        return False
+    return True
 
 
 def _results(items: list[readers.WorkItem], job: _Job, options: PrepareOptions) -> list:
@@ -192,13 +266,16 @@ def prepare(inputs: list[str], out: str | Path, tokenizer_path: str | Path,
         raise DataError(f"--tokenizer {tokenizer_path}: vocabulary of {info.vocab_size} tokens "
                         f"is larger than the model's vocabulary ({info.model_vocab})")
     eod_id = tokenizer.end_of_document(info, info.load(), options.eod_token)
+    chat_options = _chat_options(info, options, paths)
     items = readers.plan_work(paths, options.read)
     partial = _check_out(out)
     try:
         start = time.perf_counter()
-        results = _results(items, _job(info, eod_id, options, partial), options)
+        results = _results(items, _job(info, eod_id, options, partial, chat_options), options)
         _check_every_input_has_documents(paths, results)
         manifest = _write_index(partial, results, info, eod_id, options, paths)
+        if chat_options is not None:
+            manifest = _with_mask(partial, manifest, results, chat_options)
         manifest["seconds"] = round(time.perf_counter() - start, 3)
         _commit(partial, out)
     except BaseException:
@@ -227,6 +304,27 @@ def _write_index(partial: Path, results: list[ShardResult], info: tokenizer.Toke
         "inputs": [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in paths],
         "options": {**asdict(options.read), "eod_token": options.eod_token},
     }
+    (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def _with_mask(partial: Path, manifest: dict, results: list[ShardResult],
+               chat_options: chat.ChatOptions) -> dict:
+    """The manifest of a chat or prompt-completion dataset: the input format, the template's
+    hash and origin, the loss mask's counts and each mask file's crc32 (written again)."""
+    trained = sum(r.trained for r in results)
+    template = chat_options.template
+    manifest = {
+        **manifest, "input_format": chat_options.format,
+        "chat_template": None if template is None else {"sha256": template.sha256,
+                                                        "origin": template.origin},
+        "loss_mask": {"train_on": chat_options.train_on, "dtype": "uint8",
+                      "trained_tokens": trained, "masked_tokens": manifest["num_tokens"] - trained},
+        "shards": [{**entry, "mask_file": mask_name(r.index), "mask_crc32": r.mask_crc32}
+                   for entry, r in zip(manifest["shards"], results, strict=True)],
+    }
+    manifest["options"] = {**manifest["options"], "format": chat_options.format,
+                           "train_on": chat_options.train_on}
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
 

@@ -176,15 +176,31 @@ def _line_of(path: str, offset: int) -> int:
 
 
 def _jsonl_documents(item: WorkItem, text: str, field: str) -> Iterator[str]:
+    for obj, where in _jsonl_objects(item, text):
+        value = _field(obj, field, item.path, where)
+        if value:
+            yield value
+
+
+def _jsonl_objects(item: WorkItem, text: str) -> Iterator[tuple[dict, int]]:
+    """Each non-blank line's JSON object and the line's byte offset in the file."""
     offset = item.start
     for line in text.split("\n"):
         where = offset
         offset += len(line.encode("utf-8")) + 1 if not line.isascii() else len(line) + 1
-        if not line.strip():
-            continue
-        value = _field(_json_line(line, item.path, where), field, item.path, where)
-        if value:
-            yield value
+        if line.strip():
+            yield _json_line(line, item.path, where), where
+
+
+def read_records(item: WorkItem) -> Iterator[tuple[dict, int]]:
+    """The JSON objects of a ``.jsonl`` piece, each with its line's byte offset in the file
+    (``location`` turns it into ``file:line`` for an error)."""
+    yield from _jsonl_objects(item, _decode(item))
+
+
+def location(path: str, offset: int) -> str:
+    """``file:line`` of a byte offset (the line counted only when an error needs it)."""
+    return f"{path}:{_line_of(path, offset)}"
 
 
 def _json_line(line: str, path: str, offset: int) -> dict:

@@ -1,0 +1,171 @@
+"""Chat and prompt-completion records -> token ids and a loss mask (``prepare-data --format``).
+
+A ``chat`` record is ``{"messages": [{"role": ..., "content": ...}, ...]}`` with roles
+``system``, ``user``, ``assistant`` and ``tool``. It is rendered with the tokenizer's chat template
+(:mod:`moezero.data.chat_template`) and the text encoded without the tokenizer's added special
+tokens, as ``AutoTokenizer.apply_chat_template(messages, tokenize=True)`` does, so the ids are the
+same. No end-of-document id is appended: the template ends its turns itself.
+
+Which characters are the assistant's: the ``{% generation %}`` spans when the template has them;
+otherwise, for assistant message ``i``, the text that rendering ``messages[:i+1]`` adds to
+rendering ``messages[:i]`` with the generation prompt (the reply, its end-of-turn token and what
+the template writes after it). Both renderings must be prefixes of the whole conversation's;
+a template that rewrites earlier turns (e.g. drops their reasoning) is refused in one line. A
+token is trained when its character span overlaps an assistant span (transformers' rule for
+``return_assistant_tokens_mask``).
+
+A ``prompt-completion`` record is ``{"prompt": ..., "completion": ...}``: two strings are plain
+text (``prompt + completion`` encoded with the tokenizer's own special tokens, then the
+end-of-document id); two message lists are rendered as one chat, the completion being what the
+full rendering adds to the prompt's rendering with the generation prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from moezero.data.chat_template import ChatTemplate
+from moezero.data.common import DataError
+
+ROLES = ("system", "user", "assistant", "tool")
+TrainOn = Literal["all", "assistant", "last-assistant"]
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How records become tokens: the input format, what is trained, the template."""
+
+    format: Literal["chat", "prompt-completion"]
+    train_on: TrainOn = "assistant"
+    template: ChatTemplate | None = None
+
+
+def encode_record(record: dict, tok, options: ChatOptions, eod_id: int
+                  ) -> tuple[list[int], np.ndarray]:
+    """The token ids of one record and its mask (uint8, 1 = trained).
+
+    Raises:
+        DataError: (one line, without the record's location: the caller adds it) a malformed
+            record or one the template refuses.
+    """
+    if options.format == "chat":
+        messages = _messages(record, "messages")
+        text, spans = _chat_spans(options.template, messages, options.train_on)
+        encoding = tok.encode(text, add_special_tokens=False)
+        return encoding.ids, _mask(encoding.offsets, spans, options.train_on)
+    prompt, completion = _field(record, "prompt"), _field(record, "completion")
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return _plain_completion(tok, prompt, completion, eod_id, options.train_on)
+    if isinstance(prompt, list) and isinstance(completion, list):
+        messages = _messages(record, "prompt") + _messages(record, "completion")
+        text, span = _completion_span(options.template, messages, len(prompt))
+        encoding = tok.encode(text, add_special_tokens=False)
+        return encoding.ids, _mask(encoding.offsets, [span], options.train_on)
+    raise DataError("'prompt' and 'completion' must both be strings or both be "
+                    "message lists")
+
+
+def _field(record: dict, key: str):
+    if key not in record:
+        raise DataError(f"no field {key!r}")
+    return record[key]
+
+
+def _messages(record: dict, key: str) -> list[dict]:
+    """``record[key]`` checked: a non-empty list of messages with known roles."""
+    messages = _field(record, key)
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{key!r} must be a non-empty list of messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DataError(f"{key}[{i}] is a {type(message).__name__}, expected an "
+                            "object with 'role' and 'content'")
+        if message.get("role") not in ROLES:
+            raise DataError(f"{key}[{i}] has role {message.get('role')!r}; expected "
+                            f"one of {', '.join(ROLES)}")
+        content = message.get("content")
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise DataError(f"{key}[{i}] 'content' is "
+                            f"{type(content).__name__}, expected a string")
+    return messages
+
+
+def _render(template: ChatTemplate, messages: list[dict], prompt: bool):
+    import jinja2
+
+    try:
+        return template.render(messages, add_generation_prompt=prompt)
+    except jinja2.TemplateError as exc:
+        raise DataError(f"the chat template ({template.origin}) refused the "
+                        f"conversation: {' '.join(str(exc).split())[:200]}") from None
+
+
+def _chat_spans(template: ChatTemplate, messages: list[dict], train_on: TrainOn
+                ) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans to train on."""
+    text, marked = _render(template, messages, False)
+    if train_on == "all":
+        return text, [(0, len(text))]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns:
+        raise DataError(f"no assistant message (nothing to train on with "
+                        f"--train-on {train_on})")
+    if template.has_generation_markers:
+        spans = marked
+    else:
+        spans = [_turn_span(template, messages, i, text) for i in turns]
+    return text, spans[-1:] if train_on == "last-assistant" else spans
+
+
+def _turn_span(template: ChatTemplate, messages: list[dict], i: int, text: str
+               ) -> tuple[int, int]:
+    """What assistant message ``i`` adds to the rendering of the messages before it."""
+    before, _ = _render(template, messages[:i], True) if i else ("", [])
+    through, _ = _render(template, messages[:i + 1], False)
+    if not (text.startswith(through) and through.startswith(before)):
+        raise DataError("the chat template renders the turns before assistant "
+                        f"message {i} differently once later messages follow, so its tokens "
+                        "cannot be located; give a template with {% generation %} markers "
+                        "(--chat-template FILE) or use --train-on all")
+    return len(before), len(through)
+
+
+def _completion_span(template: ChatTemplate, messages: list[dict], num_prompt: int
+                     ) -> tuple[str, tuple[int, int]]:
+    text, _ = _render(template, messages, False)
+    before, _ = _render(template, messages[:num_prompt], True)
+    if not text.startswith(before):
+        raise DataError("the chat template renders the prompt differently once the "
+                        "completion follows, so the completion cannot be located")
+    return text, (len(before), len(text))
+
+
+def _plain_completion(tok, prompt: str, completion: str, eod_id: int, train_on: TrainOn
+                      ) -> tuple[list[int], np.ndarray]:
+    """``prompt + completion`` with the tokenizer's special tokens and the end-of-document id;
+    trained from the first token that reaches into the completion."""
+    encoding = tok.encode(prompt + completion, add_special_tokens=True)
+    ids = list(encoding.ids)
+    if ids[-1:] != [eod_id]:
+        ids.append(eod_id)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    ends = [end for _, end in encoding.offsets]
+    first = next((k for k, end in enumerate(ends) if end > len(prompt)), len(ends))
+    mask[0 if train_on == "all" else first:] = 1
+    return ids, mask
+
+
+def _mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]], train_on: TrainOn
+          ) -> np.ndarray:
+    """1 for every token whose characters overlap a span (all tokens for ``all``)."""
+    if train_on == "all":
+        return np.ones(len(offsets), dtype=np.uint8)
+    starts = np.fromiter((s for s, _ in offsets), dtype=np.int64, count=len(offsets))
+    ends = np.fromiter((e for _, e in offsets), dtype=np.int64, count=len(offsets))
+    mask = np.zeros(len(offsets), dtype=bool)
+    for lo, hi in spans:
+        mask |= (ends > lo) & (starts < hi)
+    return mask.astype(np.uint8)
