@@ -261,3 +261,40 @@ def test_bad_options_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{tmp_path / 't.jinja'}: chat template line 1:" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_prompt_completion_message_lists_need_a_template(tmp_path, capsys):
+    tok_dir = chat_tokenizer(tmp_path / "tok", None)
+    write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "a", "completion": "b"},
+                                        {"prompt": turns("a"), "completion": turns("x", "b")[1:]}])
+    assert prepare([tmp_path / "pc.jsonl"], tmp_path / "out", tok_dir,
+                   "--format", "prompt-completion") == 2
+    err = capsys.readouterr().err
+    assert "pc.jsonl:2: message lists need a chat template and the tokenizer has none" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+MIXTRAL = dict(vocab_size=320, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=2, num_local_experts=2,
+               num_experts_per_tok=1, max_position_embeddings=64, bos_token_id=0,
+               eos_token_id=1, pad_token_id=2)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["chat_template.jinja", "tokenizer_config"])
+def test_import_hf_carries_the_chat_template(tmp_path, legacy):
+    torch = pytest.importorskip("torch")
+    hf_dir = chat_tokenizer(tmp_path / "hf", CHATML, legacy=legacy)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL)).save_pretrained(hf_dir)
+    assert main(["import-hf", str(hf_dir), "--out", str(tmp_path / "ckpt")]) == 0
+    carried = tmp_path / "ckpt" / "tokenizer" / (
+        "tokenizer_config.json" if legacy else "chat_template.jinja")
+    assert carried.read_bytes() == (hf_dir / carried.name).read_bytes()
+    write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CONVERSATIONS])
+    assert prepare([tmp_path / "c.jsonl"], tmp_path / "out", tmp_path / "ckpt",
+                   "--format", "chat") == 0
+    ds = TokenDataset(tmp_path / "out")
+    assert ds.manifest["chat_template"]["sha256"] == hashlib.sha256(CHATML.encode()).hexdigest()
+    hf = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    assert [ids for ids, _ in documents(ds)] == [
+        hf.apply_chat_template(c, tokenize=True)["input_ids"] for c in CONVERSATIONS]

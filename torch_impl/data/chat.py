@@ -60,6 +60,9 @@ def encode_record(record: dict, tok, options: ChatOptions, eod_id: int
     if isinstance(prompt, str) and isinstance(completion, str):
         return _plain_completion(tok, prompt, completion, eod_id, options.train_on)
     if isinstance(prompt, list) and isinstance(completion, list):
+        if options.template is None:
+            raise DataError("message lists need a chat template and the tokenizer has none; "
+                            "give one with --chat-template FILE")
         messages = _messages(record, "prompt") + _messages(record, "completion")
         text, span = _completion_span(options.template, messages, len(prompt))
         encoding = tok.encode(text, add_special_tokens=False)

@@ -80,12 +80,13 @@ def _plain_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def find(folder: Path, override: Path | None) -> ChatTemplate:
-    """The chat template of the tokenizer folder ``folder`` (or the file ``override``).
+def find(folder: Path, override: Path | None, *, required: bool = True) -> ChatTemplate | None:
+    """The chat template of the tokenizer folder ``folder`` (or the file ``override``); None
+    when there is none and it is not ``required``.
 
     Raises:
-        DataError: (one line) no template, an unreadable file or a template that does not
-            compile.
+        DataError: (one line) no template (when required), an unreadable file or a template
+            that does not compile.
     """
     special = special_tokens(folder)
     if override is not None:
@@ -94,6 +95,8 @@ def find(folder: Path, override: Path | None) -> ChatTemplate:
         return _checked(ChatTemplate(_read(folder / TEMPLATE_FILE), str(folder / TEMPLATE_FILE),
                                      special))
     text = _from_config(folder / "tokenizer_config.json")
+    if text is None and not required:
+        return None
     if text is None:
         raise DataError(f"--tokenizer {folder}: the tokenizer has no chat template (no "
                         f"{TEMPLATE_FILE}, none in tokenizer_config.json); give one with "

@@ -192,28 +192,17 @@ def _job(info: tokenizer.TokenizerInfo, eod_id: int, options: PrepareOptions, ou
 def _chat_options(info: tokenizer.TokenizerInfo, options: PrepareOptions, paths: list[Path]
                   ) -> chat.ChatOptions | None:
     """The record options of a chat or prompt-completion run (None for text): inputs must be
-    ``.jsonl``; a chat needs a template (prompt-completion only for message lists, so it is
-    looked up when there is one)."""
+    ``.jsonl``; a chat needs a template (prompt-completion only for message lists: a record
+    of them is refused when the tokenizer has none)."""
     if options.format == "text":
         return None
     for path in paths:
         if path.suffix != ".jsonl":
             raise DataError(f"{path}: --format {options.format} reads .jsonl files (one record "
                             "per line)")
-    template = None
-    if options.format == "chat" or options.chat_template is not None:
-        template = chat_template.find(info.folder, options.chat_template)
-    elif _has_template(info.folder):
-        template = chat_template.find(info.folder, None)
+    template = chat_template.find(info.folder, options.chat_template,
+                                  required=options.format == "chat")
     return chat.ChatOptions(options.format, options.train_on, template)
-
-
-def _has_template(folder: Path) -> bool:
-    try:
-        chat_template.find(folder, None)
-    except DataError:
-        return False
-    return True
 
 
 def _results(items: list[readers.WorkItem], job: _Job, options: PrepareOptions) -> list:
