@@ -3,7 +3,9 @@
 On disk: ``manifest.json`` (``FORMAT``), ``shard-NNNNN.bin`` (raw little-endian uint16 or
 uint32 token ids, documents never split across shards), ``documents.npy`` (int64 offsets of
 every document in the concatenated token stream; ``num_documents + 1`` entries) and
-``unigram.npy`` (token counts).
+``unigram.npy`` (token counts). Chat and prompt-completion datasets also hold
+``mask-NNNNN.bin`` beside each shard (one uint8 per token, 1 = trained; ``TokenDataset.mask``),
+prepared once and never recomputed at train time.
 
 ``split_documents`` holds out documents for validation: document ``i`` is held out when
 ``ceil((i+1) f) - ceil(i f) == 1`` — ``ceil(n f)`` documents spread evenly, the first one
