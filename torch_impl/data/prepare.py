@@ -10,8 +10,8 @@ concatenated token stream, ``num_documents + 1`` entries), ``unigram.npy`` (toke
 counts, shards). Everything is written under ``OUT.partial`` and renamed to ``OUT`` at the
 end: a failure leaves nothing behind.
 
-``--format chat`` / ``prompt-completion`` read ``.jsonl`` records instead (:mod:`moezero.data.chat`):
-each worker also writes ``mask-NNNNN.bin`` (one uint8 per token, 1 = trained) beside its shard,
+``--format chat`` / ``prompt-completion`` read ``.jsonl`` records instead
+(:mod:`moezero.data.chat`): each worker also writes ``mask-NNNNN.bin`` (one uint8 per token, 1 = trained) beside its shard,
 and the manifest gains ``input_format``, ``chat_template`` and ``loss_mask`` (docs/data.md).
 """
 
