@@ -11,8 +11,9 @@ counts, shards). Everything is written under ``OUT.partial`` and renamed to ``OU
 end: a failure leaves nothing behind.
 
 ``--format chat`` / ``prompt-completion`` read ``.jsonl`` records instead
-(:mod:`moezero.data.chat`): each worker also writes ``mask-NNNNN.bin`` (one uint8 per token, 1 = trained) beside its shard,
-and the manifest gains ``input_format``, ``chat_template`` and ``loss_mask`` (docs/data.md).
+(:mod:`moezero.data.chat`): each worker also writes ``mask-NNNNN.bin`` (one uint8 per token,
+1 = trained) beside its shard, and the manifest gains ``input_format``, ``chat_template`` and
+``loss_mask`` (docs/data.md).
 """
 
 from __future__ import annotations
