@@ -298,3 +298,22 @@ def test_import_hf_carries_the_chat_template(tmp_path, legacy):
     hf = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
     assert [ids for ids, _ in documents(ds)] == [
         hf.apply_chat_template(c, tokenize=True)["input_ids"] for c in CONVERSATIONS]
+
+
+def test_a_chat_dataset_passes_the_checks_before_training(tmp_path):
+    """The training side does not use the mask yet; a chat dataset is accepted (its masks
+    verified) and packs into samples like any other."""
+    from moezero.config import load_config
+    from moezero.data.build import check_data
+
+    tok_dir = chat_tokenizer(tmp_path / "tok", CHATML)
+    write_jsonl(tmp_path / "c.jsonl", [{"messages": c} for c in CONVERSATIONS * 10])
+    assert prepare([tmp_path / "c.jsonl"], tmp_path / "out", tok_dir, "--format", "chat") == 0
+    cfg = load_config(None, [f"data.path={tmp_path / 'out'}", "train.seq_len=32",
+                             "train.micro_batch_size=2", "model.vocab_size=320",
+                             "data.val_fraction=0.1"])
+    assert check_data(cfg).tokenizer.vocab_size == 311
+    mask = tmp_path / "out" / "mask-00000.bin"
+    mask.write_bytes(bytes([2]) + mask.read_bytes()[1:])
+    with pytest.raises(DataError, match=f"{mask}: crc32"):
+        check_data(cfg)
