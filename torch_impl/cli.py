@@ -1,4 +1,4 @@
-"""The ``moezero`` command (DESIGN.md §4).
+"""The ``moezero`` command (README.md, "Using it directly").
 
 ``moezero train [--config FILE] [--set KEY=VALUE ...] [--nproc N] [--out DIR] [--data PATH]``
 with no arguments trains the embedded default recipe on 2 local ranks.

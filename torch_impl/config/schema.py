@@ -117,7 +117,7 @@ class MoEConfig(_Section):
     split_groups_by_expert: bool = Field(True, description="One optimizer group per (layer, expert).")
     aux_loss_coef: float = Field(0.01, ge=0, description="Weight of the load-balancing aux loss.")
     z_loss_coef: float = Field(0.001, ge=0, description="Weight of the router z-loss.")
-    # Router variants and shared experts (docs/model.md "Router", "Shared experts").
+    # Router variants and shared experts (docs/model.md, "Router variants"; "Shared expert").
     router_scoring: Literal["softmax", "sigmoid"] = Field(
         "softmax", description="Router scores: softmax over experts, or a sigmoid per expert.")
     renormalize: bool = Field(True, description="Renormalise the top-k gates to sum 1 (Mixtral); "
