@@ -106,7 +106,8 @@ def _adopt(cfg, run_dir: Path):
     cfg, adopted = adopt_architecture(cfg, run_dir)
     if adopted:
         print(f"moezero: architecture from checkpoint {cfg.checkpoint.load}: "
-              f"{', '.join(adopted)} (set a key to override)", flush=True)
+              f"{', '.join(adopted)} (another value needs checkpoint.allow_arch_change)",
+              flush=True)
     return cfg
 
 
