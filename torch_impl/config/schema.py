@@ -39,16 +39,12 @@ class _Section(BaseModel):
 _MISSING = object()
 
 
+_ARCH = {"architecture": True}
+
+
 def _arch(default: Any, **kwargs: Any) -> Any:
     """A ``Field`` that defines the model a checkpoint holds (listed in ``ARCHITECTURE``)."""
-    return Field(default, json_schema_extra={"architecture": True}, **kwargs)
-
-
-def _architecture(section: type[BaseModel]) -> tuple[str, ...]:
-    """The names of ``section``'s fields declared with ``_arch``."""
-    return tuple(name for name, field in section.model_fields.items()
-                 if isinstance(field.json_schema_extra, dict)
-                 and field.json_schema_extra.get("architecture"))
+    return Field(default, json_schema_extra=_ARCH, **kwargs)
 
 
 class TrainConfig(_Section):
@@ -163,10 +159,10 @@ class MoEConfig(_Section):
 
 
 ARCHITECTURE: dict[str, tuple[str, ...]] = {
-    "model": _architecture(ModelConfig), "moe": _architecture(MoEConfig)}
-"""The keys that define the model a checkpoint holds (its shapes and its forward), declared
-with ``_arch``: a resume adopts those the run leaves unset and refuses another value unless
-``checkpoint.allow_arch_change`` lists the key (``moezero.train.adopt_architecture``)."""
+    name: tuple(k for k, f in section.model_fields.items() if f.json_schema_extra == _ARCH)
+    for name, section in (("model", ModelConfig), ("moe", MoEConfig))}
+"""The keys declared with ``_arch``: what a resume adopts when unset and refuses to change
+unless ``checkpoint.allow_arch_change`` lists it (``moezero.train.adopt_architecture``)."""
 ARCHITECTURE_KEYS = tuple(f"{section}.{key}" for section, keys in ARCHITECTURE.items()
                           for key in keys)
 
@@ -290,22 +286,13 @@ class CheckpointConfig(_Section):
         True, description="Check every range's crc32 while it is read and every file's header "
                           "against the manifest; a mismatch stops the run before it starts.")
     dir: str | None = Field(None, description="Checkpoint root; None = <run dir>/checkpoints.")
-    allow_arch_change: list[str] = Field(
-        [], description="Architecture keys (ARCHITECTURE_KEYS, e.g. moe.top_k, "
-                        "moe.capacity_factor) that a resume may set to another value than the "
-                        "checkpoint's; any other difference is refused.")
+    allow_arch_change: list[Literal[ARCHITECTURE_KEYS]] = Field(  # type: ignore[valid-type]
+        [], description="Architecture keys (e.g. moe.top_k, moe.capacity_factor) a resume may "
+                        "set to another value than the checkpoint's; other changes are refused.")
 
     def resolve_dir(self, run_dir: str | os.PathLike) -> Path:
         """The checkpoint root for a run directory."""
         return Path(self.dir) if self.dir else Path(run_dir) / "checkpoints"
-
-    @model_validator(mode="after")
-    def _arch_keys(self) -> CheckpointConfig:
-        for i, key in enumerate(self.allow_arch_change):
-            if key not in ARCHITECTURE_KEYS:
-                raise FieldError(f"allow_arch_change.{i}", f"{key!r} is not an architecture "
-                                 f"key (one of {', '.join(ARCHITECTURE_KEYS)})")
-        return self
 
 
 class DataConfig(_Section):
