@@ -12,9 +12,12 @@ fields).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
-from moezero.config import Config
 from moezero.model.router import RouterOptions
+
+if TYPE_CHECKING:  # the model imports no pydantic (benchmarks' peer venvs build it bare)
+    from moezero.config import Config
 
 MOE_PLAN_KEYS = ("max_group_size", "split_groups_by_expert")
 """``moe.*`` keys of the optimizer's grouping (``moezero.zero.groups``), not of the model."""
