@@ -10,7 +10,9 @@ the end. ``checkpoint.load`` resumes at the saved step with the saved data posit
 samples for prepared data), so the run continues the same token stream at any W. With
 ``checkpoint.load``, the architecture and tokenizer keys the user did not set
 (``ADOPTED_KEYS``) are taken from the checkpoint's manifest (``adopt_architecture``), so
-``--set checkpoint.load=DIR`` alone fine-tunes an imported Hugging Face model (docs/hf.md).
+``--set checkpoint.load=DIR`` alone fine-tunes an imported Hugging Face model (docs/hf.md); an
+architecture key set to another value is refused unless ``checkpoint.allow_arch_change`` lists
+it.
 """
 
 from __future__ import annotations
