@@ -50,8 +50,10 @@ def train(cfg_data: dict, steps: int = STEPS) -> dict:
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
     params = {k: p.detach().float().clone().numpy() for k, p in engine.full_parameters().items()}
+    biases = {k: b.clone().numpy() for k, b in engine.model.named_buffers()
+              if k.endswith("expert_bias")}
     engine.close()
-    return {"losses": losses, "norms": norms, "params": params}
+    return {"losses": losses, "norms": norms, "params": params, "biases": biases}
 
 
 def runs(cases: list[dict]) -> list[dict]:
@@ -69,6 +71,9 @@ def assert_same(got: dict, want: dict) -> None:
     assert got["params"].keys() == want["params"].keys()
     for fqn, value in want["params"].items():
         assert np.array_equal(got["params"][fqn], value), fqn
+    assert got["biases"].keys() == want["biases"].keys()
+    for fqn, value in want["biases"].items():
+        assert np.array_equal(got["biases"][fqn], value), fqn
 
 
 def assert_runs_same(results: list[dict]) -> None:
@@ -103,6 +108,14 @@ def test_bit_identical_at_w1(tmp_path, stage):
     if stage == 3:
         bases.append(case(3, param="nvme", nvme=str(tmp_path)))
     assert_runs_same(runs(with_and_without(bases)))
+
+
+def test_bit_identical_at_w1_with_expert_bias_and_sigmoid_routing():
+    """Steps with the expert bias updated from the step's loads (counted once either way)."""
+    bases = [{**case(0), "moe": {**case(0)["moe"], **moe}} for moe in BIASED_ROUTERS.values()]
+    results = runs(with_and_without(bases))
+    assert_runs_same(results)
+    assert all(r["biases"] and all(b.any() for b in r["biases"].values()) for r in results)
 
 
 def test_blocks_are_wrapped_from_outside_and_recompute_in_backward():
