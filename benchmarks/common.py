@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 # The synthetic corpus settings of moezero.config.DataConfig's defaults.
 CORPUS = {"vocab": 32, "sources": 4, "seed": 1234}
@@ -84,3 +86,29 @@ def tree_bytes(folder: str | os.PathLike) -> tuple[int, int]:
             total += os.path.getsize(os.path.join(root, name))
             files += 1
     return total, files
+
+
+def barrier_timed(fn, folder: str) -> float:
+    """Wall time of ``fn(folder)`` on every rank, from a barrier before to a barrier after."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn(folder)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def drop_page_cache(folder: str) -> None:
+    """Flush every file under ``folder`` and ask the kernel to drop its cached pages, so the
+    next read comes from the disk (``posix_fadvise(DONTNEED)``; needs no privileges)."""
+    drop_files(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names)
+
+
+def drop_files(paths) -> None:
+    """``fsync`` each file, then drop its pages from the page cache."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

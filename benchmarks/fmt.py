@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shlex
 
+from benchmarks.specs import overrides
+
 MiB = 2**20
 
 
@@ -57,8 +59,6 @@ def harness_command(results: dict, series: str | tuple[str, ...],
 
 def cli_command(spec: dict) -> str:
     """The moezero CLI line that trains the same configuration as a moezero run spec."""
-    from benchmarks.moezero_trainer import overrides
-
     args = ["moezero", "train", "--nproc", str(spec.get("world_size", 2))]
     for item in overrides(spec):
         args += ["--set", item]

@@ -12,33 +12,16 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import json
 import time
 
 import torch
 
 from benchmarks.collectives import by_op, counting
 from benchmarks.common import Unsupported
+from benchmarks.specs import overrides
 
 ADAMW_MODULES = ("moezero.zero.optimizer",)
 """Modules whose ``adamw_`` (the update math) is timed; a missing one is skipped."""
-
-
-def overrides(spec: dict) -> list[str]:
-    """The run spec as ``KEY=VALUE`` config overrides (values as JSON, read back as YAML)."""
-    m, t = spec["model"], spec["train"]
-    values = {
-        "model.vocab_size": m["vocab_size"], "model.dim": m["dim"], "model.n_layers": m["n_layers"],
-        "model.n_heads": m["n_heads"], "model.ffn_dim": m["ffn_dim"],
-        "moe.num_experts": m["num_experts"], "moe.top_k": m["top_k"], "moe.ep_size": m["ep_size"],
-        "train.micro_batch_size": t["micro_batch_size"], "train.seq_len": t["seq_len"],
-        "train.seed": t["seed"], "train.steps": t["warmup"] + t["timed"],
-        # Constant lr and fp32 everywhere, as the peers run.
-        "optimizer.lr": t["lr"], "optimizer.warmup_steps": 0, "optimizer.min_lr_ratio": 1.0,
-        "precision.dtype": "fp32",
-        **spec["options"],
-    }
-    return [f"{key}={json.dumps(value)}" for key, value in values.items()]
 
 
 def _load(spec: dict):

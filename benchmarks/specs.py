@@ -18,6 +18,8 @@ stages 0-3 and offload none/cpu/nvme, plus a tiny model measuring the runtime).
 
 from __future__ import annotations
 
+import json
+
 MOEZERO_CONFIGS: list[tuple[str, dict]] = [
     ("moezero stage 0", {"zero_optimization.stage": 0}),
     ("moezero stage 1", {"zero_optimization.stage": 1}),
@@ -251,3 +253,66 @@ def collectives_specs(size: dict) -> list[dict]:
                         train=size["coll_train"]), "count_collectives": True}
             for cap in size["coll_caps"] for stage in COLLECTIVE_STAGES
             for mode, opts in GATHER_MODES.items()]
+
+
+# ---------------------------------------------------------------- the scale series
+
+SCALE_CONFIG = "moezero stage 3 + nvme/nvme, fp32"
+SCALE_OPTIONS = {"zero_optimization.stage": 3,
+                 "zero_optimization.offload_optimizer.device": "nvme",
+                 "zero_optimization.offload_optimizer.nvme_path": "{work}/scale-nvme",
+                 "zero_optimization.offload_param.device": "nvme",
+                 "zero_optimization.offload_param.nvme_path": "{work}/scale-nvme",
+                 "zero_optimization.offload_param.read_ahead": 2,
+                 "zero_optimization.reduce_bucket_size": 20_000_000,
+                 "zero_optimization.allgather_bucket_size": 20_000_000}
+"""moezero's configuration of the series (``{work}``: the bench work directory). Smaller
+buckets than the default keep the reduction's send buffers (80 MB each) small beside the
+3 GiB budget. ``read_ahead`` is the default (two gather units of 200 MB), written out so the
+report shows it: on the 20-layer model it gave 2.44 GiB per rank and 1.33x the disk time, one
+unit 2.25 GiB and 1.60x (steps of 95-129 s). On the earlier 10-layer model (400 MB units) two
+gave 3.36 GiB (1.52x), one 3.00 GiB (1.45x), none 2.63 GiB (1.94x, on a busier machine)."""
+
+_TRAIN = {"micro_batch_size": 1, "seq_len": 256, "lr": 3e-4, "seed": 0, "warmup": 0, "timed": 3}
+SCALE_SIZES = {
+    "quick": {"model": {"vocab_size": 256, "dim": 1024, "n_layers": 1, "n_heads": 8,
+                        "ffn_dim": 2048, "num_experts": 32, "top_k": 2, "ep_size": 2},
+              "train": _TRAIN, "dd_mib": 512},
+    "full": {"model": {"vocab_size": 256, "dim": 1024, "n_layers": 20, "n_heads": 8,
+                       "ffn_dim": 1000, "num_experts": 32, "top_k": 2, "ep_size": 2},
+             "train": _TRAIN, "dd_mib": 1024},
+}
+"""The series' model per mode: ``full`` is 2.05 B parameters in 20 layers (32 experts of
+width 1000 per MoE layer, 16 per rank at ep 2, so a gather unit is 200 MB; fp32 master +
+moments + param shard = 32.8 GB of training state), ``quick`` one layer of 32 experts of width
+2048 (0.21 B). An earlier full model (10 layers of width 2000, 2.01 B) had 400 MB units: with
+one unit read ahead its peak RSS was 3.00 GiB per rank, 2.2 MiB over the 3 GiB target; with
+two, 3.36 GiB. Halving the unit is what lets two units be read ahead within the budget."""
+
+SCALE_TARGETS = {"rss_bytes": 3 * 2**30, "disk_ratio": 1.5, "params": 2.0e9, "experts": 32}
+
+
+def scale_spec(mode: str) -> dict:
+    """The run spec of the ``scale`` series (``benchmarks.worker`` JSON; ``benchmarks.scale``
+    runs it, ``benchmarks.scale_rank`` is its rank)."""
+    size = SCALE_SIZES[mode]
+    return {"name": SCALE_CONFIG, "system": "moezero", "options": dict(SCALE_OPTIONS),
+            "model": dict(size["model"]), "train": dict(size["train"]), "checkpoint": True,
+            "series": "scale", "world_size": 2}
+
+
+def overrides(spec: dict) -> list[str]:
+    """The run spec as ``KEY=VALUE`` config overrides (values as JSON, read back as YAML)."""
+    m, t = spec["model"], spec["train"]
+    values = {
+        "model.vocab_size": m["vocab_size"], "model.dim": m["dim"], "model.n_layers": m["n_layers"],
+        "model.n_heads": m["n_heads"], "model.ffn_dim": m["ffn_dim"],
+        "moe.num_experts": m["num_experts"], "moe.top_k": m["top_k"], "moe.ep_size": m["ep_size"],
+        "train.micro_batch_size": t["micro_batch_size"], "train.seq_len": t["seq_len"],
+        "train.seed": t["seed"], "train.steps": t["warmup"] + t["timed"],
+        # Constant lr and fp32 everywhere, as the peers run.
+        "optimizer.lr": t["lr"], "optimizer.warmup_steps": 0, "optimizer.min_lr_ratio": 1.0,
+        "precision.dtype": "fp32",
+        **spec["options"],
+    }
+    return [f"{key}={json.dumps(value)}" for key, value in values.items()]

@@ -2,7 +2,7 @@
 against the peak RSS each rank measured (``benchmarks.specs.ESTIMATE_ROWS``).
 
 The estimate is computed here, from each run's spec (the same config the rank trained, through
-``benchmarks.moezero_trainer.overrides``): it allocates nothing and reads no measurement, so
+``benchmarks.specs.overrides``): it allocates nothing and reads no measurement, so
 re-rendering ``results.json`` with ``--from-json`` shows the current estimate against the same
 measured peaks.
 """
@@ -10,17 +10,15 @@ measured peaks.
 from __future__ import annotations
 
 from benchmarks.fmt import commands, mib, table
-from benchmarks.specs import WORLD_SIZE
+from benchmarks.specs import WORLD_SIZE, overrides
+from moezero.config import load_config
+from moezero.estimate import estimate
 
 HEADING = "## `moezero estimate` against the measured peak per rank (issue 16)"
 TOLERANCE = 0.25  # the issue's "within ±25%"
 
 
 def _estimates(spec: dict) -> list:
-    from benchmarks.moezero_trainer import overrides
-    from moezero.config import load_config
-    from moezero.estimate import estimate
-
     cfg = load_config(None, overrides(spec))
     return [estimate(cfg, spec["world_size"], rank=r, device="cpu")
             for r in range(spec["world_size"])]

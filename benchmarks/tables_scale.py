@@ -6,7 +6,7 @@ from __future__ import annotations
 from statistics import median
 
 from benchmarks.fmt import harness_command, table
-from benchmarks.scale import SCALE_OPTIONS, TARGETS
+from benchmarks.specs import SCALE_OPTIONS, SCALE_TARGETS
 from benchmarks.stats import param_count
 
 HEADING = "## An MoE larger than memory, trained from NVMe (issue 16)"
@@ -98,12 +98,12 @@ def _peer_row(peer: dict) -> list:
 def _verdicts(f: dict | None, params: int, experts: int) -> list[str]:
     if f is None:
         return ["- Targets: no figures (the run did not finish)."]
-    rss_ok = f["peak_rss"] <= TARGETS["rss_bytes"]
+    rss_ok = f["peak_rss"] <= SCALE_TARGETS["rss_bytes"]
     ratio = f.get("ratio")
     ratio_line = ("no dd figure" if ratio is None else
-                  f"{ratio:.2f}× ({'met' if ratio <= TARGETS['disk_ratio'] else 'missed'}, "
-                  f"target ≤ {TARGETS['disk_ratio']}×)")
-    size_ok = params >= TARGETS["params"] and experts >= TARGETS["experts"]
+                  f"{ratio:.2f}× ({'met' if ratio <= SCALE_TARGETS['disk_ratio'] else 'missed'}, "
+                  f"target ≤ {SCALE_TARGETS['disk_ratio']}×)")
+    size_ok = params >= SCALE_TARGETS["params"] and experts >= SCALE_TARGETS["experts"]
     return [f"- Size: {params / 1e9:.2f} B parameters, {experts} experts per MoE layer "
             f"({'met' if size_ok else 'below the target of 2 B and 32: a quick run'}).",
             f"- Peak RSS per rank {_gib(f['peak_rss'])} "

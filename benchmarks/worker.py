@@ -21,7 +21,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import AnonPeak, Unsupported, anon_rss, peak_rss, tree_bytes
+from benchmarks.common import (
+    AnonPeak,
+    Unsupported,
+    anon_rss,
+    barrier_timed,
+    drop_files,
+    drop_page_cache,
+    peak_rss,
+    tree_bytes,
+)
 from benchmarks.machine import DD_BESIDE_MIB, dd_write
 
 
@@ -58,32 +67,6 @@ def train_and_time(trainer, spec: dict) -> dict:
             "tokens_per_step": train["micro_batch_size"] * train["seq_len"]}
 
 
-def _barrier_timed(fn, folder: str) -> float:
-    """Wall time of ``fn(folder)`` on every rank, from a barrier before to a barrier after."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn(folder)
-    dist.barrier()
-    return time.perf_counter() - start
-
-
-def drop_page_cache(folder: str) -> None:
-    """Flush every file under ``folder`` and ask the kernel to drop its cached pages, so the
-    next read comes from the disk (``posix_fadvise(DONTNEED)``; needs no privileges)."""
-    drop_files(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names)
-
-
-def drop_files(paths) -> None:
-    """``fsync`` each file, then drop its pages from the page cache."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 COPY_METHOD = "copy_file_range" if getattr(shutil, "_USE_CP_COPY_FILE_RANGE", False) else "sendfile"
 """What ``shutil.copyfile`` moves the bytes with on Linux in this Python (both in the kernel)."""
 
@@ -111,7 +94,7 @@ def plain_copy(files: list[str], folder: str, name: str) -> dict:
         except OSError as exc:  # reported; the barrier after still runs on this rank
             errors.append(f"plain copy failed: {exc}"[:300])
 
-    seconds = _barrier_timed(copy, dest)
+    seconds = barrier_timed(copy, dest)
     if errors:
         return {"copy_note": errors[0]}
     return {"s": seconds, "bytes": sum(os.path.getsize(f) for f in files), "files": len(files),
@@ -157,7 +140,7 @@ def checkpoint_io(trainer, folder: str) -> dict:
             drop_files(swap)  # each save and each copy reads the swap files from the disk
             if key.endswith("save_s"):
                 dd = _dd_beside(folder)
-                out[key] = _barrier_timed(trainer.save, os.path.join(folder, name))
+                out[key] = barrier_timed(trainer.save, os.path.join(folder, name))
                 if dd is not None and (after := _dd_beside(folder)) is not None:
                     out[key[:-2] + "_dd"] = (dd + after) / 2
             else:  # on every rank, even after a failed copy (the copy has barriers)
@@ -175,7 +158,7 @@ def checkpoint_io(trainer, folder: str) -> dict:
         if load is None:
             out["load_note"] = "n/a (no load in this trainer)"
         else:
-            out["load_s"] = _barrier_timed(load, second)
+            out["load_s"] = barrier_timed(load, second)
     except Exception as exc:
         out["load_note"] = f"load failed: {type(exc).__name__}: {exc}"[:300]
     dist.barrier()
@@ -187,7 +170,7 @@ def checkpoint_io(trainer, folder: str) -> dict:
 def run_rank(spec: dict) -> dict:
     """Everything one rank measures (raw); raises Unsupported for a rejected config."""
     if spec["series"] == "scale":  # its own sequence: init, steps, one save, load, resume
-        from benchmarks.scale import scale_rank
+        from benchmarks.scale_rank import scale_rank  # moezero's: imported only for its runs
         return scale_rank(spec)
     anon_start, sampler = anon_rss(), AnonPeak()
     try:

@@ -5,7 +5,7 @@ stage 0) equals the reference's single-process oracle of it.
 rows ``[r·b, (r+1)·b)`` on their own (capacity, aux and z per rank) and averages the two
 losses. torch: each rank runs its slice, its experts serving both ranks' tokens through
 ``all_to_all``. Compared: the mean rank loss, the gradient of the global mean loss by FQN
-(raw rank gradients reduced by DESIGN.md §2's rule, sum over the ranks holding a param / W),
+(raw rank gradients reduced by the rule of docs/design.md, "Semantics": sum over the ranks holding a param / W),
 the engine's global grad norm, and the params after one engine step vs
 ``moezero.reference.optim.train_step`` with ``world_size=2``.
 """

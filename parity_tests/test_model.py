@@ -9,9 +9,13 @@ perturbed off their init): logits (max abs), loss (relative) and every gradient 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
+from moezero.model.args import ModelArgs
+from moezero.reference.model import ModelConfig
 from parity_tests.models import (
     OPTIONS,
     engine_run,
@@ -85,3 +89,15 @@ def test_bf16_logits_and_grads(name):
     assert_max_abs(mine.logits, ref.logits, BF16.logits_abs, "bf16 logits")
     assert_rel(mine.loss, ref.loss, BF16.loss_rel, "bf16 loss")
     assert_close_by_fqn(mine.grads, ref.grads, BF16.grad_rel, "bf16 grads")
+
+
+TORCH_ONLY = {"init_std", "ep_size", "expert_group_name"}
+"""``ModelArgs`` fields the reference has no use for: its init is fixed, its experts are
+stacked (no placement), its optimizer groups are the plan's."""
+
+
+def test_the_reference_config_has_every_model_setting_of_torch():
+    """The reference keeps its own dataclass; its fields are ``ModelArgs``' (the config's)."""
+    ref = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert ref == {f.name for f in dataclasses.fields(ModelArgs)} - TORCH_ONLY
+

@@ -314,7 +314,7 @@ def oracle_loss(params: dict, global_batch: jax.Array, cfg: ModelConfig, world_s
                 dtype=jnp.float32) -> tuple[jax.Array, dict]:
     """What a W-rank data-parallel run optimises: the mean over ranks of each rank's loss_fn.
 
-    Each rank's slice is routed on its own (capacity, aux and z are per rank, DESIGN.md §2).
+    Each rank's slice is routed on its own (capacity, aux and z are per rank, docs/model.md, "MoE layer").
     """
     slices_WBS1 = split_batch(global_batch, world_size)
     _, metrics_W = jax.vmap(lambda b: loss_fn(params, b, cfg, dtype=dtype))(slices_WBS1)

@@ -2,7 +2,7 @@
 
 Torch counterpart: ``moezero.zero.adamw`` (schedule, clipping, AdamW math) as driven by
 ``moezero.zero.optimizer`` and ``moezero.engine``: this is the unsharded meaning of the ZeRO
-step in DESIGN.md §2 (fp16 loss scaling and per-group lr scales are not modelled here).
+step in docs/design.md, "Semantics" (fp16 loss scaling and per-group lr scales are not modelled here).
 
 ``train_step(cfg, state, batch) -> (new_state, metrics)`` is pure; jit it with
 ``jax.jit(train_step, static_argnums=0)``. The loss is ``moezero.reference.model.oracle_loss`` over

@@ -1,7 +1,7 @@
 """fp16 dynamic loss scaling and the clip coefficient of the ZeRO step (``reference/zero.py``).
 
 Torch counterpart: ``moezero.zero.adamw`` (``LossScaler``, ``clip_coef``). Semantics:
-DESIGN.md §2 ("Sharded optimizer step": an overflow skips the step on every rank).
+docs/design.md, "Semantics" (an overflow skips the step on every rank).
 """
 
 from __future__ import annotations

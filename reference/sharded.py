@@ -4,7 +4,7 @@ Torch counterpart: the expert-parallel path of ``torch_impl/model/moe.py`` (docs
 "Expert parallelism"). Its oracle is ``moe_layer_per_slice``, the unsharded twin: the plain
 ``moezero.reference.moe.moe_layer`` run on each rank's token slice with all experts present.
 
-Topology (DESIGN.md §2): W ranks on a mesh ``("edp", "ep")`` of shape (W/ep, ep); rank
+Topology (docs/design.md, "Semantics"): W ranks on a mesh ``("edp", "ep")`` of shape (W/ep, ep); rank
 ``r = edp_index·ep + ep_index``, so EP groups are consecutive blocks of ``ep`` ranks, and the
 ranks sharing an ``ep_index`` form an EDP group holding the same experts. Expert e lives on EP
 rank ``e // (E/ep)``. Tokens are split evenly over all W ranks; every rank routes, caps and

@@ -3,8 +3,8 @@
 Torch counterpart: ``moezero.zero`` (``Optimizer.reduce_gradients`` + ``step`` of
 ``sharded.ShardedOptimizer``) as driven by ``moezero.engine``. Loss scaling and the clip coefficient are
 ``reference/scaling.py`` (torch: ``moezero.zero.adamw.LossScaler``, ``clip_coef``); the stacks,
-flat buffers and mesh are ``reference/zero_layout.py``. Semantics: DESIGN.md §2 ("Sharded
-optimizer step", "Gold-standard equivalence").
+flat buffers and mesh are ``reference/zero_layout.py``. Semantics: docs/design.md, "Semantics"
+(the sharded step, the equivalence).
 
 Mesh ``("edp", "ep")`` of shape (W/ep, ep) (``make_mesh``); rank ``r = edp·ep + ep_index``.
 Each device computes ``loss_fn`` on its rows ``[r·b, (r+1)·b)`` of the global batch with *all*

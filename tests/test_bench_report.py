@@ -3,7 +3,9 @@ of an existing BENCHMARKS.md (``report.update_sections``), leaving every other b
 
 from __future__ import annotations
 
-from benchmarks import report, tables_comm
+from benchmarks import report, tables_comm, tables_scale
+from benchmarks.scale import read_peer
+from benchmarks.specs import SCALE_SIZES
 
 OLD = "# Benchmarks\n\nintro\n\n## A\n\nold a\n\n## B\n\nold b\n\n## Not run, rejected or failed\n\n- x\n"
 
@@ -21,8 +23,6 @@ def test_a_collectives_run_writes_only_its_section(tmp_path):
 
 
 def _scale_results(peer: dict) -> dict:
-    from benchmarks.scale import SCALE_SIZES
-
     def rank(step_s: float) -> dict:
         step = {"s": step_s, "loss": 5.5, "swap": 2e9, "read": 1e9, "write": 0.5e9}
         return {"status": "ok", "peak_rss": 2 * 2**30, "anon_peak": 2**30, "init_s": 30.0,
@@ -38,8 +38,6 @@ def _scale_results(peer: dict) -> dict:
 
 
 def test_scale_section_ratio_peer_row_and_only_its_section(tmp_path):
-    from benchmarks import tables_scale
-
     out = tmp_path / "BENCHMARKS.md"
     out.write_text(OLD)
     results = _scale_results({"ok": False, "error": "not run (no --peer-json given)"})
@@ -65,7 +63,5 @@ def test_scale_section_ratio_peer_row_and_only_its_section(tmp_path):
 
 
 def test_scale_section_of_a_missing_peer_file(tmp_path):
-    from benchmarks.scale import read_peer
-
     assert read_peer(None)["error"].startswith("not run")
     assert read_peer(str(tmp_path / "absent.json"))["error"].startswith("not run (")

@@ -1,4 +1,4 @@
-"""The ``moezero`` command (DESIGN.md §4).
+"""The ``moezero`` command (README.md, "Using it directly").
 
 ``moezero train [--config FILE] [--set KEY=VALUE ...] [--nproc N] [--out DIR] [--data PATH]``
 with no arguments trains the embedded default recipe on 2 local ranks.
@@ -106,7 +106,8 @@ def _adopt(cfg, run_dir: Path):
     cfg, adopted = adopt_architecture(cfg, run_dir)
     if adopted:
         print(f"moezero: architecture from checkpoint {cfg.checkpoint.load}: "
-              f"{', '.join(adopted)} (set a key to override)", flush=True)
+              f"{', '.join(adopted)} (another value needs checkpoint.allow_arch_change)",
+              flush=True)
     return cfg
 
 

@@ -127,7 +127,7 @@ class Engine:
         return self.optimizer_step()
 
     def reduce_gradients(self) -> None:
-        """Sum over each parameter's data-parallel group, divide by W (DESIGN.md §2)."""
+        """Sum over each parameter's data-parallel group, divide by W (docs/design.md, "Semantics")."""
         self.optimizer.reduce_gradients()
 
     def optimizer_step(self) -> dict:

@@ -25,6 +25,7 @@ import torch
 
 from moezero.config import Config
 from moezero.distributed.topology import Topology
+from moezero.model.args import model_args
 from moezero.model.decoder import Decoder
 from moezero.offload.aio import aligned_size
 from moezero.offload.state import params_read_master
@@ -172,8 +173,6 @@ def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda
     """Per-rank bytes of ``cfg`` trained on ``world_size`` ranks (``rank``'s share), on a
     ``device`` of kind 'cuda' or 'cpu' (precision ``auto`` resolves by it). Allocates nothing
     the size of the model."""
-    from moezero.train import model_args  # the one config -> ModelArgs mapping
-
     zero, ep = cfg.zero_optimization, cfg.moe.ep_size
     dtype = cfg.precision.resolve(cuda=device == "cuda", bf16_supported=device == "cuda")
     topology = Topology(rank, world_size, (ep,))

@@ -10,7 +10,9 @@ the end. ``checkpoint.load`` resumes at the saved step with the saved data posit
 samples for prepared data), so the run continues the same token stream at any W. With
 ``checkpoint.load``, the architecture and tokenizer keys the user did not set
 (``ADOPTED_KEYS``) are taken from the checkpoint's manifest (``adopt_architecture``), so
-``--set checkpoint.load=DIR`` alone fine-tunes an imported Hugging Face model (docs/hf.md).
+``--set checkpoint.load=DIR`` alone fine-tunes an imported Hugging Face model (docs/hf.md); an
+architecture key set to another value is refused unless ``checkpoint.allow_arch_change`` lists
+it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from moezero.checkpoint.core import CheckpointError, check_shapes, model_shapes, resolve_load
-from moezero.config import Config, ConfigError, dump_config
+from moezero.config import ARCHITECTURE, Config, ConfigError, dump_config
 from moezero.data import DataError
 from moezero.data.build import DataStream, build_batches
 from moezero.distributed.agree import broadcast_json
@@ -35,7 +37,8 @@ from moezero.distributed.launcher import launch
 from moezero.distributed.signals import Preempted, PreemptOptions, StopRequest
 from moezero.distributed.topology import Topology, build_topology
 from moezero.engine import Engine, initialize
-from moezero.model.decoder import Decoder, ModelArgs, init_weights
+from moezero.model.args import model_args
+from moezero.model.decoder import Decoder, init_weights
 from moezero.model.materialize import KeyedInit, meta_model
 from moezero.offload.aio import OffloadIOError
 from moezero.offload.options import IOOptions
@@ -52,15 +55,10 @@ from moezero.telemetry import StepTelemetry
 from moezero.validation import evaluate
 from moezero.zero.groups import PlanMismatchError
 
-ARCH_KEYS = {"model": ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "rope_theta",
-                       "norm_eps", "n_kv_heads", "head_dim", "qk_norm", "attn_bias"),
-             "moe": ("num_experts", "top_k", "router_scoring", "renormalize", "expert_bias",
-                     "shared_ffn_dim", "shared_gate")}
-"""Config keys that define the model a checkpoint holds (shapes and forward numerics)."""
-
-ADOPTED_KEYS = {**ARCH_KEYS, "tokenizer": ("path", "sha256", "vocab_size", "bos_token_id",
+ADOPTED_KEYS = {**ARCHITECTURE, "tokenizer": ("path", "sha256", "vocab_size", "bos_token_id",
                                            "eos_token_id", "pad_token_id")}
-"""``ARCH_KEYS`` and the model's tokenizer: what a run resuming a checkpoint takes from it."""
+"""The architecture keys (``moezero.config.ARCHITECTURE``) and the model's tokenizer: what a
+run resuming a checkpoint takes from it."""
 EXPECTED_ERRORS = (CheckpointError, ConfigError, DataError, OffloadIOError, OSError,
                    PlanMismatchError)
 """What a rank reports as one line (docs/reliability.md); anything else is a crash."""
@@ -74,20 +72,6 @@ steps. ``peak_mem_bytes`` is the peak of that step alone; ``mfu`` is None where 
 peak is unknown; ``moe`` lists every MoE layer's load (moezero.telemetry); ``swap_*`` are the
 step's bytes between rank 0 and its NVMe swap files (0 without NVMe offload)."""
 EVAL_KEYS = ("val_loss", "val_ppl")
-
-
-def model_args(cfg: Config) -> ModelArgs:
-    m, moe = cfg.model, cfg.moe
-    return ModelArgs(vocab_size=m.vocab_size, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
-                     ffn_dim=m.ffn_dim, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-                     init_std=m.init_std, num_experts=moe.num_experts, top_k=moe.top_k,
-                     capacity_factor=moe.capacity_factor, ep_size=moe.ep_size,
-                     expert_group_name=moe.expert_group_name,
-                     aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef,
-                     **{k: getattr(m, k) for k in ("n_kv_heads", "head_dim", "qk_norm", "attn_bias")},
-                     **{k: getattr(moe, k) for k in ("router_scoring", "renormalize", "expert_bias",
-                                                     "bias_update_rate", "shared_ffn_dim",
-                                                     "shared_gate")})
 
 
 def build_model(cfg: Config, topology: Topology) -> Decoder:
@@ -129,7 +113,9 @@ def adopt_architecture(cfg: Config, run_dir: str | Path) -> tuple[Config, list[s
 
     Raises:
         CheckpointError: the checkpoint cannot be found or read (one line).
-        ConfigError: the adopted values make an invalid config (one line).
+        ConfigError: an architecture key set to another value than the checkpoint's and not
+            in ``checkpoint.allow_arch_change``, or adopted values that make an invalid config
+            (one line).
     """
     ckpt = resolve_load(cfg.checkpoint.load, cfg.checkpoint.resolve_dir(run_dir))
     saved = store.read_manifest(ckpt).config
@@ -138,10 +124,13 @@ def adopt_architecture(cfg: Config, run_dir: str | Path) -> tuple[Config, list[s
         theirs = saved.get(section) if isinstance(saved, dict) else None
         explicit = getattr(cfg, section).model_fields_set
         for key in keys:
-            if (isinstance(theirs, dict) and key in theirs and key not in explicit
-                    and theirs[key] != data[section][key]):
+            if not isinstance(theirs, dict) or key not in theirs or theirs[key] == data[section][key]:
+                continue
+            if key not in explicit:
                 data[section][key] = theirs[key]
                 adopted.append(f"{section}.{key}={theirs[key]}")
+            elif section in ARCHITECTURE:
+                _refuse_change(cfg, f"{section}.{key}", data[section][key], theirs[key], ckpt)
     if not adopted:
         return cfg, []
     try:
@@ -150,6 +139,15 @@ def adopt_architecture(cfg: Config, run_dir: str | Path) -> tuple[Config, list[s
         err = exc.errors()[0]
         raise ConfigError(".".join(map(str, err["loc"])), err["msg"],
                           f"architecture adopted from {ckpt}") from None
+
+
+def _refuse_change(cfg: Config, key: str, ours, theirs, ckpt: Path) -> None:
+    """ConfigError naming ``key`` and both values, unless ``checkpoint.allow_arch_change``
+    lists it."""
+    if key not in cfg.checkpoint.allow_arch_change:
+        raise ConfigError(key, f"{json.dumps(ours)} differs from the checkpoint's "
+                               f"{json.dumps(theirs)}; to change it deliberately, add it to "
+                               "checkpoint.allow_arch_change", f"checkpoint {ckpt}")
 
 
 def preflight(cfg: Config, run_dir: str | Path) -> Path | None:

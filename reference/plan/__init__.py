@@ -5,7 +5,7 @@
 ``plan_layout`` decides where every byte of a checkpoint lies, and ``moezero.plan.store``
 (import it explicitly) reads and writes it. ``moezero.plan.rules`` holds the conventions both
 sides follow (expert FQNs, the expert group's default name, the optimizer state names, the
-``ep`` divisibility check, the weight-decay rule). See DESIGN.md §2, docs/grouping.md and
+``ep`` divisibility check, the weight-decay rule). See docs/design.md, "Semantics", docs/grouping.md and
 docs/checkpoint.md.
 """
 

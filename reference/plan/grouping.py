@@ -5,7 +5,7 @@ rank computes identically (the order depends on the specs, never on their input 
 A group never mixes dense and expert params, moe groups (EDP groups), EP ranks or user
 groups; with ``split_by_expert`` it holds one layer's one expert. Each logical group is then
 cut into chunks of at most ``max_group_size`` elements, slicing parameters by element range
-where a chunk fills up, so the cap is a hard bound (DESIGN.md §2, docs/grouping.md).
+where a chunk fills up, so the cap is a hard bound (docs/grouping.md, "Grouping").
 
 Torch counterpart: ``moezero.zero.groups`` (builds the specs from a module, then builds
 torch param groups from this plan).

@@ -1,4 +1,4 @@
-"""The checkpoint layout: which tensor lies at which byte of which file (DESIGN.md §2).
+"""The checkpoint layout: which tensor lies at which byte of which file (docs/checkpoint.md).
 
 A pure function of (groups, parameter shapes, step). Optimizer group ``i`` of ``G`` gets
 one ``model-{i+1:05d}-of-{G:05d}.safetensors`` file (fp32 master) and one ``optim-…`` file

@@ -4,7 +4,7 @@ Each group is laid out as one flat buffer (members contiguous, in group order, n
 padded to a multiple of ``dp_size * align`` and split evenly: DP rank ``d`` owns
 ``[d * shard_numel, (d + 1) * shard_numel)``. A dense group is sharded over all W ranks;
 an expert group over its EDP group (the W / ep ranks ``r`` with ``r % ep == ep_rank``),
-where rank ``r`` is DP rank ``r // ep`` (DESIGN.md §2).
+where rank ``r`` is DP rank ``r // ep`` (docs/grouping.md, "Partitioning").
 
 Topology: EP groups are consecutive blocks of ``ep`` ranks; EDP groups are the ranks
 with the same ``rank % ep``. Torch counterpart: ``moezero.distributed.topology`` (process groups)

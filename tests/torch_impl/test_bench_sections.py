@@ -68,8 +68,7 @@ def test_gpu_benchmark_smoke_rows_run_on_cpu(tmp_path, capsys):
 
 def test_the_estimate_section_judges_each_rank_against_its_estimate():
     """A row is met when every rank's peak is within ±25% of its own estimate."""
-    from benchmarks.moezero_trainer import overrides
-    from benchmarks.specs import SIZES, estimate_specs
+    from benchmarks.specs import SIZES, estimate_specs, overrides
     from benchmarks.tables_estimate import estimate_section
     from moezero.config import load_config
     from moezero.estimate import estimate

@@ -190,7 +190,7 @@ STEPS = 2  # after the load
 
 def matrix_cfg(world: int, ep: int, stage: int) -> dict:
     cfg = Config.model_validate(ccfg(world=world, stage=stage, ep=ep))
-    cfg.moe.aux_loss_coef = 0.0  # per-rank aux loss is the one W-dependent term (DESIGN.md §2)
+    cfg.moe.aux_loss_coef = 0.0  # per-rank aux loss is the one W-dependent term (docs/model.md, "MoE layer")
     return cfg.model_dump(by_alias=True)
 
 

@@ -131,6 +131,9 @@ def test_bad_load_paths_are_one_line_before_training(run, tmp_path, capsys):
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
     wider = ["--set", "model.ffn_dim=64", "--set", "checkpoint.load=latest"]
     code, _, err = cli(capsys, "train", *TINY, *wider, "--out", run)
+    assert code == 2 and "model.ffn_dim: 64 differs from the checkpoint's 32" in err, err
+    allowed = ["--set", "checkpoint.allow_arch_change=[model.ffn_dim]"]
+    code, _, err = cli(capsys, "train", *TINY, *wider, *allowed, "--out", run)
     assert code == 2 and "shape (32, 32) in the checkpoint, (64, 32) in the model" in err, err
     assert not (tmp_path / "r").exists()
 

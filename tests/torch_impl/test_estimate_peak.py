@@ -18,9 +18,9 @@ import torch
 
 from moezero.config import load_config
 from moezero.estimate import RUNTIME_BYTES, estimate
+from moezero.model.args import model_args
 from moezero.model.decoder import Decoder
 from moezero.model.recompute import checkpoint_blocks
-from moezero.train import model_args
 from moezero.transients import activation_bytes, kept_activation_bytes
 from tests.support.saved import saved_storages
 from tests.support.world import run_world

@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 from moezero.checkpoint.hf import export_hf, import_hf
 from moezero.cli import main
 from moezero.config import Config
+from moezero.model.args import model_args
 from moezero.model.decoder import Decoder
 from moezero.plan import store
-from moezero.train import model_args
 from tests.torch_impl.test_cli import moezero
 
 transformers = pytest.importorskip("transformers")

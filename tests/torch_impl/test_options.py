@@ -12,10 +12,11 @@ from moezero.config import Config, ConfigError, load_config
 from moezero.data import Batches, make_corpus
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
+from moezero.model.args import model_args
 from moezero.model.decoder import Decoder, ModelArgs
 from moezero.model.router import Router, RouterOptions, route, update_expert_biases
 from moezero.plan import plan_groups, store
-from moezero.train import build_model, model_args
+from moezero.train import build_model
 from moezero.zero.groups import config_user_group, param_specs
 from tests.support.compare import assert_close_by_fqn, rel_err
 from tests.support.world import run_world

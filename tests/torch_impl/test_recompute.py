@@ -1,8 +1,9 @@
 """Activation checkpointing (torch_impl/model/recompute.py): on CPU fp32, every step's loss and
 grad norm and the final parameters are bit-identical to the same run without it, at ZeRO
 stages 0-3, ep 1 and 2, with and without overlap_comm, with stage-3 params on NVMe, every
-block or every second block checkpointed, at W = 1 and 2; telemetry counts each forward once;
-and the activations kept for backward shrink."""
+block or every second block checkpointed, at W = 1 and 2; with an expert bias (softmax and
+sigmoid routing) the recomputed forward routes as the plain one and counts the expert loads once;
+telemetry counts each forward once; and the activations kept for backward shrink."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from moezero.config import Config
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
 from moezero.model.recompute import checkpoint_blocks
+from moezero.model.router import biased_routers
 from moezero.telemetry import ExpertLoad
 from moezero.train import build_model
 from tests.support.saved import saved_storages
@@ -48,8 +50,10 @@ def train(cfg_data: dict, steps: int = STEPS) -> dict:
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
     params = {k: p.detach().float().clone().numpy() for k, p in engine.full_parameters().items()}
+    biases = {k: b.clone().numpy() for k, b in engine.model.named_buffers()
+              if k.endswith("expert_bias")}
     engine.close()
-    return {"losses": losses, "norms": norms, "params": params}
+    return {"losses": losses, "norms": norms, "params": params, "biases": biases}
 
 
 def runs(cases: list[dict]) -> list[dict]:
@@ -67,6 +71,9 @@ def assert_same(got: dict, want: dict) -> None:
     assert got["params"].keys() == want["params"].keys()
     for fqn, value in want["params"].items():
         assert np.array_equal(got["params"][fqn], value), fqn
+    assert got["biases"].keys() == want["biases"].keys()
+    for fqn, value in want["biases"].items():
+        assert np.array_equal(got["biases"][fqn], value), fqn
 
 
 def assert_runs_same(results: list[dict]) -> None:
@@ -101,6 +108,14 @@ def test_bit_identical_at_w1(tmp_path, stage):
     if stage == 3:
         bases.append(case(3, param="nvme", nvme=str(tmp_path)))
     assert_runs_same(runs(with_and_without(bases)))
+
+
+def test_bit_identical_at_w1_with_expert_bias_and_sigmoid_routing():
+    """Steps with the expert bias updated from the step's loads (counted once either way)."""
+    bases = [{**case(0), "moe": {**case(0)["moe"], **moe}} for moe in BIASED_ROUTERS.values()]
+    results = runs(with_and_without(bases))
+    assert_runs_same(results)
+    assert all(r["biases"] and all(b.any() for b in r["biases"].values()) for r in results)
 
 
 def test_blocks_are_wrapped_from_outside_and_recompute_in_backward():
@@ -162,3 +177,43 @@ def test_checkpointing_keeps_fewer_activations():
     plain, every, second = (saved_activation_bytes(n) for n in (None, 1, 2))
     assert every < second < plain
     assert every * 4 < plain  # 8 blocks: each keeps its input instead of its activations
+
+
+BIASED_ROUTERS = {
+    "softmax": {"expert_bias": True},
+    "sigmoid": {"expert_bias": True, "router_scoring": "sigmoid", "renormalize": False},
+}
+
+
+def biased_step(moe: dict, every: int | None) -> dict:
+    """One forward and backward of a model whose routers carry a random expert bias (large
+    enough to decide the choice), checkpointed every ``every`` blocks (None: plain): the loss,
+    the gradients and each router's pending expert loads."""
+    cfg = Config.model_validate(case(0))
+    cfg.moe = cfg.moe.model_copy(update=moe)
+    model = build_model(cfg, build_topology([1], num_experts=cfg.moe.num_experts))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for router in biased_routers(model):
+            router.expert_bias.copy_(0.05 * torch.randn(router.num_experts, generator=gen))
+    if every is not None:
+        checkpoint_blocks(model, every)
+    loss, _ = model.loss(torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(0)))
+    loss.backward()
+    return {"loss": loss.item(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+            "loads": [r.pending_load.clone() for r in biased_routers(model)]}
+
+
+@pytest.mark.parametrize("scoring", sorted(BIASED_ROUTERS))
+@pytest.mark.parametrize("every", EVERY)
+def test_recompute_with_expert_bias_equals_the_plain_forward(scoring, every):
+    plain = biased_step(BIASED_ROUTERS[scoring], None)
+    ac = biased_step(BIASED_ROUTERS[scoring], every)
+    assert plain["loads"] and all(int(load.sum()) == 4 * 16 * 2 for load in plain["loads"])
+    for i, (got, want) in enumerate(zip(ac["loads"], plain["loads"], strict=True)):
+        assert torch.equal(got, want), f"layer {i}: loads {got.tolist()} != {want.tolist()}"
+    assert ac["loss"] == plain["loss"]
+    assert ac["grads"].keys() == plain["grads"].keys()
+    for fqn, grad in plain["grads"].items():
+        assert torch.equal(ac["grads"][fqn], grad), fqn

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moezero.config import load_config
+from moezero.model.args import model_args
 from moezero.model.decoder import ModelArgs
 from moezero.model.moe import MoE, SwiGLU, route
 from moezero.telemetry import (
@@ -19,7 +20,7 @@ from moezero.telemetry import (
     layer_load,
     peak_flops,
 )
-from moezero.train import model_args, model_numel, setup
+from moezero.train import model_numel, setup
 from moezero.validation import evaluate
 
 TINY = ["model.dim=16", "model.n_layers=2", "model.n_heads=2", "model.ffn_dim=16",

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moezero.config import Config
+from moezero.model.args import model_args
 from moezero.model.decoder import Decoder
 from moezero.plan.partition import Partition
 from moezero.plan.specs import Slice
-from moezero.train import model_args
 from moezero.zero.allgather import Launched, launch
 from moezero.zero.buckets import (
     GatherBucket,

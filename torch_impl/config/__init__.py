@@ -17,6 +17,8 @@ from __future__ import annotations
 from moezero.config.errors import ConfigError
 from moezero.config.loader import DEFAULT_RECIPE, dump_config, load_config, parse_override, to_yaml
 from moezero.config.schema import (
+    ARCHITECTURE,
+    ARCHITECTURE_KEYS,
     CheckpointConfig,
     Config,
     DataConfig,
@@ -33,7 +35,7 @@ from moezero.config.schema import (
 )
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistConfig", "ModelConfig",
+    "ARCHITECTURE", "ARCHITECTURE_KEYS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistConfig", "ModelConfig",
     "MoEConfig", "OffloadConfig", "OptimizerConfig", "ParamOffloadConfig", "PrecisionConfig",
     "TokenizerConfig", "TrainConfig", "ZeroConfig", "DEFAULT_RECIPE", "dump_config", "load_config", "parse_override", "to_yaml",
 ]

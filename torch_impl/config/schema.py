@@ -39,6 +39,14 @@ class _Section(BaseModel):
 _MISSING = object()
 
 
+_ARCH = {"architecture": True}
+
+
+def _arch(default: Any, **kwargs: Any) -> Any:
+    """A ``Field`` that defines the model a checkpoint holds (listed in ``ARCHITECTURE``)."""
+    return Field(default, json_schema_extra=_ARCH, **kwargs)
+
+
 class TrainConfig(_Section):
     """The training loop."""
 
@@ -65,24 +73,24 @@ class TrainConfig(_Section):
 class ModelConfig(_Section):
     """Mixtral-style decoder: RMSNorm, RoPE attention, SwiGLU experts."""
 
-    vocab_size: int = Field(256, ge=2, description="Token vocabulary (256 = bytes).")
-    dim: int = Field(128, ge=1, description="Residual stream width.")
-    n_layers: int = Field(4, ge=1, description="Decoder blocks, each with one MoE layer.")
-    n_heads: int = Field(4, ge=1, description="Attention heads; must divide dim with an even head dim.")
-    ffn_dim: int = Field(256, ge=1, description="Hidden width of each SwiGLU expert.")
-    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
-    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    vocab_size: int = _arch(256, ge=2, description="Token vocabulary (256 = bytes).")
+    dim: int = _arch(128, ge=1, description="Residual stream width.")
+    n_layers: int = _arch(4, ge=1, description="Decoder blocks, each with one MoE layer.")
+    n_heads: int = _arch(4, ge=1, description="Attention heads; must divide dim with an even head dim.")
+    ffn_dim: int = _arch(256, ge=1, description="Hidden width of each SwiGLU expert.")
+    rope_theta: float = _arch(10000.0, gt=0, description="RoPE base frequency.")
+    norm_eps: float = _arch(1e-5, gt=0, description="RMSNorm epsilon.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
     # Options of the Hugging Face families (docs/model.md, docs/hf.md).
-    n_kv_heads: int | None = Field(
+    n_kv_heads: int | None = _arch(
         None, ge=1, description="Key/value heads (grouped-query attention); must divide "
                                 "n_heads; None = n_heads.")
-    head_dim: int | None = Field(
+    head_dim: int | None = _arch(
         None, ge=2, description="Dims per head (even, RoPE); None = dim / n_heads.")
-    qk_norm: Literal["none", "head", "projection"] = Field(
+    qk_norm: Literal["none", "head", "projection"] = _arch(
         "none", description="RMSNorm on q and k: per head (Qwen3-MoE) or over the whole "
                             "projection (OLMoE).")
-    attn_bias: Literal["none", "qkv", "all"] = Field(
+    attn_bias: Literal["none", "qkv", "all"] = _arch(
         "none", description="Biases on the q/k/v projections (Qwen2-MoE), or on those and the "
                             "output projection.")
 
@@ -103,10 +111,10 @@ class ModelConfig(_Section):
 class MoEConfig(_Section):
     """Mixture-of-Experts layers: routing, expert parallelism and optimizer grouping."""
 
-    num_experts: int = Field(8, ge=1, description="Experts per MoE layer (E).")
-    top_k: int = Field(2, ge=1, description="Experts each token is routed to.")
+    num_experts: int = _arch(8, ge=1, description="Experts per MoE layer (E).")
+    top_k: int = _arch(2, ge=1, description="Experts each token is routed to.")
     ep_size: int = Field(2, ge=1, description="Expert-parallel size: ranks one layer's experts are spread over.")
-    capacity_factor: float | None = Field(
+    capacity_factor: float | None = _arch(
         None, gt=0, description="Expert capacity = factor * tokens * top_k / E; None = dropless.")
     expert_group_name: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_.-]+$",
@@ -117,20 +125,20 @@ class MoEConfig(_Section):
     split_groups_by_expert: bool = Field(True, description="One optimizer group per (layer, expert).")
     aux_loss_coef: float = Field(0.01, ge=0, description="Weight of the load-balancing aux loss.")
     z_loss_coef: float = Field(0.001, ge=0, description="Weight of the router z-loss.")
-    # Router variants and shared experts (docs/model.md "Router", "Shared experts").
-    router_scoring: Literal["softmax", "sigmoid"] = Field(
+    # Router variants and shared experts (docs/model.md, "Router variants"; "Shared expert").
+    router_scoring: Literal["softmax", "sigmoid"] = _arch(
         "softmax", description="Router scores: softmax over experts, or a sigmoid per expert.")
-    renormalize: bool = Field(True, description="Renormalise the top-k gates to sum 1 (Mixtral); "
+    renormalize: bool = _arch(True, description="Renormalise the top-k gates to sum 1 (Mixtral); "
                                                 "false: the raw scores (OLMoE, Qwen2-MoE).")
-    expert_bias: bool = Field(False, description="Aux-loss-free balancing (DeepSeek-V3): a "
+    expert_bias: bool = _arch(False, description="Aux-loss-free balancing (DeepSeek-V3): a "
                                                  "per-expert bias on the scores for the top-k "
                                                  "choice, updated outside the optimizer.")
     bias_update_rate: float = Field(1e-3, ge=0, description="Expert bias step per optimizer "
                                                             "step: bias += rate * sign(mean "
                                                             "load - load).")
-    shared_ffn_dim: int = Field(0, ge=0, description="Hidden width of the always-on shared "
+    shared_ffn_dim: int = _arch(0, ge=0, description="Hidden width of the always-on shared "
                                                      "SwiGLU expert; 0 = none.")
-    shared_gate: bool = Field(False, description="Scale the shared expert by sigmoid(x . g) "
+    shared_gate: bool = _arch(False, description="Scale the shared expert by sigmoid(x . g) "
                                                  "per token (Qwen2-MoE).")
 
     @property
@@ -148,6 +156,15 @@ class MoEConfig(_Section):
         if self.shared_gate and not self.shared_ffn_dim:
             raise FieldError("shared_gate", "needs a shared expert (moe.shared_ffn_dim > 0)")
         return self
+
+
+ARCHITECTURE: dict[str, tuple[str, ...]] = {
+    name: tuple(k for k, f in section.model_fields.items() if f.json_schema_extra == _ARCH)
+    for name, section in (("model", ModelConfig), ("moe", MoEConfig))}
+"""The keys declared with ``_arch``: what a resume adopts when unset and refuses to change
+unless ``checkpoint.allow_arch_change`` lists it (``moezero.train.adopt_architecture``)."""
+ARCHITECTURE_KEYS = tuple(f"{section}.{key}" for section, keys in ARCHITECTURE.items()
+                          for key in keys)
 
 
 class PrecisionConfig(_Section):
@@ -269,6 +286,9 @@ class CheckpointConfig(_Section):
         True, description="Check every range's crc32 while it is read and every file's header "
                           "against the manifest; a mismatch stops the run before it starts.")
     dir: str | None = Field(None, description="Checkpoint root; None = <run dir>/checkpoints.")
+    allow_arch_change: list[Literal[ARCHITECTURE_KEYS]] = Field(  # type: ignore[valid-type]
+        [], description="Architecture keys (e.g. moe.top_k, moe.capacity_factor) a resume may "
+                        "set to another value than the checkpoint's; other changes are refused.")
 
     def resolve_dir(self, run_dir: str | os.PathLike) -> Path:
         """The checkpoint root for a run directory."""

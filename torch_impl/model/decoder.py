@@ -11,64 +11,17 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moezero.model.args import ModelArgs
 from moezero.model.attention import Attention, RMSNorm, rope
 from moezero.model.moe import MoE, SwiGLU
-from moezero.model.router import RouterOptions
 from moezero.model.shared import SharedExpert
 
 __all__ = ["Attention", "Block", "Decoder", "ModelArgs", "RMSNorm", "init_weights", "rope"]
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    """Shape and MoE settings of the decoder (filled from ``Config.model`` and ``Config.moe``)."""
-
-    vocab_size: int = 256
-    dim: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    ffn_dim: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    num_experts: int = 8
-    top_k: int = 2
-    capacity_factor: float | None = None
-    ep_size: int = 1
-    expert_group_name: str | None = None
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.001
-    n_kv_heads: int | None = None  # None: n_heads (multi-head attention)
-    head_dim: int | None = None  # None: dim // n_heads
-    qk_norm: str = "none"  # attention.QK_NORMS
-    attn_bias: str = "none"  # attention.ATTN_BIASES
-    router_scoring: str = "softmax"  # router.SCORINGS
-    renormalize: bool = True
-    expert_bias: bool = False
-    bias_update_rate: float = 1e-3
-    shared_ffn_dim: int = 0  # 0: no shared expert
-    shared_gate: bool = False
-
-    @property
-    def kv_heads(self) -> int:
-        """Key/value heads G (``n_kv_heads``, default H)."""
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_size(self) -> int:
-        """Head dim K (``head_dim``, default D/H)."""
-        return self.head_dim or self.dim // self.n_heads
-
-    @property
-    def router(self) -> RouterOptions:
-        return RouterOptions(self.router_scoring, self.renormalize, self.expert_bias,
-                             self.bias_update_rate)
 
 
 class Block(nn.Module):

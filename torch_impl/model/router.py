@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moezero.model.recompute import recomputing
+
 SCORINGS = ("softmax", "sigmoid")
 
 
@@ -56,7 +58,8 @@ def route(logits_TE: torch.Tensor, top_k: int, *, scoring: str = "softmax",
 class Router(nn.Linear):
     """Router weight [E, D] (FQN ``router.weight``, as a bias-free ``nn.Linear``) and, with
     ``options.expert_bias``, the fp32 buffer ``router.expert_bias`` [E] (checkpointed, never
-    optimized) with the expert loads counted since the last update (not saved).
+    optimized) with the expert loads counted since the last update (not saved; a forward recomputed by
+    activation checkpointing is not counted again).
 
     ``forward(x_TD)`` returns ``(logits_TE, probs_TE, gates_Tk, experts_Tk)``; the logits are
     computed in fp32 (x and W upcast).
@@ -77,7 +80,9 @@ class Router(nn.Linear):
         probs_TE, gates_Tk, experts_Tk = route(
             logits_TE, self.top_k, scoring=self.options.scoring,
             renormalize=self.options.renormalize, bias_E=self.expert_bias)
-        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
+        # A checkpointed block's recomputation in backward routes the same tokens again.
+        if (self.expert_bias is not None and self.training and torch.is_grad_enabled()
+                and not recomputing()):
             self.pending_load += torch.bincount(experts_Tk.reshape(-1), minlength=self.num_experts)
         return logits_TE, probs_TE, gates_Tk, experts_Tk
 

@@ -4,7 +4,7 @@ Qwen2-MoE's ``shared_expert`` with its ``shared_expert_gate`` (``y = sigmoid(x·
 w2(silu(w1 x) * w3 x)``), and DeepSeek's shared experts (n of them equal one SwiGLU n times as
 wide, ungated). Its parameters are dense: every rank holds them and they are averaged over all
 W ranks like attention (docs/grouping.md). The JAX counterpart is ``reference/model.py:
-shared_expert``; semantics are docs/model.md ("Shared experts").
+shared_expert``; semantics are docs/model.md ("Shared expert").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``SwapDir`` names one rank's swap files from the optimizer group name and state (stable across
 runs, never ``id()``), holds its folder under an ``flock`` for the job's lifetime (a second job
 on the same path gets a folder of its own), checks free space before training and removes its
-files at exit (DESIGN.md §1.4, §3). A swap file holds a contiguous partition range like the checkpoint
+files at exit (docs/offload.md, "Swap files"). A swap file holds a contiguous partition range like the checkpoint
 layout, so save/load are ``moezero.plan.store.copy_range`` file-to-file copies.
 Reference counterpart: none (the reference keeps every state in memory).
 """

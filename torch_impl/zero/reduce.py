@@ -5,7 +5,7 @@ reduced from gradient hooks while backward runs.
 (``zero_optimization.reduce_dtype``: fp32 by default, or bf16), filled from the local gradients.
 The sharded optimizer (rows = dp_size) reduce-scatters it: one ``reduce_scatter_single`` (sum)
 gives every rank its columns of its shard; the replicated one (one row) all-reduces it. The
-sums are divided by W (DESIGN.md §2: dense grads averaged over W; expert grads summed over the
+sums are divided by W (docs/design.md, "Semantics": dense grads averaged over W; expert grads summed over the
 EDP group and divided by W, i.e. the gradient of the global mean loss) and downcast into
 ``Slot.grad`` (the shard, or the whole group's range of the flat gradients; at stage 3 with
 the optimizer on NVMe, ``moezero.zero.gradtier``: a swap file per group). In fp32 the sums

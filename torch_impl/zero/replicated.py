@@ -6,7 +6,7 @@ each group (``Slot``) holds its fp32 master (in fp32, the group's range of the f
 itself), exp_avg and exp_avg_sq over all of its elements. The gradients are all-reduced in
 fp32 buckets (``moezero.zero.reduce``, one row per group): dense gradients averaged over the W
 ranks, expert gradients summed over their EDP group and divided by W, so every rank computes
-the gradient of the *global* mean loss (DESIGN.md §2). The step is the shared one
+the gradient of the *global* mean loss (docs/design.md, "Semantics"). The step is the shared one
 (``moezero.zero.optimizer``): the grad norm counts each rank's own partition range of every
 group (so it equals the sharded stages' norm), then every rank steps every group and
 downcasts the master into its params; nothing is gathered. A checkpoint receives this rank's

@@ -1,8 +1,9 @@
 """The architecture of a Hugging Face MoE model in moezero's names, and the ``config.json``
 checks every family shares (docs/hf.md, "Refused").
 
-``Arch`` holds the ``model.*`` / ``moe.*`` values a family's ``config.json`` maps to, plus
-import-only facts (tied embeddings). ``arch_of(manifest)`` reads the same from a moezero
+``Arch`` holds the architecture keys (``moezero.config.ARCHITECTURE``: one field per key, of
+the same name; tests/torch_impl/test_model_args.py checks it) that a family's ``config.json``
+maps to, plus import-only facts (tied embeddings). ``arch_of(manifest)`` reads the same from a moezero
 checkpoint for an export. Every refusal is a one-line ``CheckpointError`` naming the key.
 """
 
@@ -11,12 +12,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from moezero.config import ARCHITECTURE
 from moezero.plan.store import CheckpointError
 
-MODEL_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "rope_theta", "norm_eps",
-              "n_kv_heads", "head_dim", "qk_norm", "attn_bias")
-MOE_KEYS = ("num_experts", "top_k", "renormalize", "router_scoring", "expert_bias",
-            "shared_ffn_dim", "shared_gate")
+DERIVED_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "rope_theta", "norm_eps",
+                "num_experts", "top_k", "n_kv_heads", "head_dim")
+"""``Arch``'s first fields, which ``arch_of`` derives (from the checkpoint's shapes, or checked
+and resolved from its config); the other architecture keys are copied from the config."""
 
 
 @dataclass(frozen=True)
@@ -41,13 +43,14 @@ class Arch:
     expert_bias: bool = False
     shared_ffn_dim: int = 0
     shared_gate: bool = False
+    capacity_factor: float | None = None  # HF is dropless: exported as such (docs/hf.md)
     tie_embeddings: bool = False
 
     def sections(self) -> dict:
         """``{"model": {...}, "moe": {...}}`` config values (``head_dim`` None when D/H)."""
         d = asdict(self)
         d["head_dim"] = None if self.head_dim * self.n_heads == self.dim else self.head_dim
-        return {"model": {k: d[k] for k in MODEL_KEYS}, "moe": {k: d[k] for k in MOE_KEYS}}
+        return {section: {k: d[k] for k in keys} for section, keys in ARCHITECTURE.items()}
 
 
 def refuse(where: str, key: str, value, why: str) -> CheckpointError:
@@ -124,8 +127,8 @@ def arch_of(manifest) -> Arch:
         raise CheckpointError("the checkpoint is not of moezero's decoder "
                               "(no embed.weight or layers.0 experts)") from None
     heads_ = int(flat["n_heads"])
-    options = {k: flat[k] for k in ("qk_norm", "attn_bias", "renormalize", "router_scoring",
-                                    "expert_bias", "shared_ffn_dim", "shared_gate") if k in flat}
+    options = {k: flat[k] for keys in ARCHITECTURE.values() for k in keys
+               if k not in DERIVED_KEYS and k in flat}
     return Arch(vocab, dim, layers, heads_, ffn, float(flat["rope_theta"]),
                 float(flat["norm_eps"]), experts, int(flat["top_k"]),
                 int(flat.get("n_kv_heads") or heads_), int(flat.get("head_dim") or dim // heads_),

@@ -29,7 +29,8 @@ from moezero.checkpoint.hf.family import Family
 from moezero.checkpoint.hf.names import candidates
 from moezero.checkpoint.hf.reader import HFTensors
 from moezero.config import Config, dump_config
-from moezero.model.decoder import Decoder, ModelArgs
+from moezero.model.args import model_args
+from moezero.model.decoder import Decoder
 from moezero.plan import plan_groups, plan_layout, store
 from moezero.plan.bytes_io import CHUNK, byte_view
 from moezero.plan.files import pwrite_all, read_json
@@ -84,7 +85,7 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
         raise CheckpointError(f"--out {out}: exists and is not an empty directory")
     cfg = import_config(arch, out, str(src / HF_CONFIG), hf_tokenizer.describe_import(src, out))
     tensors = HFTensors(src)
-    layout = _layout(arch, cfg)
+    layout = _layout(cfg)
     sources = {fqn: _source(tensors, fqn, shape, arch, family, src)
                for fqn, shape in layout.shapes}
     _check_all_used(tensors, {key for key, _ in sources.values()}, arch, src)
@@ -149,13 +150,11 @@ def _source(tensors: HFTensors, fqn: str, shape: tuple[int, ...], arch: Arch, fa
     return key, index
 
 
-def _layout(arch: Arch, cfg: Config):
-    """The plan's layout of the default recipe's groups for this architecture (weights only),
-    so a run with the default grouping reads each group contiguously."""
-    args = ModelArgs(**arch.sections()["model"], **arch.sections()["moe"],
-                     ep_size=cfg.moe.ep_size)
+def _layout(cfg: Config):
+    """The plan's layout of the default recipe's groups for the imported architecture (weights
+    only), so a run with the default grouping reads each group contiguously."""
     with torch.device("meta"):
-        specs, _ = param_specs(Decoder(args), config_user_group(cfg))
+        specs, _ = param_specs(Decoder(model_args(cfg)), config_user_group(cfg))
     groups = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
                          split_by_expert=cfg.moe.split_groups_by_expert)
     return plan_layout(groups, {s.fqn: s.shape for s in specs}, step=0, weights_only=True)

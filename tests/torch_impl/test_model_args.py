@@ -1,0 +1,61 @@
+"""One home for the model's settings: the config's ``model`` and ``moe`` sections declare them;
+``ModelArgs`` (torch_impl/model/args.py) has each under the same name and default and
+``model_args`` carries every one; the HF mapping's ``Arch`` has one field per architecture key
+(``ARCHITECTURE``, declared in the schema)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moezero.checkpoint.hf.arch import Arch
+from moezero.config import ARCHITECTURE, Config, ModelConfig, MoEConfig
+from moezero.model.args import MOE_PLAN_KEYS, ModelArgs, model_args
+
+ARGS = {f.name: f for f in dataclasses.fields(ModelArgs)}
+SECTIONS = {"model": ModelConfig, "moe": MoEConfig}
+OWN_DEFAULTS = {"ep_size": 1}  # a model built alone holds every expert
+
+
+def config_fields() -> dict:
+    return {name: field for section in SECTIONS.values()
+            for name, field in section.model_fields.items()}
+
+
+def test_model_args_has_every_model_and_moe_key_but_the_grouping_ones():
+    fields = config_fields()
+    assert len(fields) == sum(len(s.model_fields) for s in SECTIONS.values())  # no name twice
+    assert set(ARGS) == set(fields) - set(MOE_PLAN_KEYS)
+    assert set(MOE_PLAN_KEYS) <= set(MoEConfig.model_fields)
+
+
+def test_model_args_defaults_are_the_schemas():
+    for name, field in config_fields().items():
+        if name in ARGS:
+            want = OWN_DEFAULTS.get(name, field.default)
+            assert ARGS[name].default == want, name
+
+
+def test_model_args_carries_every_key_of_the_config():
+    """Every field set to a value other than its default, so one left to the dataclass
+    default would show."""
+    cfg = Config.model_validate({
+        "model": {"vocab_size": 99, "dim": 48, "n_layers": 3, "n_heads": 6, "ffn_dim": 40,
+                  "rope_theta": 123.0, "norm_eps": 1e-3, "init_std": 0.5, "n_kv_heads": 3,
+                  "head_dim": 10, "qk_norm": "head", "attn_bias": "all"},
+        "moe": {"num_experts": 6, "top_k": 3, "ep_size": 3, "capacity_factor": 1.5,
+                "expert_group_name": "g", "aux_loss_coef": 0.5, "z_loss_coef": 0.25,
+                "router_scoring": "sigmoid", "renormalize": False, "expert_bias": True,
+                "bias_update_rate": 0.125, "shared_ffn_dim": 7, "shared_gate": True},
+        "data": {"synthetic_vocab": 32}})
+    args = model_args(cfg)
+    for name, field in ARGS.items():
+        section = cfg.model if name in ModelConfig.model_fields else cfg.moe
+        assert getattr(args, name) == getattr(section, name) != field.default, name
+
+
+def test_architecture_keys_are_model_args_and_arch_fields():
+    keys = [k for keys in ARCHITECTURE.values() for k in keys]
+    assert set(keys) <= set(ARGS)
+    arch = [f.name for f in dataclasses.fields(Arch)]
+    assert sorted(arch) == sorted([*keys, "tie_embeddings"])
+    assert "ep_size" not in keys and "init_std" not in keys  # placement and init, not the model

@@ -1,0 +1,77 @@
+"""The decoder's settings, ``ModelArgs``, and the one mapping from the run config to them.
+
+The config's ``model`` and ``moe`` sections (``moezero.config.schema``) declare every setting
+once; ``ModelArgs`` has a field of the same name and default for each (all but
+``MOE_PLAN_KEYS``, which configure the optimizer's grouping, not the model) and
+``model_args`` fills them by name, so a field missing from either side fails at once
+(tests/torch_impl/test_model_args.py checks both directions and the defaults). The JAX
+counterpart is ``reference/model.py: ModelConfig`` (parity_tests/test_model.py checks its
+fields).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+from moezero.model.router import RouterOptions
+
+if TYPE_CHECKING:  # the model imports no pydantic (benchmarks' peer venvs build it bare)
+    from moezero.config import Config
+
+MOE_PLAN_KEYS = ("max_group_size", "split_groups_by_expert")
+"""``moe.*`` keys of the optimizer's grouping (``moezero.zero.groups``), not of the model."""
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shape and MoE settings of the decoder: the fields of ``Config.model`` and
+    ``Config.moe`` of the same names (``model_args``), every one but ``MOE_PLAN_KEYS``, with
+    the same defaults except ``ep_size`` (1: a model built alone holds every expert)."""
+
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    ffn_dim: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    num_experts: int = 8
+    top_k: int = 2
+    capacity_factor: float | None = None
+    ep_size: int = 1
+    expert_group_name: str | None = None
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    n_kv_heads: int | None = None  # None: n_heads (multi-head attention)
+    head_dim: int | None = None  # None: dim // n_heads
+    qk_norm: str = "none"  # attention.QK_NORMS
+    attn_bias: str = "none"  # attention.ATTN_BIASES
+    router_scoring: str = "softmax"  # router.SCORINGS
+    renormalize: bool = True
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    shared_ffn_dim: int = 0  # 0: no shared expert
+    shared_gate: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads G (``n_kv_heads``, default H)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        """Head dim K (``head_dim``, default D/H)."""
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def router(self) -> RouterOptions:
+        return RouterOptions(self.router_scoring, self.renormalize, self.expert_bias,
+                             self.bias_update_rate)
+
+
+def model_args(cfg: Config) -> ModelArgs:
+    """The ``ModelArgs`` of a run: each field from the ``model`` or ``moe`` key of its name."""
+    values = {**cfg.model.model_dump(), **cfg.moe.model_dump()}
+    return ModelArgs(**{f.name: values[f.name] for f in fields(ModelArgs)})
