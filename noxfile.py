@@ -3,6 +3,9 @@
 torch: on a machine without an NVIDIA GPU the sessions install the CPU build
 ``torch==2.13.0`` (``MOEZERO_TORCH`` overrides the requirement, e.g. ``torch`` on a GPU box);
 the package itself only asks for ``torch>=2.4``, so users are never pinned.
+
+``wheel`` (the built distribution, installed as users get it) is not among the default
+sessions: ``.ci/run`` calls it after them, as ``python -m nox -s wheel``.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import tempfile
+from pathlib import Path
 
 import nox
 
@@ -66,6 +71,30 @@ def lint(session: nox.Session) -> None:
     session.run("python", "-I", "-c", "import moezero, moezero.engine, moezero.cli; "
                 "moezero.initialize; moezero.MoE; moezero.load_config; "
                 "import sys; assert 'jax' not in sys.modules; print('moezero imports without JAX')")
+
+
+@nox.session(reuse_venv=False)  # a fresh venv every run: no stale install
+def wheel(session: nox.Session) -> None:
+    """The distribution as users get it: build the sdist and the wheel (from the sdist),
+    ``twine check`` both, hold them to the source tree (tests/wheel/check_wheel.py: every
+    subpackage and recipe, nothing stray), install the wheel (not ``-e``) with torch, the
+    ``data`` extra and transformers into this fresh venv, and run every subcommand from a
+    temporary folder outside the repository (tests/wheel/smoke.py: 73 s on 2 idle cores,
+    220 s under load).
+    """
+    dist = Path(session.create_tmp(), "dist")
+    shutil.rmtree(dist, ignore_errors=True)
+    session.install("build", "twine")
+    session.run("python", "-m", "build", "--outdir", str(dist), ".")
+    artifacts = sorted(str(p) for p in dist.iterdir())
+    session.run("python", "-m", "twine", "check", "--strict", *artifacts)
+    session.run("python", "tests/wheel/check_wheel.py", *artifacts)
+    session.install(*shlex.split(_torch_requirement()))
+    session.install(f"{next(dist.glob('*.whl'))}[data]", "transformers>=5")
+    smoke = str(Path("tests/wheel/smoke.py").resolve())
+    with tempfile.TemporaryDirectory(prefix="moezero-wheel-") as work:
+        session.chdir(work)
+        session.run("python", "-I", smoke)
 
 
 @nox.session

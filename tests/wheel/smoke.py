@@ -1,0 +1,206 @@
+"""Every ``moezero`` subcommand end to end through an installed wheel (``nox -s wheel``).
+
+    cd $(mktemp -d) && python -I /path/to/tests/wheel/smoke.py
+
+Run with ``-I`` from a folder outside the repository, in a venv holding the wheel (not an
+editable install), torch, the ``data`` extra and ``transformers``: the repository is not on
+``sys.path``, so this sees the installed distribution only (it imports nothing from tests/).
+In the current folder it
+
+1. trains a byte-level BPE with ``tokenizers`` (offline) and ``prepare-data``s a small corpus,
+2. ``train``s a tiny decoder on it (W = 2, ep 2, 3 steps) and ``estimate``s that config,
+3. ``checkpoint inspect``, ``verify``, ``export`` (moezero) and ``export --format hf`` the run,
+   and loads the export with ``from_pretrained``: no missing or unexpected keys, logits within
+   1e-5 of moezero's decoder on the same checkpoint,
+4. for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE: a tiny random model saved with
+   ``save_pretrained``, ``import-hf``, ``verify``, ``export --format hf`` and
+   ``from_pretrained`` again: the logits within 1e-5 of the source model's.
+
+Prints one line per step; exits non-zero at the first failure with the command's stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ATOL = 1e-5  # fp32 logits, as tests/torch_impl/test_hf_families.py
+MOEZERO = str(Path(sys.executable).parent / "moezero")
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "model.n_heads=4",
+        "--set", "model.n_kv_heads=2", "--set", "model.ffn_dim=48", "--set", "model.vocab_size=320",
+        "--set", "moe.num_experts=4", "--set", "moe.ep_size=2", "--set", "train.seq_len=32",
+        "--set", "train.micro_batch_size=2", "--set", "train.eval_every=0"]
+TOKENS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+BASE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 5e5}, rms_norm_eps=1e-6)
+FAMILIES = {  # model_type: (config class, model class, its own config fields)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=48, num_local_experts=4)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(intermediate_size=40, moe_intermediate_size=24,
+                       shared_expert_intermediate_size=40, num_experts=4, norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+                       head_dim=12, norm_topk_prob=True, tie_word_embeddings=True)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(intermediate_size=48, num_experts=4, norm_topk_prob=False,
+                   pad_token_id=1, eos_token_id=2)),
+}
+
+
+def moezero(*args: str, timeout: float = 300) -> str:
+    start = time.monotonic()
+    res = subprocess.run([MOEZERO, *args], capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        sys.exit(f"FAILED (exit {res.returncode}): moezero {' '.join(args)}\n"
+                 f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    print(f"ok {time.monotonic() - start:5.1f}s  moezero {' '.join(args)}", flush=True)
+    return res.stdout
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        sys.exit(f"FAILED: {what}")
+    print(f"ok         {what}", flush=True)
+
+
+def installed() -> None:
+    import moezero
+
+    where = Path(moezero.__file__).resolve()
+    check(where.parents[1].name == "site-packages",  # an editable install: torch_impl/
+          f"moezero imports from the installed wheel ({where.parent})")
+
+
+def tokenizer(folder: Path, corpus: Path) -> None:
+    """A byte-level BPE trained on a generated corpus (offline), as a model folder holds it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    words = "the a cat dog fox sat ran saw on under mat tree house river and then".split()
+    docs = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) for _ in range(400)]
+    corpus.write_text("\n\n".join(docs) + "\n")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+         "pad_token": "<pad>"}))
+
+
+def moezero_logits(ckpt: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """The installed decoder (all experts local) on the checkpoint's fp32 masters."""
+    from moezero.config import Config
+    from moezero.model.decoder import Decoder
+    from moezero.plan import store
+    from moezero.train import model_args
+
+    step = store.find_checkpoint(ckpt)
+    manifest = store.read_manifest(step)
+    cfg = Config.model_validate(manifest.config)
+    cfg.moe.ep_size = 1
+    model = Decoder(model_args(cfg)).eval()
+    tensors = store.read_tensors(step, manifest)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()})
+    with torch.no_grad():
+        return model(tokens)[0]
+
+
+def from_pretrained(folder: Path):
+    """The export loaded by transformers: every key matched, nothing left over."""
+    import transformers
+
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    cls = getattr(transformers, FAMILIES[model_type][1])
+    model, info = cls.from_pretrained(folder, output_loading_info=True)
+    bad = {k: v for k, v in info.items() if k != "error_msgs" and v}
+    check(not bad, f"from_pretrained({folder.name}) as {cls.__name__}: no missing, "
+                   f"unexpected or mismatched keys {bad or ''}")
+    return model.eval()
+
+
+def close(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
+    diff = (ours - theirs).abs().max().item()
+    check(diff <= ATOL, f"{what}: logits max abs diff {diff:.2e} <= {ATOL:.0e}")
+
+
+def trained_run(work: Path) -> None:
+    tokenizer(work / "tok", work / "corpus.txt")
+    moezero("prepare-data", str(work / "corpus.txt"), "--tokenizer", str(work / "tok"),
+            "--out", str(work / "data"), "--workers", "1")
+    out = moezero("train", "--nproc", "2", "--data", str(work / "data"), *TINY,
+                  "--set", "train.steps=3", "--out", str(work / "run"))
+    check("step_00000003" in out, "train saved step_00000003")
+    moezero("estimate", "--nproc", "2", "--device", "cpu", *TINY)
+    ckpts = str(work / "run" / "checkpoints")
+    moezero("checkpoint", "inspect", ckpts)
+    moezero("checkpoint", "verify", ckpts)
+    moezero("checkpoint", "export", ckpts, "--dtype", "bf16", "--out", str(work / "flat"))
+    out = moezero("checkpoint", "export", ckpts, "--format", "hf", "--out", str(work / "hf"))
+    check("as hf-mixtral fp32" in out, "the built-in decoder exports as hf-mixtral")
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = from_pretrained(work / "hf")(tokens).logits
+    close(moezero_logits(work / "run" / "checkpoints", tokens), theirs, "trained run export")
+
+
+def hf_model(family: str):
+    """A tiny random model, every tensor random so each one shows in the logits."""
+    import transformers
+
+    config_cls, model_cls, own = FAMILIES[family]
+    cfg = getattr(transformers, config_cls)(**{**BASE, **own})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = 0.1 * torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+    return model
+
+
+def hf_round_trip(work: Path, family: str) -> None:
+    source = hf_model(family)
+    source.save_pretrained(work / f"{family}-src", max_shard_size="50KB")
+    ckpt, out = work / f"{family}-ckpt", work / f"{family}-hf"
+    moezero("import-hf", str(work / f"{family}-src"), "--out", str(ckpt))
+    moezero("checkpoint", "verify", str(ckpt))
+    moezero("checkpoint", "export", str(ckpt), "--format", "hf", "--out", str(out))
+    with torch.no_grad():
+        theirs = source(TOKENS).logits
+        back = from_pretrained(out)(TOKENS).logits
+    close(moezero_logits(ckpt, TOKENS), theirs, f"{family} import vs transformers")
+    close(back, theirs, f"{family} import + export vs transformers")
+
+
+def main() -> None:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    work = Path.cwd()
+    check(REPO not in [work, *work.parents], f"working in {work}, outside the repository")
+    installed()
+    start = time.monotonic()
+    trained_run(work)
+    for family in FAMILIES:
+        hf_round_trip(work, family)
+    print(f"wheel smoke passed: every subcommand, {time.monotonic() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
