@@ -236,11 +236,14 @@ def _train(args: argparse.Namespace) -> int:
         raise ConfigError(key, problem, f"world size {world}") from None
 
     from moezero.engine import check_supported  # torch import deferred: errors above stay fast
-    from moezero.train import launch_training, model_numel, preflight
+    from moezero.rundir import check_run
+    from moezero.train import checkpoint_size, launch_training, model_numel, preflight
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: this node's ranks
     check_supported(cfg, numel=model_numel(cfg), share=local / world)
     preflight(cfg, run_dir)
+    check_run(run_dir, cfg.checkpoint.resolve_dir(run_dir), checkpoint_size(cfg),
+              lock=int(os.environ.get("RANK", "0")) == 0)  # torchrun: rank 0 holds the lock
     io = IOOptions(test_save_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0") or 0),
                    test_enospc=_rank_step(os.environ.get(TEST_ENOSPC_ENV)))
     return launch_training(cfg, run_dir, args.nproc, io)

@@ -29,7 +29,6 @@ from moezero.checkpoint.core import CheckpointError, check_shapes, model_shapes,
 from moezero.config import Config, ConfigError, dump_config
 from moezero.data import DataError
 from moezero.data.build import DataStream, build_batches
-from moezero.distributed.agree import broadcast_json
 from moezero.distributed.failures import rank_errors
 from moezero.distributed.launcher import launch
 from moezero.distributed.signals import Preempted, PreemptOptions, StopRequest
@@ -48,6 +47,7 @@ from moezero.report import (
     print_group_table,
     summarize,
 )
+from moezero.rundir import agree_run_dir, checkpoint_bytes
 from moezero.telemetry import StepTelemetry
 from moezero.validation import evaluate
 from moezero.zero.groups import PlanMismatchError
@@ -178,6 +178,14 @@ def model_numel(cfg: Config) -> int:
     """Elements of the global model (every expert once), from shapes on the meta device."""
     with torch.device("meta"):
         return sum(math.prod(shape) for shape in model_shapes(Decoder(model_args(cfg))).values())
+
+
+def checkpoint_size(cfg: Config) -> int:
+    """Bytes of one checkpoint of the model (``rundir.checkpoint_bytes``), from shapes on the
+    meta device."""
+    with torch.device("meta"):
+        shapes = model_shapes(Decoder(model_args(cfg)))
+    return checkpoint_bytes(sum(math.prod(s) for s in shapes.values()), len(shapes))
 
 
 def resume(cfg: Config, engine: Engine, batches: DataStream, root: Path) -> Path | None:
@@ -340,7 +348,11 @@ def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None, *,
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device(f"cuda:{torch.cuda.current_device()}")
-    run_dir = Path(broadcast_json(str(run_dir), device=device))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    with rank_errors(rank, run_dir / "logs", EXPECTED_ERRORS):
-        train(Config.model_validate(cfg_data), run_dir, device, io, stop)
+    run_dir, lock = agree_run_dir(run_dir, rank=rank, device=device)
+    try:
+        with rank_errors(rank, run_dir / "logs", EXPECTED_ERRORS):
+            train(Config.model_validate(cfg_data), run_dir, device, io, stop)
+    finally:
+        if lock is not None:
+            lock.release()

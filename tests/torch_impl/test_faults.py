@@ -127,8 +127,10 @@ def test_a_path_that_is_a_file_is_one_line_naming_it(tmp_path):
                   "--out", str(tmp_path / "run"))
     line = _one_line(res)
     assert res.returncode == 2, res.stderr
-    assert "rank 0: " in line and f"{tmp_path / 'file'}" in line, line
+    assert line.startswith("moezero: error: checkpoint.dir: "), line  # before any rank starts
+    assert f"{tmp_path / 'file'}" in line, line
     assert "Not a directory" in line or "File exists" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_a_damaged_checkpoint_stops_the_run_before_its_first_step(tmp_path):

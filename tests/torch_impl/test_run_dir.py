@@ -1,0 +1,106 @@
+"""What a run writes is checked before its first step, and one run holds its run directory
+(issue 25, items 3 and 4): an unwritable ``checkpoint.dir``, one without room for a
+checkpoint, or a run directory a live run holds, is one line and exit 2 before any step; a
+finished run's directory can be resumed. docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from moezero.cli import main
+from tests.torch_impl.test_cli import TINY, moezero
+
+ONE = [*TINY, "--nproc", "1", "--set", "moe.ep_size=1"]
+
+
+def _one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    return lines[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs sysfs")
+def test_an_unwritable_checkpoint_dir_is_refused_before_the_first_step(tmp_path):
+    """``checkpoint.dir`` on a filesystem that refuses new folders (sysfs): the old code
+    trained every step and failed at the final save, losing the whole run."""
+    out, ckpt = tmp_path / "run", "/sys/moezero-test-ckpt/ckpt"
+    if os.path.lexists("/sys/moezero-test-ckpt"):
+        pytest.skip("/sys accepted a folder here")
+    res = moezero("train", *ONE, "--set", "train.steps=2",
+                  "--set", f"checkpoint.dir={ckpt}", "--out", str(out))
+    line = _one_line(res.stderr)
+    assert res.returncode == 2, res.stderr
+    assert line.startswith("moezero: error: checkpoint.dir: cannot write there: "), line
+    assert "/sys/moezero-test-ckpt" in line, line
+    assert not (out / "metrics.jsonl").exists() and not out.exists()
+
+
+def test_too_little_space_for_a_checkpoint_is_refused_before_the_first_step(
+        tmp_path, monkeypatch, capsys):
+    """The checkpoint root's filesystem reports less free space than one checkpoint."""
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 30, 1 << 30, 4096))
+    out = tmp_path / "run"
+    code = main(["train", *ONE, "--set", "train.steps=1", "--out", str(out)])
+    line = _one_line(capsys.readouterr().err)
+    assert code == 2, line
+    assert line.startswith("moezero: error: checkpoint.dir: one checkpoint needs "), line
+    assert "only 4096 bytes" in line and str(out / "checkpoints") in line, line
+    assert not (out / "metrics.jsonl").exists()
+
+
+def _metrics_rows(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_a_second_run_on_a_live_runs_directory_is_refused(tmp_path):
+    """A run is training in ``out`` (2 spawned ranks); a second ``moezero train --out out``
+    is refused in one line, writes nothing there, and the first run goes on. The old code
+    let the second run truncate the first's metrics and overwrite its config."""
+    out = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "moezero.cli", "train", *TINY,
+                              "--set", "train.steps=100000", "--out", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while _metrics_rows(out) < 2:
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+            time.sleep(0.2)
+        config = (out / "config.yaml").read_text()
+        res = moezero("train", *ONE, "--set", "train.steps=1",
+                      "--set", "train.seed=7", "--out", str(out))
+        line = _one_line(res.stderr)
+        assert res.returncode == 2, res.stderr
+        assert "--out: the run directory is in use by a running job (pid " in line, line
+        assert str(out) in line, line
+        assert (out / "config.yaml").read_text() == config
+        rows = _metrics_rows(out)
+        assert rows >= 2 and not (out / "logs").exists()
+        while _metrics_rows(out) <= rows:  # the first run still trains
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+            time.sleep(0.2)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=60)
+
+
+def test_a_finished_runs_directory_can_be_resumed(tmp_path):
+    out = tmp_path / "run"
+    assert moezero("train", *ONE, "--set", "train.steps=1",
+                   "--out", str(out)).returncode == 0
+    res = moezero("train", *ONE, "--set", "train.steps=2",
+                  "--set", "checkpoint.load=latest", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert _metrics_rows(out) == 2
