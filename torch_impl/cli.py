@@ -32,19 +32,10 @@ from pathlib import Path
 
 from moezero.config import ConfigError, load_config
 from moezero.data import DataError
-from moezero.offload.options import IOOptions
 from moezero.plan.store import CheckpointError, read_manifest
 
-TEST_DELAY_ENV = "MOEZERO_TEST_CKPT_DELAY_S"
-"""Test hook: seconds every checkpoint save sleeps before each partition write, the manifest
-and the commit (``IOOptions.test_save_delay_s``), so crash tests can land a SIGKILL inside a
-save. Read once by ``moezero train``; unset (0) in normal use."""
 HF_FORMATS = ("hf-mixtral", "hf-qwen2_moe", "hf-qwen3_moe", "hf-olmoe")
 """``checkpoint export --format`` values of the Hugging Face families (``checkpoint.hf``)."""
-
-TEST_ENOSPC_ENV = "MOEZERO_TEST_ENOSPC"
-"""Test hook: ``RANK:STEP``: that rank's checkpoint writes of that step fail with ENOSPC, as
-on a full disk (``IOOptions.test_enospc``). Read once by ``moezero train``; unset in normal use."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -214,7 +205,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, hooks=None) -> int:
     overrides = list(args.overrides)
     if args.data:
         overrides.append(f"data.path={args.data}")
@@ -244,24 +235,16 @@ def _train(args: argparse.Namespace) -> int:
     preflight(cfg, run_dir)
     check_run(run_dir, cfg.checkpoint.resolve_dir(run_dir), checkpoint_size(cfg),
               lock=int(os.environ.get("RANK", "0")) == 0)  # torchrun: rank 0 holds the lock
-    io = IOOptions(test_save_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0") or 0),
-                   test_enospc=_rank_step(os.environ.get(TEST_ENOSPC_ENV)))
-    return launch_training(cfg, run_dir, args.nproc, io)
+    return launch_training(cfg, run_dir, args.nproc, hooks=hooks)
 
 
-def _rank_step(value: str | None) -> tuple[int, int] | None:
-    """``"RANK:STEP"`` -> (rank, step); unset or empty -> None."""
-    if not value:
-        return None
-    rank, _, step = value.partition(":")
-    return int(rank), int(step)
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, hooks=None) -> int:
+    """Run one command; returns its exit code. ``hooks``: a test's fault injection into the
+    checkpoint saves of ``train`` (``moezero.checkpoint.hooks.SaveHooks``); a run has none."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "train":
-            return _train(args)
+            return _train(args, hooks)
         if args.command == "checkpoint":
             return _checkpoint(args)
         if args.command == "import-hf":

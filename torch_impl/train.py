@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from moezero.checkpoint.core import CheckpointError, check_shapes, model_shapes, resolve_load
+from moezero.checkpoint.hooks import SaveHooks
 from moezero.config import Config, ConfigError, dump_config
 from moezero.data import DataError
 from moezero.data.build import DataStream, build_batches
@@ -108,14 +109,15 @@ def sharded_model(cfg: Config, topology: Topology) -> tuple[Decoder, KeyedInit]:
     return model, KeyedInit(cfg.train.seed, cfg.model.init_std, args)
 
 
-def setup(cfg: Config, device: torch.device,
-          io: IOOptions | None = None) -> tuple[Engine, DataStream]:
-    """Topology, model, engine (with ``io``) and this rank's data stream (collective: every
-    rank calls it)."""
+def setup(cfg: Config, device: torch.device, io: IOOptions | None = None,
+          hooks: SaveHooks | None = None) -> tuple[Engine, DataStream]:
+    """Topology, model, engine (with ``io`` and a test's ``hooks``) and this rank's data
+    stream (collective: every rank calls it)."""
     topology = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
     torch.manual_seed(cfg.train.seed)
     model, init = sharded_model(cfg, topology)
-    engine = initialize(model, cfg, topology=topology, device=device, io=io, init=init)
+    engine = initialize(model, cfg, topology=topology, device=device, io=io, init=init,
+                        hooks=hooks)
     batches = build_batches(cfg, dp_rank=topology.rank, dp_size=topology.world_size)
     return engine, batches
 
@@ -203,14 +205,15 @@ def resume(cfg: Config, engine: Engine, batches: DataStream, root: Path) -> Path
 
 
 def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
-          io: IOOptions | None = None, stop: StopRequest | None = None) -> dict:
+          io: IOOptions | None = None, stop: StopRequest | None = None,
+          hooks: SaveHooks | None = None) -> dict:
     """Train ``cfg.train.steps`` steps; returns the summary (rank 0's is the one printed).
 
     ``stop``: when any rank's request is set (a preemption signal), every rank finishes its
     step, saves and raises ``Preempted`` (docs/reliability.md)."""
     run_dir = Path(run_dir)
     device = device or torch.device("cpu")
-    engine, batches = setup(cfg, device, io)
+    engine, batches = setup(cfg, device, io, hooks)
     root = cfg.checkpoint.resolve_dir(run_dir)
     resumed = resume(cfg, engine, batches, root)
     lead = engine.topology.rank == 0
@@ -332,17 +335,19 @@ def _previous_metrics(run_dir: Path, start: int) -> list[dict]:
     return rows
 
 
-def launch_training(cfg: Config, run_dir: Path, nproc: int, io: IOOptions | None = None) -> int:
+def launch_training(cfg: Config, run_dir: Path, nproc: int, io: IOOptions | None = None,
+                    hooks: SaveHooks | None = None) -> int:
     """Train with ``nproc`` local ranks (or join the torchrun world); returns an exit code.
-    ``io``: the engines' I/O options (the CLI's, read once from its environment)."""
+    ``io``: the engines' I/O options; ``hooks``: a test's fault injection into saves."""
     backend = cfg.dist.resolve_backend(cuda=torch.cuda.is_available())
-    return launch(_train_rank, (cfg.model_dump(by_alias=True), str(run_dir), io), nproc=nproc,
+    return launch(_train_rank, (cfg.model_dump(by_alias=True), str(run_dir), io, hooks),
+                  nproc=nproc,
                   backend=backend, timeout_s=cfg.dist.timeout_s,
                   preempt=PreemptOptions.from_names(cfg.train.preempt_signals))
 
 
-def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None, *,
-                stop: StopRequest | None = None) -> None:
+def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None,
+                hooks: SaveHooks | None = None, *, stop: StopRequest | None = None) -> None:
     """One rank of ``moezero train``: rank 0's run directory on every rank (each torchrun
     worker's CLI picked its own), expected errors as one line (``EXPECTED_ERRORS``)."""
     device = torch.device("cpu")
@@ -352,7 +357,7 @@ def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None, *,
     run_dir, lock = agree_run_dir(run_dir, rank=rank, device=device)
     try:
         with rank_errors(rank, run_dir / "logs", EXPECTED_ERRORS):
-            train(Config.model_validate(cfg_data), run_dir, device, io, stop)
+            train(Config.model_validate(cfg_data), run_dir, device, io, stop, hooks)
     finally:
         if lock is not None:
             lock.release()

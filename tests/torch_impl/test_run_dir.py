@@ -104,3 +104,16 @@ def test_a_finished_runs_directory_can_be_resumed(tmp_path):
                   "--set", "checkpoint.load=latest", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert _metrics_rows(out) == 2
+
+
+def test_fault_hooks_are_not_production_options():
+    """Issue 25 item 8: fault injection lives in ``SaveHooks``, passed in by tests; the I/O
+    options carry no test fields and the CLI reads no test variables."""
+    import dataclasses
+    import inspect
+
+    import moezero.cli
+    from moezero.offload.options import IOOptions
+
+    assert [f.name for f in dataclasses.fields(IOOptions) if f.name.startswith("test")] == []
+    assert "MOEZERO_TEST" not in inspect.getsource(moezero.cli)
