@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from moezero.checkpoint.core import CheckpointError, check_shapes, model_shapes, resolve_load
 from moezero.checkpoint.hooks import SaveHooks
+from moezero.checkpoint.schedule import SaveClock, agree_step
 from moezero.config import Config, ConfigError, dump_config
 from moezero.data import DataError
 from moezero.data.build import DataStream, build_batches
@@ -255,10 +256,13 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
 def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None, root: Path,
           tele: StepTelemetry, *, saved: int | None, stop: StopRequest | None = None) -> list[dict]:
     """Train from ``engine.global_steps`` to ``train.steps``; evaluate every
-    ``train.eval_every`` steps and at the end; save every ``checkpoint.every`` steps and at the
-    end (unless step ``saved`` is already on disk); on an agreed preemption request, save and
-    raise ``Preempted``."""
+    ``train.eval_every`` steps and at the end; save every ``checkpoint.every`` steps, when
+    ``checkpoint.every_minutes`` have passed (rank 0's clock) and at the end (unless step
+    ``saved`` is already on disk); on an agreed preemption request, save and raise
+    ``Preempted``; a failed async save stops every rank after the step that found it
+    (``checkpoint.schedule.agree_step``)."""
     every, start, steps = cfg.checkpoint.every, engine.global_steps, cfg.train.steps
+    clock = SaveClock(cfg.checkpoint.every_minutes)
     history = _previous_metrics(run_dir, start) if run_dir else []
     # A bar on a terminal; in logs (no tty) one line every ``train.log_every`` steps instead.
     log_lines = run_dir is not None and not sys.stderr.isatty()
@@ -278,10 +282,14 @@ def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None
             if log_lines and (step % cfg.train.log_every == 0 or step == steps or "val_loss" in row):
                 print(log_line(history, steps, cfg.train.log_every), flush=True)
             if every and step % every == 0 and step < steps:
-                saved = _save(engine, batches, root)
-            if stop is not None and stop.agree(engine.device):
-                _preempt(engine, batches, root, saved)
-            if stop is not None and stop.agree(engine.device):
+                saved = _save(engine, batches, root, clock)
+            agreed = agree_step(stop=stop, clock=clock, save_failed=engine.checkpointer.failed,
+                                rank=engine.topology.rank, device=engine.device)
+            if agreed.save_failed:
+                _raise_failed_save(engine, step)
+            if agreed.save and saved != engine.global_steps and step < steps:
+                saved = _save(engine, batches, root, clock)
+            if agreed.stop:
                 _preempt(engine, batches, root, saved)
         if saved != engine.global_steps:
             _save(engine, batches, root)
@@ -313,9 +321,20 @@ def _preempt(engine: Engine, batches: DataStream, root: Path, saved: int | None)
     raise Preempted(engine.global_steps, root / store.step_dir_name(engine.global_steps))
 
 
-def _save(engine: Engine, batches: DataStream, root: Path) -> int:
+def _save(engine: Engine, batches: DataStream, root: Path, clock: SaveClock | None = None) -> int:
     engine.save_checkpoint(root, state={"data": batches.state_dict()})
+    if clock is not None:
+        clock.saved()
     return engine.global_steps
+
+
+def _raise_failed_save(engine: Engine, step: int) -> None:
+    """Raise the error of the async save that failed (every rank has it: the save agreed on
+    it), saying when it was found."""
+    try:
+        engine.wait_checkpoint()
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc} (an async save; found after step {step})") from None
 
 
 def _previous_metrics(run_dir: Path, start: int) -> list[dict]:

@@ -99,6 +99,12 @@ class Checkpointer:
         except BaseException as exc:  # re-raised on the training thread by wait()
             self._error = exc
 
+    @property
+    def failed(self) -> bool:
+        """A background save has finished with an error (``wait`` raises it); never blocks."""
+        thread = self._thread
+        return thread is not None and not thread.is_alive() and self._error is not None
+
     def wait(self) -> Path | None:
         """Finish the save in flight, if any; returns its directory (raises its error)."""
         if self._thread is not None:

@@ -120,7 +120,7 @@ def _protocol(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
             headers = store.write_headers(job.layout, partial)
             headers += write_buffers(partial, job.layout, job.buffers)
         except Exception as exc:
-            error = failure(exc, 0)
+            error = failure(_named(exc, partial), 0)
     try:
         group.agree(error, what)
         records, error = _write_partitions(group.rank, job, partial, flush, options, refused,
@@ -135,7 +135,7 @@ def _protocol(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
         try:
             _finish(job, partial, headers, gathered, options, hooks)
         except Exception as exc:
-            error = failure(exc, 0)
+            error = failure(_named(exc, partial), 0)
     outcome = group.all_gather(error)[0]
     if outcome:
         raise CheckpointError(f"{what}: {outcome}")
@@ -155,7 +155,8 @@ def _write_partitions(rank: int, job: SaveJob, partial: Path,
     try:
         hooks.fault(rank, job.step, partial / job.layout.files[0].name)
         with flush or _folder_flush(partial, options) as flush:
-            with ckpt_write.RangeWriter(options.io, refused) as writer:
+            with ckpt_write.RangeWriter(options.io, refused) as range_writer:
+                writer = _naming(range_writer)
                 for shard in job.shards:
                     hooks.pause()
                     if shard.files is not None:
@@ -169,8 +170,28 @@ def _write_partitions(rank: int, job: SaveJob, partial: Path,
                 written.update(f.name for f in job.layout.files)
             flush.flush(sorted(written))
     except Exception as exc:
-        return records, failure(exc, rank)
+        return records, failure(_named(exc, partial), rank)
     return records, None
+
+
+def _named(exc: BaseException, path: Path) -> BaseException:
+    """``exc``, or for an OS error that names no file (a plain ``pwrite`` on a full disk:
+    ``[Errno 28] No space left on device``) the same error naming ``path``."""
+    if isinstance(exc, OSError) and exc.filename is None and exc.strerror:
+        return OSError(exc.errno, exc.strerror, os.fspath(path))
+    return exc
+
+
+def _naming(writer):
+    """``writer(path, offset, array)`` whose OS errors name the file they hit."""
+    def write(path: Path, offset: int, array: np.ndarray) -> int:
+        try:
+            return writer(path, offset, array)
+        except OSError as exc:
+            if exc.filename is not None:
+                raise
+            raise _named(exc, path) from exc
+    return write
 
 
 def _copy_partition(ckpt_dir: Path, layout: Layout, shard: _Shard) -> list:
@@ -181,8 +202,13 @@ def _copy_partition(ckpt_dir: Path, layout: Layout, shard: _Shard) -> list:
     for state in STATES:
         where = getattr(ranges, state)
         if where is not None and where.length:
-            crc = store.copy_range(shard.files[state], 0, ckpt_dir / where.file, where.offset,
-                                   where.length)
+            try:
+                crc = store.copy_range(shard.files[state], 0, ckpt_dir / where.file,
+                                       where.offset, where.length)
+            except OSError as exc:
+                if exc.filename is not None:
+                    raise
+                raise _named(exc, ckpt_dir / where.file) from exc
             records.append(RangeRecord(where.file, where.offset, where.length, crc))
     return records
 
