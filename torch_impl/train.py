@@ -216,7 +216,11 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
     device = device or torch.device("cpu")
     engine, batches = setup(cfg, device, io, hooks)
     root = cfg.checkpoint.resolve_dir(run_dir)
-    resumed = resume(cfg, engine, batches, root)
+    try:
+        resumed = resume(cfg, engine, batches, root)
+    except BaseException:
+        engine.close()  # a failed start: its swap files and folders are removed
+        raise
     lead = engine.topology.rank == 0
     if lead:
         run_dir.mkdir(parents=True, exist_ok=True)
