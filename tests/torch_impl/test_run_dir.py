@@ -117,3 +117,16 @@ def test_fault_hooks_are_not_production_options():
 
     assert [f.name for f in dataclasses.fields(IOOptions) if f.name.startswith("test")] == []
     assert "MOEZERO_TEST" not in inspect.getsource(moezero.cli)
+
+
+def test_torchrun_workers_share_one_locked_run_directory(tmp_path):
+    """Under torchrun every worker runs its own CLI on the same ``--out``: only rank 0's
+    checks and holds the lock, so the world does not refuse itself."""
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                          "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0",
+                          "-m", "moezero.cli", "train", *TINY, "--set", "train.steps=2",
+                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _metrics_rows(out) == 2
+    assert (out / ".moezero.lock").read_text().startswith("pid ")
