@@ -130,3 +130,30 @@ def test_torchrun_workers_share_one_locked_run_directory(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert _metrics_rows(out) == 2
     assert (out / ".moezero.lock").read_text().startswith("pid ")
+
+
+def test_ranks_refuse_a_run_directory_held_after_the_clis_check(tmp_path, capfd):
+    """The lock is taken after the CLI's check (a race): rank 0 cannot lock the directory,
+    the broadcast that agrees on it carries the refusal, and every rank stops before its
+    first step, writing nothing there."""
+    import fcntl
+
+    from moezero.config import Config
+    from moezero.distributed.launcher import spawn
+    from moezero.train import _train_rank
+    from tests.torch_impl.test_checkpoint import ccfg
+
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = Config.model_validate(ccfg(world=2, stage=2))
+    with open(out / ".moezero.lock", "w") as held:  # another run's lock, as flock(1) takes it
+        held.write(f"pid {os.getpid()} on here\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        code = spawn(_train_rank, 2, (cfg.model_dump(by_alias=True), str(out)), timeout_s=60)
+    err = capfd.readouterr().err
+    assert code == 2, err[-3000:]
+    line = _one_line(err)
+    assert line.startswith("moezero: error: rank 0: --out: the run directory is in use by a "
+                           f"running job (pid {os.getpid()} "), line
+    assert sorted(p.name for p in out.iterdir()) == [".moezero.lock"]
