@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from moezero.checkpoint.hooks import SaveHooks
 from moezero.config import ConfigError, load_config
 from moezero.data import DataError
 from moezero.plan.store import CheckpointError, read_manifest
@@ -205,7 +206,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace, hooks=None) -> int:
+def _train(args: argparse.Namespace, hooks: SaveHooks | None = None) -> int:
     overrides = list(args.overrides)
     if args.data:
         overrides.append(f"data.path={args.data}")
@@ -238,7 +239,7 @@ def _train(args: argparse.Namespace, hooks=None) -> int:
     return launch_training(cfg, run_dir, args.nproc, hooks=hooks)
 
 
-def main(argv: list[str] | None = None, hooks=None) -> int:
+def main(argv: list[str] | None = None, hooks: SaveHooks | None = None) -> int:
     """Run one command; returns its exit code. ``hooks``: a test's fault injection into the
     checkpoint saves of ``train`` (``moezero.checkpoint.hooks.SaveHooks``); a run has none."""
     args = _parser().parse_args(argv)

@@ -66,9 +66,8 @@ def probe_writable(path: Path, key: str) -> None:
 def _check_free(path: Path, need: int, key: str) -> None:
     """ConfigError unless the filesystem of ``path`` (or its nearest existing parent) has
     ``need`` bytes free."""
-    where = next(p for p in (Path(os.path.abspath(path)), *Path(os.path.abspath(path)).parents)
-                 if p.exists())
-    free = shutil.disk_usage(where).free
+    path = Path(os.path.abspath(path))
+    free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
     if free < need:
         gib = lambda n: f"{n / (1 << 30):.2f} GiB"
         raise ConfigError(key, f"one checkpoint needs {need} bytes ({gib(need)}), only {free} "
