@@ -42,16 +42,8 @@ def probe_writable(path: Path, key: str) -> None:
     path) on any failure."""
     path = Path(os.path.abspath(path))
     created = [p for p in (path, *path.parents) if not os.path.lexists(p)]
-    probe = path / f".moezero-probe-{os.getpid()}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, b"moezero")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        probe.unlink()
+        _probe(path)
     except OSError as exc:
         raise ConfigError(key, f"cannot write there: {exc.strerror or exc}",
                           exc.filename or str(path)) from None
@@ -61,6 +53,28 @@ def probe_writable(path: Path, key: str) -> None:
                 folder.rmdir()
             except OSError:
                 break
+
+
+def _probe(path: Path, attempts: int = 5) -> None:
+    """Write, fsync and remove ``path/.moezero-probe-<pid>`` (creating ``path``). Retried when
+    the folder vanishes in between: torchrun's workers probe the same new folders at once,
+    and one may remove a folder it created while another is about to write in it."""
+    probe = path / f".moezero-probe-{os.getpid()}"
+    for attempt in range(attempts):
+        path.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+            continue
+        try:
+            os.write(fd, b"moezero")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        probe.unlink()
+        return
 
 
 def _check_free(path: Path, need: int, key: str) -> None:

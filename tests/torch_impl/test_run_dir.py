@@ -157,3 +157,22 @@ def test_ranks_refuse_a_run_directory_held_after_the_clis_check(tmp_path, capfd)
     assert line.startswith("moezero: error: rank 0: --out: the run directory is in use by a "
                            f"running job (pid {os.getpid()} "), line
     assert sorted(p.name for p in out.iterdir()) == [".moezero.lock"]
+
+
+def test_a_probe_survives_another_worker_removing_the_new_folder(tmp_path, monkeypatch):
+    """torchrun's workers probe the same new folders at once: one removes the folders it
+    created while another is between its mkdir and its probe file."""
+    from moezero import rundir
+
+    target, real_open, raced = tmp_path / "a" / "b", os.open, []
+
+    def racing_open(path, flags, mode=0o777, **kw):
+        if not raced and str(path).startswith(str(target)):
+            raced.append(path)
+            target.rmdir()  # the other worker's clean-up
+            target.parent.rmdir()
+        return real_open(path, flags, mode, **kw)
+
+    monkeypatch.setattr(os, "open", racing_open)
+    rundir.probe_writable(target, "checkpoint.dir")
+    assert raced and not (tmp_path / "a").exists()
