@@ -30,21 +30,13 @@ import sys
 import time
 from pathlib import Path
 
+from moezero.checkpoint.hooks import SaveHooks
 from moezero.config import ConfigError, load_config
 from moezero.data import DataError
-from moezero.offload.options import IOOptions
 from moezero.plan.store import CheckpointError, read_manifest
 
-TEST_DELAY_ENV = "MOEZERO_TEST_CKPT_DELAY_S"
-"""Test hook: seconds every checkpoint save sleeps before each partition write, the manifest
-and the commit (``IOOptions.test_save_delay_s``), so crash tests can land a SIGKILL inside a
-save. Read once by ``moezero train``; unset (0) in normal use."""
 HF_FORMATS = ("hf-mixtral", "hf-qwen2_moe", "hf-qwen3_moe", "hf-olmoe")
 """``checkpoint export --format`` values of the Hugging Face families (``checkpoint.hf``)."""
-
-TEST_ENOSPC_ENV = "MOEZERO_TEST_ENOSPC"
-"""Test hook: ``RANK:STEP``: that rank's checkpoint writes of that step fail with ENOSPC, as
-on a full disk (``IOOptions.test_enospc``). Read once by ``moezero train``; unset in normal use."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -224,7 +216,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, hooks: SaveHooks | None = None) -> int:
     overrides = list(args.overrides)
     if args.data:
         overrides.append(f"data.path={args.data}")
@@ -246,33 +238,28 @@ def _train(args: argparse.Namespace) -> int:
         raise ConfigError(key, problem, f"world size {world}") from None
 
     from moezero.engine import check_supported  # torch import deferred: errors above stay fast
-    from moezero.train import launch_training, model_numel, preflight
+    from moezero.rundir import check_run
+    from moezero.train import checkpoint_size, launch_training, model_numel, preflight
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: this node's ranks
     check_supported(cfg, numel=model_numel(cfg), share=local / world)
     preflight(cfg, run_dir)
-    io = IOOptions(test_save_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0") or 0),
-                   test_enospc=_rank_step(os.environ.get(TEST_ENOSPC_ENV)))
-    return launch_training(cfg, run_dir, args.nproc, io)
+    check_run(run_dir, cfg.checkpoint.resolve_dir(run_dir), checkpoint_size(cfg),
+              lock=int(os.environ.get("RANK", "0")) == 0)  # torchrun: rank 0 holds the lock
+    return launch_training(cfg, run_dir, args.nproc, hooks=hooks)
 
 
 def _note(line: str) -> None:
     print(f"moezero: note: {line}", file=sys.stderr)
 
 
-def _rank_step(value: str | None) -> tuple[int, int] | None:
-    """``"RANK:STEP"`` -> (rank, step); unset or empty -> None."""
-    if not value:
-        return None
-    rank, _, step = value.partition(":")
-    return int(rank), int(step)
-
-
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, hooks: SaveHooks | None = None) -> int:
+    """Run one command; returns its exit code. ``hooks``: a test's fault injection into the
+    checkpoint saves of ``train`` (``moezero.checkpoint.hooks.SaveHooks``); a run has none."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "train":
-            return _train(args)
+            return _train(args, hooks)
         if args.command == "checkpoint":
             return _checkpoint(args)
         if args.command == "import-hf":

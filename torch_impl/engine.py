@@ -28,6 +28,7 @@ from torch import nn
 
 from moezero.checkpoint.buffers import buffer_shapes, buffer_targets, buffer_values
 from moezero.checkpoint.core import Checkpointer, model_shapes
+from moezero.checkpoint.hooks import SaveHooks
 from moezero.checkpoint.options import CheckpointOptions
 from moezero.config import Config
 from moezero.distributed.agree import all_gather_json
@@ -68,11 +69,13 @@ class Engine:
 
     ``io`` sets how checkpoints and swap files reach the disk (default ``IOOptions()``).
     ``init`` (sharded construction, ``moezero.model.materialize``): ``model`` is on the meta
-    device and this rank materialises only what it keeps, with ``init``'s values.
+    device and this rank materialises only what it keeps, with ``init``'s values. ``hooks``:
+    a test's fault injection into checkpoint saves (``checkpoint.hooks.SaveHooks``).
     """
 
     def __init__(self, model: nn.Module, cfg: Config, topology: Topology, device: torch.device,
-                 io: IOOptions | None = None, init: KeyedInit | None = None):
+                 io: IOOptions | None = None, init: KeyedInit | None = None,
+                 hooks: SaveHooks | None = None):
         self.cfg, self.topology, self.device = cfg, topology, device
         determinism.configure(cfg.train.deterministic, device)
         self.io = io or IOOptions()
@@ -99,7 +102,8 @@ class Engine:
         self.global_steps = 0  # optimizer_step calls, skipped ones included (checkpoint names)
         self.micro_steps = 0
         self.checkpointer = Checkpointer(topology.rank, topology.world_size,
-                                         CheckpointOptions.from_config(cfg.checkpoint, self.io))
+                                         CheckpointOptions.from_config(cfg.checkpoint, self.io),
+                                         hooks)
         self.shapes = model_shapes(self.model)  # of the global model (every expert)
 
     @property
@@ -307,12 +311,13 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def initialize(model: nn.Module, config: Config, *, topology: Topology | None = None,
                device: torch.device | str | None = None, io: IOOptions | None = None,
-               init: KeyedInit | None = None) -> Engine:
+               init: KeyedInit | None = None, hooks: SaveHooks | None = None) -> Engine:
     """Wrap ``model`` (already holding its MoE layers' EP groups) in a training engine.
 
     ``topology`` defaults to one built from the model's MoE layers; ``device`` to CUDA when
     available (this rank's local device), else CPU; ``io`` to ``IOOptions()``; ``init``: the
-    model is on the meta device, materialised by the engine (sharded construction).
+    model is on the meta device, materialised by the engine (sharded construction);
+    ``hooks``: a test's fault injection into checkpoint saves.
     """
     if topology is None:
         eps = sorted({t.ep_size for p in model.parameters() if (t := expert_tag(p))} or {1})
@@ -320,4 +325,4 @@ def initialize(model: nn.Module, config: Config, *, topology: Topology | None = 
     if device is None:
         device = torch.device(f"cuda:{torch.cuda.current_device()}"
                               if torch.cuda.is_available() else "cpu")
-    return Engine(model, config, topology, torch.device(device), io, init)
+    return Engine(model, config, topology, torch.device(device), io, init, hooks)

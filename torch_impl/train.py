@@ -28,10 +28,11 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from moezero.checkpoint.core import CheckpointError, check_shapes, model_shapes, resolve_load
+from moezero.checkpoint.hooks import SaveHooks
+from moezero.checkpoint.schedule import SaveClock, agree_step
 from moezero.config import ARCHITECTURE, Config, ConfigError, dump_config
 from moezero.data import DataError
 from moezero.data.build import DataStream, build_batches
-from moezero.distributed.agree import broadcast_json
 from moezero.distributed.failures import rank_errors
 from moezero.distributed.launcher import launch
 from moezero.distributed.signals import Preempted, PreemptOptions, StopRequest
@@ -51,6 +52,7 @@ from moezero.report import (
     print_group_table,
     summarize,
 )
+from moezero.rundir import agree_run_dir, checkpoint_bytes
 from moezero.telemetry import StepTelemetry
 from moezero.validation import evaluate
 from moezero.zero.groups import PlanMismatchError
@@ -92,14 +94,15 @@ def sharded_model(cfg: Config, topology: Topology) -> tuple[Decoder, KeyedInit]:
     return model, KeyedInit(cfg.train.seed, cfg.model.init_std, args)
 
 
-def setup(cfg: Config, device: torch.device,
-          io: IOOptions | None = None) -> tuple[Engine, DataStream]:
-    """Topology, model, engine (with ``io``) and this rank's data stream (collective: every
-    rank calls it)."""
+def setup(cfg: Config, device: torch.device, io: IOOptions | None = None,
+          hooks: SaveHooks | None = None) -> tuple[Engine, DataStream]:
+    """Topology, model, engine (with ``io`` and a test's ``hooks``) and this rank's data
+    stream (collective: every rank calls it)."""
     topology = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
     torch.manual_seed(cfg.train.seed)
     model, init = sharded_model(cfg, topology)
-    engine = initialize(model, cfg, topology=topology, device=device, io=io, init=init)
+    engine = initialize(model, cfg, topology=topology, device=device, io=io, init=init,
+                        hooks=hooks)
     batches = build_batches(cfg, dp_rank=topology.rank, dp_size=topology.world_size)
     return engine, batches
 
@@ -178,6 +181,14 @@ def model_numel(cfg: Config) -> int:
         return sum(math.prod(shape) for shape in model_shapes(Decoder(model_args(cfg))).values())
 
 
+def checkpoint_size(cfg: Config) -> int:
+    """Bytes of one checkpoint of the model (``rundir.checkpoint_bytes``), from shapes on the
+    meta device."""
+    with torch.device("meta"):
+        shapes = model_shapes(Decoder(model_args(cfg)))
+    return checkpoint_bytes(sum(math.prod(s) for s in shapes.values()), len(shapes))
+
+
 def resume(cfg: Config, engine: Engine, batches: DataStream, root: Path) -> Path | None:
     """Load ``checkpoint.load`` (collective) into the engine and the data stream."""
     if not cfg.checkpoint.load:
@@ -193,16 +204,21 @@ def resume(cfg: Config, engine: Engine, batches: DataStream, root: Path) -> Path
 
 
 def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
-          io: IOOptions | None = None, stop: StopRequest | None = None) -> dict:
+          io: IOOptions | None = None, stop: StopRequest | None = None,
+          hooks: SaveHooks | None = None) -> dict:
     """Train ``cfg.train.steps`` steps; returns the summary (rank 0's is the one printed).
 
     ``stop``: when any rank's request is set (a preemption signal), every rank finishes its
     step, saves and raises ``Preempted`` (docs/reliability.md)."""
     run_dir = Path(run_dir)
     device = device or torch.device("cpu")
-    engine, batches = setup(cfg, device, io)
+    engine, batches = setup(cfg, device, io, hooks)
     root = cfg.checkpoint.resolve_dir(run_dir)
-    resumed = resume(cfg, engine, batches, root)
+    try:
+        resumed = resume(cfg, engine, batches, root)
+    except BaseException:
+        engine.close()  # a failed start: its swap files and folders are removed
+        raise
     lead = engine.topology.rank == 0
     if lead:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -242,10 +258,13 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
 def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None, root: Path,
           tele: StepTelemetry, *, saved: int | None, stop: StopRequest | None = None) -> list[dict]:
     """Train from ``engine.global_steps`` to ``train.steps``; evaluate every
-    ``train.eval_every`` steps and at the end; save every ``checkpoint.every`` steps and at the
-    end (unless step ``saved`` is already on disk); on an agreed preemption request, save and
-    raise ``Preempted``."""
+    ``train.eval_every`` steps and at the end; save every ``checkpoint.every`` steps, when
+    ``checkpoint.every_minutes`` have passed (rank 0's clock) and at the end (unless step
+    ``saved`` is already on disk); on an agreed preemption request, save and raise
+    ``Preempted``; a failed async save stops every rank after the step that found it
+    (``checkpoint.schedule.agree_step``)."""
     every, start, steps = cfg.checkpoint.every, engine.global_steps, cfg.train.steps
+    clock = SaveClock(cfg.checkpoint.every_minutes)
     history = _previous_metrics(run_dir, start) if run_dir else []
     # A bar on a terminal; in logs (no tty) one line every ``train.log_every`` steps instead.
     log_lines = run_dir is not None and not sys.stderr.isatty()
@@ -265,10 +284,14 @@ def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None
             if log_lines and (step % cfg.train.log_every == 0 or step == steps or "val_loss" in row):
                 print(log_line(history, steps, cfg.train.log_every), flush=True)
             if every and step % every == 0 and step < steps:
-                saved = _save(engine, batches, root)
-            if stop is not None and stop.agree(engine.device):
-                _preempt(engine, batches, root, saved)
-            if stop is not None and stop.agree(engine.device):
+                saved = _save(engine, batches, root, clock)
+            agreed = agree_step(stop=stop, clock=clock, save_failed=engine.checkpointer.failed,
+                                rank=engine.topology.rank, device=engine.device)
+            if agreed.save_failed:
+                _raise_failed_save(engine, step)
+            if agreed.save and saved != engine.global_steps and step < steps:
+                saved = _save(engine, batches, root, clock)
+            if agreed.stop:
                 _preempt(engine, batches, root, saved)
         if saved != engine.global_steps:
             _save(engine, batches, root)
@@ -300,9 +323,20 @@ def _preempt(engine: Engine, batches: DataStream, root: Path, saved: int | None)
     raise Preempted(engine.global_steps, root / store.step_dir_name(engine.global_steps))
 
 
-def _save(engine: Engine, batches: DataStream, root: Path) -> int:
+def _save(engine: Engine, batches: DataStream, root: Path, clock: SaveClock | None = None) -> int:
     engine.save_checkpoint(root, state={"data": batches.state_dict()})
+    if clock is not None:
+        clock.saved()
     return engine.global_steps
+
+
+def _raise_failed_save(engine: Engine, step: int) -> None:
+    """Raise the error of the async save that failed (every rank has it: the save agreed on
+    it), saying when it was found."""
+    try:
+        engine.wait_checkpoint()
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc} (an async save; found after step {step})") from None
 
 
 def _previous_metrics(run_dir: Path, start: int) -> list[dict]:
@@ -322,23 +356,29 @@ def _previous_metrics(run_dir: Path, start: int) -> list[dict]:
     return rows
 
 
-def launch_training(cfg: Config, run_dir: Path, nproc: int, io: IOOptions | None = None) -> int:
+def launch_training(cfg: Config, run_dir: Path, nproc: int, io: IOOptions | None = None,
+                    hooks: SaveHooks | None = None) -> int:
     """Train with ``nproc`` local ranks (or join the torchrun world); returns an exit code.
-    ``io``: the engines' I/O options (the CLI's, read once from its environment)."""
+    ``io``: the engines' I/O options; ``hooks``: a test's fault injection into saves."""
     backend = cfg.dist.resolve_backend(cuda=torch.cuda.is_available())
-    return launch(_train_rank, (cfg.model_dump(by_alias=True), str(run_dir), io), nproc=nproc,
+    return launch(_train_rank, (cfg.model_dump(by_alias=True), str(run_dir), io, hooks),
+                  nproc=nproc,
                   backend=backend, timeout_s=cfg.dist.timeout_s,
                   preempt=PreemptOptions.from_names(cfg.train.preempt_signals))
 
 
-def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None, *,
-                stop: StopRequest | None = None) -> None:
+def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None,
+                hooks: SaveHooks | None = None, *, stop: StopRequest | None = None) -> None:
     """One rank of ``moezero train``: rank 0's run directory on every rank (each torchrun
     worker's CLI picked its own), expected errors as one line (``EXPECTED_ERRORS``)."""
     device = torch.device("cpu")
     if torch.cuda.is_available():
         device = torch.device(f"cuda:{torch.cuda.current_device()}")
-    run_dir = Path(broadcast_json(str(run_dir), device=device))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    with rank_errors(rank, run_dir / "logs", EXPECTED_ERRORS):
-        train(Config.model_validate(cfg_data), run_dir, device, io, stop)
+    run_dir, lock = agree_run_dir(run_dir, rank=rank, device=device)
+    try:
+        with rank_errors(rank, run_dir / "logs", EXPECTED_ERRORS):
+            train(Config.model_validate(cfg_data), run_dir, device, io, stop, hooks)
+    finally:
+        if lock is not None:
+            lock.release()

@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,8 +21,9 @@ import torch
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
 
-from moezero.cli import TEST_DELAY_ENV, main
+from moezero.cli import main
 from moezero.plan import store
+from tests.support.hooked_cli import hooked
 from tests.torch_impl.test_checkpoint import ccfg, train_run
 from tests.torch_impl.test_cli import TINY, _children, moezero
 
@@ -220,14 +220,13 @@ def crash_chain(tmp_path: Path, points: int, seed: int) -> None:
     kill, ``latest`` names a checkpoint that verifies, and the next run resumes from it."""
     rng, out = random.Random(seed), tmp_path / "run"
     root = out / "checkpoints"
-    env = {**os.environ, TEST_DELAY_ENV: "0.03"}  # makes saves most of the wall time
     previous, in_save = None, 0
     for point in range(points):
         load = ["--set", "checkpoint.load=latest"] if previous is not None else []
         mode = ["--set", f"checkpoint.async={'true' if point % 2 else 'false'}"]
         since = time.time() - 0.01
-        proc = subprocess.Popen([sys.executable, "-m", "moezero.cli", "train", *CRASH_TINY,
-                                 *load, *mode, "--out", str(out)], env=env,
+        proc = subprocess.Popen([*hooked(save_delay=0.03), "train", *CRASH_TINY,  # saves are
+                                 *load, *mode, "--out", str(out)],  # most of the wall time
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         _wait_for_a_save(proc, root, since, time.monotonic() + 120)

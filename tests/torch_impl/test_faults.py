@@ -2,9 +2,9 @@
 that is not a directory, a damaged checkpoint) ends ``moezero train`` with one line naming the
 rank, the path and the cause, exit code 2, and the traceback in ``<run>/logs/rank<r>.log``; a
 failed save removes its ``.partial`` directory and leaves ``latest`` alone; every rank writes
-into rank 0's run directory. Faults are injected through ``IOOptions.test_enospc`` (the CLI's
-``MOEZERO_TEST_ENOSPC``), a regular file where a directory should be, flipped bytes, or a
-writer that raises.
+into rank 0's run directory. Faults are injected through ``SaveHooks(enospc=...)`` (passed to
+``setup``, or to the CLI by ``tests.support.hooked_cli``), a regular file where a directory
+should be, flipped bytes, or a writer that raises.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import errno
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,16 +21,16 @@ import torch
 
 import moezero.checkpoint.writer as cw
 from moezero.checkpoint.core import CheckpointError
+from moezero.checkpoint.hooks import SaveHooks
 from moezero.config import Config
 from moezero.distributed.launcher import spawn
 from moezero.offload.options import IOOptions
 from moezero.plan import store
 from moezero.train import _train_rank, setup
+from tests.support.hooked_cli import hooked
 from tests.support.world import run_world
 from tests.torch_impl.test_checkpoint import ccfg
 from tests.torch_impl.test_cli import TINY, moezero
-
-TEST_ENOSPC_ENV = "MOEZERO_TEST_ENOSPC"  # moezero.cli.TEST_ENOSPC_ENV
 
 
 def _one_line(res) -> str:
@@ -70,9 +71,9 @@ def test_a_failed_save_removes_its_partial_and_keeps_latest(tmp_path, monkeypatc
 
 
 def test_injected_enospc_fails_only_its_rank_and_step(tmp_path):
-    """``IOOptions.test_enospc = (rank, step)``: the hook the CLI tests use."""
+    """``SaveHooks(enospc=(rank, step))``: the hook the CLI tests use."""
     cfg = Config.model_validate(ccfg(world=1, stage=2))
-    engine, batches = setup(cfg, torch.device("cpu"), IOOptions(test_enospc=(0, 2)))
+    engine, batches = setup(cfg, torch.device("cpu"), hooks=SaveHooks(enospc=(0, 2)))
     for step in (1, 2, 3):
         engine.train_step([torch.from_numpy(batches.next())])
         if step == 2:
@@ -106,8 +107,9 @@ def test_every_rank_writes_into_rank_0s_run_directory(tmp_path):
 # ---------------------------------------------------------------------------- the CLI
 def test_disk_full_on_one_rank_is_one_line_and_latest_survives(tmp_path):
     out = tmp_path / "run"
-    res = moezero("train", *TINY, "--set", "train.steps=4", "--set", "checkpoint.every=2",
-                  "--out", str(out), env={**os.environ, TEST_ENOSPC_ENV: "1:4"})
+    res = subprocess.run([*hooked(enospc="1:4"), "train", *TINY, "--set", "train.steps=4",
+                          "--set", "checkpoint.every=2", "--out", str(out)],
+                         capture_output=True, text=True, timeout=180)
     line = _one_line(res)
     assert res.returncode == 2, res.stderr
     assert line.startswith("moezero: error: checkpoint save of step 4 under ")
@@ -127,8 +129,10 @@ def test_a_path_that_is_a_file_is_one_line_naming_it(tmp_path):
                   "--out", str(tmp_path / "run"))
     line = _one_line(res)
     assert res.returncode == 2, res.stderr
-    assert "rank 0: " in line and f"{tmp_path / 'file'}" in line, line
+    assert line.startswith("moezero: error: checkpoint.dir: "), line  # before any rank starts
+    assert f"{tmp_path / 'file'}" in line, line
     assert "Not a directory" in line or "File exists" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_a_damaged_checkpoint_stops_the_run_before_its_first_step(tmp_path):

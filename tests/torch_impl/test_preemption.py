@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from moezero.cli import TEST_DELAY_ENV
 from moezero.distributed.signals import PREEMPTED_EXIT, PreemptOptions, StopRequest
 from moezero.plan import store
+from tests.support.hooked_cli import hooked
 from tests.support.world import run_world
 from tests.torch_impl.test_checkpoint_cli import _ranks
 from tests.torch_impl.test_cli import TINY, moezero
@@ -68,10 +68,11 @@ def test_every_rank_agrees_when_one_rank_is_signalled(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the CLI
-def _start(args: list[str], out: Path | None, *, torchrun: bool = False, env=None, cwd=None):
+def _start(args: list[str], out: Path | None, *, torchrun: bool = False, env=None, cwd=None,
+           cli: list[str] | None = None):
     head = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
              "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", "-m", "moezero.cli"]
-            if torchrun else [sys.executable, "-m", "moezero.cli"])
+            if torchrun else cli or [sys.executable, "-m", "moezero.cli"])
     tail = ["--out", str(out)] if out is not None else []
     return subprocess.Popen([*head, "train", *args, *tail], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -163,7 +164,7 @@ def test_a_second_signal_aborts_at_once(tmp_path):
     """The preemption save is slowed down (2 s before each write); the second SIGTERM lands
     inside it: every process is gone within seconds, exit 143, no checkpoint committed."""
     out = tmp_path / "run"
-    proc = _start(LONG, out, env={**os.environ, TEST_DELAY_ENV: "2"})
+    proc = _start(LONG, out, cli=hooked(save_delay=2))
     _wait_for_steps(proc, lambda: out)
     os.kill(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + 60

@@ -158,3 +158,37 @@ def test_swap_names_decode_to_their_group(name):
     enc = swap_name(name, "exp_avg")[:-len(".exp_avg.swap")]
     assert _decode(enc) == name
 
+
+
+def test_a_job_that_loses_the_race_for_space_leaves_no_swap_folder(tmp_path, monkeypatch):
+    """The space check passed, then another job took the space: reserving the second swap
+    file fails (issue 25, item 7). The failed start removes its folder, lock and files."""
+    calls = []
+    real = swapdir._reserve
+
+    def race(fd, size, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise swapdir.OffloadIOError(f"{path}: cannot reserve {size} bytes: No space left "
+                                         "on device")
+        real(fd, size, path)
+
+    monkeypatch.setattr(swapdir, "_reserve", race)
+    with pytest.raises(swapdir.OffloadIOError, match="No space left on device"):
+        engine_and_batches(nvme_cfg(tmp_path), 1)
+    assert len(calls) == 2 and _swap_folders(tmp_path) == []
+
+
+def test_a_job_whose_resume_fails_leaves_no_swap_folder(tmp_path):
+    """The swap files are allocated, then the checkpoint to resume cannot be read: the run
+    ends (one line) and its swap folder is gone."""
+    from moezero.checkpoint.core import CheckpointError
+    from moezero.config import Config
+    from moezero.train import train
+
+    cfg = Config.model_validate(nvme_cfg(tmp_path / "nvme"))
+    (tmp_path / "nvme").mkdir()
+    cfg.checkpoint.load = str(tmp_path / "no-such-checkpoint")
+    with pytest.raises(CheckpointError):
+        train(cfg, tmp_path / "run")
+    assert _swap_folders(tmp_path / "nvme") == []

@@ -16,11 +16,9 @@ Reference counterpart: ``moezero.plan.store`` (the byte mover this module drives
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ import torch
 
 from moezero.checkpoint import writer as ckpt_write
 from moezero.checkpoint.group import CheckpointGroup, failure
+from moezero.checkpoint.hooks import SaveHooks
 from moezero.checkpoint.options import CheckpointOptions
 from moezero.plan import store
 from moezero.plan.buffer_io import write_buffers
@@ -92,18 +91,18 @@ def make_job(root, step: int, layout: Layout, shards: Iterable[StateShard], stat
 
 
 def write(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
-          refused: set[int]) -> Path:
+          refused: set[int], hooks: SaveHooks | None = None) -> Path:
     """The save protocol of docs/checkpoint.md; every rank agrees on each failure, and a
     failed save's ``.partial`` directory is removed (by rank 0, once every rank has stopped
     writing: failures are agreed after the writes), so it holds no space; ``latest`` and the
     committed checkpoints are untouched.
 
     ``refused``: ``st_dev`` of filesystems where O_DIRECT was refused (kept by the caller
-    across saves).
+    across saves); ``hooks``: a test's fault injection (none in a run).
     """
     partial = Path(job.root) / (store.step_dir_name(job.step) + store.PARTIAL)
     try:
-        return _protocol(group, job, options, refused, partial)
+        return _protocol(group, job, options, refused, partial, hooks or SaveHooks())
     except CheckpointError:
         if group.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -111,7 +110,7 @@ def write(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
 
 
 def _protocol(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
-              refused: set[int], partial: Path) -> Path:
+              refused: set[int], partial: Path, hooks: SaveHooks) -> Path:
     what = f"checkpoint save of step {job.step} under {job.root}"
     error, headers, flush = None, [], None
     if group.rank == 0:
@@ -121,10 +120,11 @@ def _protocol(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
             headers = store.write_headers(job.layout, partial)
             headers += write_buffers(partial, job.layout, job.buffers)
         except Exception as exc:
-            error = failure(exc, 0)
+            error = failure(_named(exc, partial), 0)
     try:
         group.agree(error, what)
-        records, error = _write_partitions(group.rank, job, partial, flush, options, refused)
+        records, error = _write_partitions(group.rank, job, partial, flush, options, refused,
+                                           hooks)
     finally:
         if flush is not None:
             flush.close()
@@ -133,9 +133,9 @@ def _protocol(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
     error = next((g["error"] for g in gathered if g["error"]), None)
     if group.rank == 0 and error is None:
         try:
-            _finish(job, partial, headers, gathered, options)
+            _finish(job, partial, headers, gathered, options, hooks)
         except Exception as exc:
-            error = failure(exc, 0)
+            error = failure(_named(exc, partial), 0)
     outcome = group.all_gather(error)[0]
     if outcome:
         raise CheckpointError(f"{what}: {outcome}")
@@ -147,23 +147,18 @@ def _folder_flush(folder: Path, options: CheckpointOptions) -> ckpt_write.Folder
                                   else None)
 
 
-def _pause(options: CheckpointOptions) -> None:
-    """The test hook: sleep ``io.test_save_delay_s`` (0 in normal use)."""
-    if options.io.test_save_delay_s > 0:
-        time.sleep(options.io.test_save_delay_s)
-
-
 def _write_partitions(rank: int, job: SaveJob, partial: Path,
                       flush: ckpt_write.FolderFlush | None, options: CheckpointOptions,
-                      refused: set[int]) -> tuple[list, str | None]:
+                      refused: set[int], hooks: SaveHooks) -> tuple[list, str | None]:
     """This rank's ranges, flushed: (records, None), or what has been written and the error."""
     records = []
     try:
-        _fault(options, rank, job.step, partial / job.layout.files[0].name)
+        hooks.fault(rank, job.step, partial / job.layout.files[0].name)
         with flush or _folder_flush(partial, options) as flush:
-            with ckpt_write.RangeWriter(options.io, refused) as writer:
+            with ckpt_write.RangeWriter(options.io, refused) as range_writer:
+                writer = _naming(range_writer)
                 for shard in job.shards:
-                    _pause(options)
+                    hooks.pause()
                     if shard.files is not None:
                         records += _copy_partition(partial, job.layout, shard)
                     else:
@@ -175,14 +170,28 @@ def _write_partitions(rank: int, job: SaveJob, partial: Path,
                 written.update(f.name for f in job.layout.files)
             flush.flush(sorted(written))
     except Exception as exc:
-        return records, failure(exc, rank)
+        return records, failure(_named(exc, partial), rank)
     return records, None
 
 
-def _fault(options: CheckpointOptions, rank: int, step: int, path: Path) -> None:
-    """The test hook ``io.test_enospc``: this rank's writes of this step find the disk full."""
-    if options.io.test_enospc is not None and tuple(options.io.test_enospc) == (rank, step):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+def _named(exc: BaseException, path: Path) -> BaseException:
+    """``exc``, or for an OS error that names no file (a plain ``pwrite`` on a full disk:
+    ``[Errno 28] No space left on device``) the same error naming ``path``."""
+    if isinstance(exc, OSError) and exc.filename is None and exc.strerror:
+        return OSError(exc.errno, exc.strerror, os.fspath(path))
+    return exc
+
+
+def _naming(writer):
+    """``writer(path, offset, array)`` whose OS errors name the file they hit."""
+    def write(path: Path, offset: int, array: np.ndarray) -> int:
+        try:
+            return writer(path, offset, array)
+        except OSError as exc:
+            if exc.filename is not None:
+                raise
+            raise _named(exc, path) from exc
+    return write
 
 
 def _copy_partition(ckpt_dir: Path, layout: Layout, shard: _Shard) -> list:
@@ -193,21 +202,26 @@ def _copy_partition(ckpt_dir: Path, layout: Layout, shard: _Shard) -> list:
     for state in STATES:
         where = getattr(ranges, state)
         if where is not None and where.length:
-            crc = store.copy_range(shard.files[state], 0, ckpt_dir / where.file, where.offset,
-                                   where.length)
+            try:
+                crc = store.copy_range(shard.files[state], 0, ckpt_dir / where.file,
+                                       where.offset, where.length)
+            except OSError as exc:
+                if exc.filename is not None:
+                    raise
+                raise _named(exc, ckpt_dir / where.file) from exc
             records.append(RangeRecord(where.file, where.offset, where.length, crc))
     return records
 
 
 def _finish(job: SaveJob, partial: Path, headers: list, gathered: list[dict],
-            options: CheckpointOptions) -> None:
+            options: CheckpointOptions, hooks: SaveHooks) -> None:
     """Rank 0: manifest (the shared state plus every rank's entries), commit, retention."""
     records = headers + [tuple(r) for g in gathered for r in g["records"]]
     state = dict(job.state, **{k: [g["state"].get(k) for g in gathered]
                                for k in RANK_KEYS if k in job.rank_state})
-    _pause(options)
+    hooks.pause()
     store.write_manifest(partial, job.layout, checksums=records, config=job.meta["config"],
                          topology=job.meta["topology"], state=state)
-    _pause(options)
+    hooks.pause()
     final = store.commit(partial, flushed=True, layout=job.layout)  # every rank flushed
     store.apply_retention(job.root, options.keep_last, committed=final)

@@ -279,6 +279,9 @@ class CheckpointConfig(_Section):
     model_config = ConfigDict(populate_by_name=True)
 
     every: int = Field(0, ge=0, description="Save every this many steps; 0 = only at the end.")
+    every_minutes: float = Field(
+        30, ge=0, description="Also save once this many minutes have passed since the last save "
+                              "(rank 0's clock, agreed by every rank); 0 = off.")
     keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep; older ones are deleted.")
     load: str | None = Field(None, min_length=1, description="Resume from a step directory, or 'latest'.")
     async_save: bool = Field(False, alias="async", description="Write in the background (key: async).")

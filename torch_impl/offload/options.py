@@ -2,7 +2,7 @@
 
 The defaults are what a run uses; ``initialize(..., io=IOOptions(...))`` sets them for an
 engine (its checkpoints and NVMe swap files), and tests pass their own instead of changing
-module state. Only the CLI reads the environment (the crash tests' save delay).
+module state. Fault injection is not an option: tests pass ``checkpoint.hooks.SaveHooks``.
 """
 
 from __future__ import annotations
@@ -31,10 +31,6 @@ class IOOptions:
             many bytes or more are mapped and returned to the OS when freed
             (``moezero.offload.malloc``: glibc's dynamic threshold otherwise keeps a step's
             freed buffers resident); None: glibc's default.
-        test_save_delay_s: Test hook: seconds to sleep before each partition write, the
-            manifest and the commit, so crash tests can land a SIGKILL inside a save.
-        test_enospc: Test hook: ``(rank, step)``: that rank's checkpoint writes of that
-            step fail with ENOSPC, as on a full disk (docs/reliability.md).
     """
 
     direct_io: bool = True
@@ -43,5 +39,3 @@ class IOOptions:
     chunk_bytes: int = CHUNK
     syncfs: bool = True
     host_mmap_threshold: int | None = 1 << 20
-    test_save_delay_s: float = 0.0
-    test_enospc: tuple[int, int] | None = None

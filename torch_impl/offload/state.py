@@ -216,23 +216,24 @@ def params_read_master(cfg_zero, *, fp32: bool) -> bool:
 
 
 def _prepare(stores: list[SwapState], folders) -> None:
-    """Hold and check every folder (releasing them all on a refusal), then prune and
-    allocate the swap files."""
+    """Hold and check every folder, prune and allocate the swap files; on any failure (a
+    refusal, or space another job took after the check) every folder is removed again with
+    what this job put in it, so a job that failed to start leaves no swap folder."""
     try:
         for s in stores:
             s.folder.check_path(s.key)
             s.folder.acquire()
         for s in stores:
             s.check_space([o for o in stores if o is not s])
+        for f in folders:
+            f.prune({s.path(slot, st).name for s in stores if s.folder is f
+                     for slot in s.slots for st in s.states})
+        for s in stores:
+            s.allocate()
     except Exception:
         for f in folders:
             f.cleanup()
         raise
-    for f in folders:
-        f.prune({s.path(slot, st).name for s in stores if s.folder is f
-                 for slot in s.slots for st in s.states})
-    for s in stores:
-        s.allocate()
 
 
 def check_paths(cfg_zero, *, numel: int, share: float, param_bytes: int) -> None:

@@ -1,0 +1,159 @@
+"""The run directory and the checkpoint root, checked before a run's first step, and the lock
+that keeps one run per run directory (docs/reliability.md).
+
+``check_run`` is what the CLI calls before any rank starts: the run directory (``--out``) and
+``checkpoint.dir`` can be created and written (a probe file is created, fsynced and removed
+on each, and folders the probe created are removed again), the checkpoint root has room for
+one checkpoint (``checkpoint_bytes``), and no live run holds the run directory. ``RunLock``
+is the lock itself: rank 0 holds an ``flock`` on ``<run dir>/.moezero.lock`` for its
+lifetime (the kernel lets go when the process ends, so a crashed run never blocks the next).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+from pathlib import Path
+
+from moezero.config import ConfigError
+from moezero.distributed.agree import broadcast_json
+from moezero.distributed.failures import RankFailure, describe
+
+__all__ = ["LOCK_NAME", "RunLock", "agree_run_dir", "check_run", "checkpoint_bytes", "probe_writable"]
+
+LOCK_NAME = ".moezero.lock"
+HEADER_BYTES = 256
+"""Allowance per tensor and state in a checkpoint's safetensors headers and manifest."""
+JSON_BYTES = 1 << 20
+"""Allowance for a checkpoint's manifest, index and per-rank state beyond the tensors."""
+
+
+def checkpoint_bytes(numel: int, num_tensors: int) -> int:
+    """Bytes of one checkpoint of a model of ``numel`` elements in ``num_tensors`` tensors:
+    the fp32 master and two fp32 moments of each element, plus headers and JSON."""
+    return 12 * numel + 3 * HEADER_BYTES * num_tensors + JSON_BYTES
+
+
+def probe_writable(path: Path, key: str) -> None:
+    """Create ``path`` (and its missing parents), write, fsync and remove a probe file in
+    it, then remove the folders this created. ConfigError (one line naming ``key`` and the
+    path) on any failure."""
+    path = Path(os.path.abspath(path))
+    created = [p for p in (path, *path.parents) if not os.path.lexists(p)]
+    try:
+        _probe(path)
+    except OSError as exc:
+        raise ConfigError(key, f"cannot write there: {exc.strerror or exc}",
+                          exc.filename or str(path)) from None
+    finally:
+        for folder in created:  # deepest first; only what is still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def _probe(path: Path, attempts: int = 5) -> None:
+    """Write, fsync and remove ``path/.moezero-probe-<pid>`` (creating ``path``). Retried when
+    the folder vanishes in between: torchrun's workers probe the same new folders at once,
+    and one may remove a folder it created while another is about to write in it."""
+    probe = path / f".moezero-probe-{os.getpid()}"
+    for attempt in range(attempts):
+        path.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+            continue
+        try:
+            os.write(fd, b"moezero")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        probe.unlink()
+        return
+
+
+def _check_free(path: Path, need: int, key: str) -> None:
+    """ConfigError unless the filesystem of ``path`` (or its nearest existing parent) has
+    ``need`` bytes free."""
+    path = Path(os.path.abspath(path))
+    free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
+    if free < need:
+        gib = lambda n: f"{n / (1 << 30):.2f} GiB"
+        raise ConfigError(key, f"one checkpoint needs {need} bytes ({gib(need)}), only {free} "
+                               f"bytes ({gib(free)}) free", str(path))
+
+
+def check_run(run_dir: Path, ckpt_root: Path, ckpt_bytes: int, *, lock: bool = True) -> None:
+    """Before any rank starts: the run directory and checkpoint root are writable, the root
+    has ``ckpt_bytes`` free, and (with ``lock``) no live run holds the run directory. One-line
+    ConfigError; leaves the filesystem as it found it. ``lock`` False: a torchrun worker other
+    than rank 0 (rank 0 may already hold the lock of this very run)."""
+    probe_writable(run_dir, "--out")
+    probe_writable(ckpt_root, "checkpoint.dir")
+    _check_free(ckpt_root, ckpt_bytes, "checkpoint.dir")
+    if lock and (Path(run_dir) / LOCK_NAME).exists():
+        RunLock(run_dir).acquire().release()
+
+
+def agree_run_dir(proposed: str | os.PathLike, *, rank: int,
+                  device) -> tuple[Path, RunLock | None]:
+    """Rank 0's run directory on every rank, locked by rank 0 (collective: one broadcast,
+    the one that already carried the directory). Every rank raises ``RankFailure`` (one
+    line; no log is written into a directory another run holds) when rank 0 cannot lock it.
+
+    Returns:
+        The run directory, and on rank 0 the held ``RunLock`` (None elsewhere).
+    """
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = RunLock(proposed).acquire()
+        except (ConfigError, OSError) as exc:
+            error = f"rank 0: {describe(exc)}"
+    agreed = broadcast_json({"run_dir": os.fspath(proposed), "error": error}, device=device)
+    if agreed["error"]:
+        raise RankFailure(agreed["error"])
+    return Path(agreed["run_dir"]), lock
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<run dir>/.moezero.lock``, held by one process (rank 0)
+    while its run lasts. The file stays (it is only a name to lock); it records the holder."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        """Take the lock (creating the run directory); ConfigError (one line naming the
+        directory and the holder) when another live run holds it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError("--out", f"the run directory is in use by a running job "
+                                       f"({holder}); give each run its own --out",
+                              str(self.path.parent)) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
