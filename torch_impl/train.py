@@ -30,6 +30,7 @@ from moezero.config import Config, ConfigError, dump_config
 from moezero.data import DataError
 from moezero.data.build import DataStream, build_batches
 from moezero.distributed.agree import broadcast_json
+from moezero.distributed.devices import cuda_device_count, rank_device, resolve_backend
 from moezero.distributed.failures import rank_errors
 from moezero.distributed.launcher import launch
 from moezero.distributed.signals import Preempted, PreemptOptions, StopRequest
@@ -327,7 +328,7 @@ def _previous_metrics(run_dir: Path, start: int) -> list[dict]:
 def launch_training(cfg: Config, run_dir: Path, nproc: int, io: IOOptions | None = None) -> int:
     """Train with ``nproc`` local ranks (or join the torchrun world); returns an exit code.
     ``io``: the engines' I/O options (the CLI's, read once from its environment)."""
-    backend = cfg.dist.resolve_backend(cuda=torch.cuda.is_available())
+    backend = resolve_backend(cfg.dist.backend, cuda_device_count())
     return launch(_train_rank, (cfg.model_dump(by_alias=True), str(run_dir), io), nproc=nproc,
                   backend=backend, timeout_s=cfg.dist.timeout_s,
                   preempt=PreemptOptions.from_names(cfg.train.preempt_signals))
@@ -337,10 +338,9 @@ def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None, *,
                 stop: StopRequest | None = None) -> None:
     """One rank of ``moezero train``: rank 0's run directory on every rank (each torchrun
     worker's CLI picked its own), expected errors as one line (``EXPECTED_ERRORS``)."""
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device(f"cuda:{torch.cuda.current_device()}")
+    cfg = Config.model_validate(cfg_data)
+    device = rank_device(resolve_backend(cfg.dist.backend, cuda_device_count()))
     run_dir = Path(broadcast_json(str(run_dir), device=device))
     rank = dist.get_rank() if dist.is_initialized() else 0
     with rank_errors(rank, run_dir / "logs", EXPECTED_ERRORS):
-        train(Config.model_validate(cfg_data), run_dir, device, io, stop)
+        train(cfg, run_dir, device, io, stop)

@@ -25,6 +25,7 @@ def _capture(fn, out_dir: str, args: tuple) -> None:
 def run_world(fn, world: int, tmp_path: Path, *args, timeout_s: float = TIMEOUT_S) -> list:
     out = Path(tmp_path) / f"results_w{world}_{fn.__name__}"
     out.mkdir(parents=True, exist_ok=True)
-    code = spawn(_capture, world, (fn, str(out), args), timeout_s=timeout_s)
+    # gloo: every rank computes on the host, also on a GPU machine (moezero.distributed.devices)
+    code = spawn(_capture, world, (fn, str(out), args), backend="gloo", timeout_s=timeout_s)
     assert code == 0, f"a rank of {fn.__name__} failed (exit code {code}); see stderr"
     return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]
