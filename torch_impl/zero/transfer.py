@@ -50,16 +50,19 @@ class HostTransfer:
         return self.cuda
 
     def to_host(self, tensors: list[torch.Tensor]) -> Staged:
-        """Host copies of ``tensors``: on CUDA into fresh pinned buffers, in flight on the side
-        stream after the compute stream's work so far; otherwise the tensors on the CPU (no
-        copy for CPU tensors)."""
-        if not self.cuda:
+        """Host copies of ``tensors``: CUDA tensors into fresh pinned buffers, in flight on the
+        side stream after the compute stream's work so far; host tensors as they are (no copy,
+        no stream: ``record_stream`` has only a CUDA kernel)."""
+        if not (self.cuda and any(t.is_cuda for t in tensors)):
             return Staged([t.cpu() for t in tensors])
         compute = torch.cuda.current_stream(self.device)
         out = []
         with torch.cuda.stream(self.stream):
             self.stream.wait_stream(compute)
             for t in tensors:
+                if not t.is_cuda:  # already on the host (the NVMe gradient tier's): no stream
+                    out.append(t)
+                    continue
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 host.copy_(t, non_blocking=True)
                 t.record_stream(self.stream)  # not reused by the allocator before the copy
