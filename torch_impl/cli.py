@@ -245,7 +245,10 @@ def _train(args: argparse.Namespace) -> int:
     from moezero.train import launch_training, model_numel, preflight
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: this node's ranks
-    check_supported(cfg, numel=model_numel(cfg), share=local / world)
+    from moezero.distributed.devices import compute_device, cuda_device_count
+
+    check_supported(cfg, numel=model_numel(cfg), share=local / world,
+                    device=compute_device(cfg.dist.backend, cuda_device_count()))
     preflight(cfg, run_dir)
     io = IOOptions(test_save_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0") or 0),
                    test_enospc=_rank_step(os.environ.get(TEST_ENOSPC_ENV)))

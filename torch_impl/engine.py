@@ -55,12 +55,14 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return DTYPES[cfg.precision.resolve(cuda=cuda, bf16_supported=cuda and torch.cuda.is_bf16_supported())]
 
 
-def check_supported(cfg: Config, *, numel: int = 0, share: float = 1.0) -> None:
+def check_supported(cfg: Config, *, numel: int = 0, share: float = 1.0,
+                    device: torch.device | None = None) -> None:
     """Checks the CLI runs before any rank starts: NVMe swap folders exist, are writable
-    and have room for this node's ``share`` of the model's swap files. One-line
-    ``ConfigError``; nothing is written. Ranks check their exact sizes again."""
+    and have room for this node's ``share`` of the model's swap files, sized with the params'
+    dtype on ``device`` (``auto`` is bf16 on GPUs). One-line ``ConfigError``; nothing is
+    written. Ranks check their exact sizes again."""
     offload_state.check_paths(cfg.zero_optimization, numel=numel, share=share,
-                              param_bytes=2 if cfg.precision.dtype in ("bf16", "fp16") else 4)
+                              param_bytes=resolve_dtype(cfg, device or torch.device("cpu")).itemsize)
 
 
 class Engine:
@@ -87,7 +89,7 @@ class Engine:
         self.params = dict(self.model.named_parameters())
         self.groups: OptimizerGroups = build_groups(self.model, cfg, topology)
         check_digests(all_gather_json(plan_digest(self.groups), device=device))
-        check_supported(cfg)
+        check_supported(cfg, device=device)
         initial = None if init is None or zero.stage < 3 else init.source(
             {fqn: p.shape for fqn, p in self.params.items()}, self.dtype, device)
         self.optimizer = build_optimizer(

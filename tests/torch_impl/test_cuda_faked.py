@@ -8,9 +8,19 @@ the code makes. What only a GPU can show is in the ``gpu``-marked tests
 
 from __future__ import annotations
 
+import shutil
+
 import torch
 
+from moezero import cli
+from moezero.config import load_config
+from moezero.train import model_numel
 from moezero.zero.transfer import HostTransfer
+from tests.support.fake_cuda import fake_gpus, fake_launch
+
+TINY = ["--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
+        "--set", "model.ffn_dim=32", "--set", "moe.num_experts=4", "--set", "train.seq_len=16",
+        "--set", "train.micro_batch_size=2", "--set", "moe.ep_size=1"]
 
 
 def _no_cuda_api(*args, **kwargs):
@@ -29,3 +39,24 @@ def test_to_host_passes_host_tensors_without_streams(monkeypatch):
     grads = [torch.randn(5), torch.randn(2, 3)]
     staged = transfer.to_host(grads)
     assert all(a is b for a, b in zip(staged.wait(), grads, strict=True))
+
+
+def test_swap_check_sizes_auto_precision_as_bf16_on_a_gpu(monkeypatch, tmp_path, capsys):
+    """Item 3: ``precision.dtype: auto`` is bf16 on a GPU, so stage 3 with both tiers on NVMe
+    needs 12 + 2 + 2 bytes per element (master and moments, bf16 gradient, bf16 param shard),
+    not 12 + 4 + 4: with room for 18 the run must start (the old check refused it)."""
+    fake_gpus(monkeypatch, 1)
+    launched = fake_launch(monkeypatch)
+    nvme = ["--set", "zero_optimization.stage=3",
+            "--set", "zero_optimization.offload_optimizer.device=nvme",
+            "--set", f"zero_optimization.offload_optimizer.nvme_path={tmp_path}",
+            "--set", "zero_optimization.offload_param.device=nvme",
+            "--set", f"zero_optimization.offload_param.nvme_path={tmp_path}"]
+    overrides = [a for a in TINY + nvme if a != "--set"]
+    numel = model_numel(load_config(None, overrides))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr("moezero.offload.swapdir.shutil.disk_usage",
+                        lambda path: usage._replace(free=18 * numel))
+    code = cli.main(["train", *TINY, *nvme, "--out", str(tmp_path / "run")])
+    assert code == 0, capsys.readouterr().err
+    assert launched == {"nproc": 1, "backend": "nccl"}

@@ -13,6 +13,7 @@ import torch
 from moezero import cli
 from moezero.distributed import launcher
 from moezero.distributed.devices import DeviceError, place_rank, plan_devices, rank_device
+from tests.support.fake_cuda import fake_gpus, fake_launch
 
 TINY = ["--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
         "--set", "model.ffn_dim=32", "--set", "moe.num_experts=4", "--set", "train.seq_len=16",
@@ -47,14 +48,7 @@ def test_plan_devices_refusals_name_the_option(nproc, backend, count, visible, k
 
 @pytest.fixture
 def one_gpu(monkeypatch):
-    """torch.cuda faked: available, one bf16 device; ``set_device`` calls are recorded."""
-    calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
-    return calls
+    return fake_gpus(monkeypatch, 1)
 
 
 def test_gloo_rank_on_a_gpu_box_never_selects_a_device(one_gpu, tmp_path):
@@ -77,15 +71,7 @@ def test_nccl_rank_takes_local_rank_modulo_devices(monkeypatch):
 
 @pytest.fixture
 def launched(monkeypatch):
-    """``moezero train`` up to the launch: the ranks' function is not run, its layout kept."""
-    seen = {}
-
-    def fake_launch(fn, args, *, nproc, backend, timeout_s, preempt=None):
-        seen.update(nproc=nproc, backend=backend)
-        return 0
-
-    monkeypatch.setattr("moezero.train.launch", fake_launch)
-    return seen
+    return fake_launch(monkeypatch)
 
 
 def test_default_train_on_one_gpu_gets_a_runnable_layout(one_gpu, launched, tmp_path):

@@ -82,6 +82,11 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def compute_device(backend: str, device_count: int) -> torch.device:
+    """The kind of device ranks compute on (no index): CUDA under NCCL, else the CPU."""
+    return torch.device("cuda" if resolve_backend(backend, device_count) == "nccl" else "cpu")
+
+
 def place_rank(backend: str, local_rank: int) -> None:
     """Make this rank's CUDA device current (NCCL only; gloo ranks stay on the host)."""
     if backend == "nccl":
