@@ -9,11 +9,15 @@ the code makes. What only a GPU can show is in the ``gpu``-marked tests
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from moezero import cli
 from moezero.config import load_config
+from moezero.model.experts import SwiGLU, grouped_kernel_ok
+from moezero.model.moe import MoE
 from moezero.train import model_numel
 from moezero.zero.transfer import HostTransfer
 from tests.support.fake_cuda import fake_gpus, fake_launch
@@ -60,3 +64,41 @@ def test_swap_check_sizes_auto_precision_as_bf16_on_a_gpu(monkeypatch, tmp_path,
     code = cli.main(["train", *TINY, *nvme, "--out", str(tmp_path / "run")])
     assert code == 0, capsys.readouterr().err
     assert launched == {"nproc": 1, "backend": "nccl"}
+
+
+@pytest.mark.parametrize("version,device,cap,dtype,dim,ffn,ok", [
+    ("2.13.0", "cpu", None, torch.float32, 36, 60, True),
+    ("2.13.0", "cpu", None, torch.bfloat16, 36, 60, True),
+    ("2.9.1", "cpu", None, torch.float32, 32, 64, False),   # no public F.grouped_mm
+    ("2.4.0", "cuda", (9, 0), torch.bfloat16, 32, 64, False),
+    ("2.10.0", "cuda", (9, 0), torch.bfloat16, 32, 64, True),  # H100/H200
+    ("2.13.0+cu130", "cuda", (9, 0), torch.bfloat16, 32, 64, True),
+    ("2.13.0", "cuda", (10, 0), torch.bfloat16, 32, 64, False),  # B200: zero-token grad bug
+    ("2.13.0", "cuda", (8, 0), torch.bfloat16, 32, 64, False),   # A100: syncing fallback
+    ("2.13.0", "cuda", (9, 0), torch.float32, 32, 64, False),
+    ("2.13.0", "cuda", (9, 0), torch.float16, 32, 64, False),
+    ("2.13.0", "cuda", (9, 0), torch.bfloat16, 36, 64, False),  # 72-byte rows: not 16-aligned
+    ("2.13.0", "cuda", (9, 0), torch.bfloat16, 32, 68, False),
+    ("2.13.0", "meta", None, torch.bfloat16, 32, 64, False),
+])
+def test_grouped_gate_table(version, device, cap, dtype, dim, ffn, ok):
+    """Item 5's decision: torch version x device/capability x dtype x shapes."""
+    assert grouped_kernel_ok(torch_version=version, device_type=device, capability=cap,
+                             dtype=dtype, dim=dim, ffn_dim=ffn) is ok
+
+
+@pytest.mark.parametrize("cap,version,dim,ok", [
+    ((9, 0), "2.13.0", 32, True),
+    ((10, 0), "2.13.0", 32, False),
+    ((9, 0), "2.4.0", 32, False),
+    ((9, 0), "2.13.0", 36, False),
+])
+def test_moe_takes_the_loop_where_the_grouped_kernel_is_not_trusted(monkeypatch, cap, version,
+                                                                    dim, ok):
+    """Item 5 through the layer: a bf16 input on a faked CUDA device of capability ``cap``
+    (old code: grouped on 10.x, on torch < 2.10 and with unaligned rows)."""
+    fake_gpus(monkeypatch, 1, capability=cap)
+    monkeypatch.setattr(torch, "__version__", version)
+    moe = MoE(dim, SwiGLU(dim, 64), num_experts=4)
+    x = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
+    assert moe.uses_grouped(x) is ok

@@ -191,7 +191,10 @@ class MoE(nn.Module):
         """Whether the experts run as grouped GEMMs on inputs like ``x``."""
         if self.grouped is not None:
             return self.grouped
-        return self.builtin and has_grouped_kernel(x.device, x.dtype)
+        if not self.builtin:
+            return False
+        first = self.experts[str(self.local_experts[0])]
+        return has_grouped_kernel(x.device, x.dtype, dim=first.dim, ffn_dim=first.hidden)
 
     def _apply_local(self, rows_ND: torch.Tensor, counts_L: torch.Tensor,
                      host_counts: list[int] | None) -> torch.Tensor:
