@@ -9,6 +9,7 @@ the code makes. What only a GPU can show is in the ``gpu``-marked tests
 from __future__ import annotations
 
 import shutil
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,7 @@ from moezero import cli
 from moezero.config import load_config
 from moezero.model.experts import SwiGLU, grouped_kernel_ok
 from moezero.model.moe import MoE
+from moezero.model.router import Router, RouterOptions
 from moezero.train import model_numel
 from moezero.zero.transfer import HostTransfer
 from tests.support.fake_cuda import fake_gpus, fake_launch
@@ -102,3 +104,19 @@ def test_moe_takes_the_loop_where_the_grouped_kernel_is_not_trusted(monkeypatch,
     moe = MoE(dim, SwiGLU(dim, 64), num_experts=4)
     x = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.bfloat16)
     assert moe.uses_grouped(x) is ok
+
+
+def test_router_counts_expert_loads_without_bincount(monkeypatch):
+    """Item 6: ``torch.bincount`` syncs with the host on CUDA (once per MoE layer per
+    forward); the expert-bias loads must come from a static-shape scatter-add."""
+    def bincount(*args, **kwargs):
+        raise AssertionError("torch.bincount: a host sync per MoE layer on CUDA")
+
+    torch.manual_seed(0)
+    router = Router(16, 6, 2, RouterOptions(expert_bias=True)).train()
+    monkeypatch.setattr(torch, "bincount", bincount)
+    x = torch.randn(40, 16)
+    _, _, _, experts_Tk = router(x)
+    _, _, _, again_Tk = router(x[:7])
+    chosen = Counter(experts_Tk.flatten().tolist()) + Counter(again_Tk.flatten().tolist())
+    assert router.pending_load.tolist() == [chosen[e] for e in range(6)]
