@@ -250,6 +250,10 @@ def _train(args: argparse.Namespace) -> int:
     check_supported(cfg, numel=model_numel(cfg), share=local / world,
                     device=compute_device(cfg.dist.backend, cuda_device_count()))
     preflight(cfg, run_dir)
+    if cfg.train.deterministic:  # before any rank starts: cuBLAS reads it once per process
+        from moezero.model.determinism import CUBLAS_WORKSPACE
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     io = IOOptions(test_save_delay_s=float(os.environ.get(TEST_DELAY_ENV, "0") or 0),
                    test_enospc=_rank_step(os.environ.get(TEST_ENOSPC_ENV)))
     return launch_training(cfg, run_dir, args.nproc, io)
