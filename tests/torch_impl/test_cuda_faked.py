@@ -20,6 +20,7 @@ from moezero.config import load_config
 from moezero.model.experts import SwiGLU, grouped_kernel_ok
 from moezero.model.moe import MoE
 from moezero.model.router import Router, RouterOptions
+from moezero.offload.aio import AsyncIO
 from moezero.train import model_numel
 from moezero.zero.transfer import HostTransfer
 from tests.support.fake_cuda import fake_gpus, fake_launch
@@ -120,3 +121,47 @@ def test_router_counts_expert_loads_without_bincount(monkeypatch):
     _, _, _, again_Tk = router(x[:7])
     chosen = Counter(experts_Tk.flatten().tolist()) + Counter(again_Tk.flatten().tolist())
     assert router.pending_load.tolist() == [chosen[e] for e in range(6)]
+
+
+class _Event:
+    """A fake ``torch.cuda.Event``: remembers whether the host waited for it."""
+
+    made: list = []
+
+    def __init__(self):
+        self.recorded = self.synchronized = False
+        _Event.made.append(self)
+
+    def record(self, stream=None):
+        self.recorded = True
+
+    def synchronize(self):
+        self.synchronized = True
+
+
+class _Gds:
+    """A fake ``torch.cuda.gds.GdsFile``: each move notes whether the stream was waited for."""
+
+    def __init__(self):
+        self.moves = []
+
+    def save_storage(self, storage, offset):
+        self.moves.append(("write", all(e.synchronized for e in _Event.made)))
+
+    def load_storage(self, storage, offset):
+        self.moves.append(("read", all(e.synchronized for e in _Event.made)))
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_gpudirect_waits_for_the_tensor_stream_before_moving(monkeypatch, tmp_path, op):
+    """Item 7: the GPUDirect path handed the storage to a worker thread without waiting for
+    the kernels that produce (write) or still read (read) it."""
+    _Event.made = []
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    path = str(tmp_path / "swap.bin")
+    gds = _Gds()
+    with AsyncIO(workers=1) as aio:
+        aio._gds = {path: gds}  # cuFile "works"; the tensor stands in for a CUDA one
+        aio._cuda(op, path, torch.zeros(64), 0).result(timeout=10)
+    assert gds.moves == [(op, True)] and _Event.made and _Event.made[0].recorded
