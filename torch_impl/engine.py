@@ -45,6 +45,7 @@ from moezero.plan.records import EngineRecord, TopologyRecord
 from moezero.zero.adamw import LossScaler, lr_at
 from moezero.zero.build import build_optimizer
 from moezero.zero.groups import OptimizerGroups, build_groups, check_digests, plan_digest
+from moezero.zero.transfer import batch_to_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -112,7 +113,7 @@ class Engine:
     # ------------------------------------------------------------------ forward / backward
     def forward(self, batch_BS1: torch.Tensor):
         """Loss of one micro-batch on this rank and its parts (``ce``, ``aux_loss``)."""
-        return self.model.loss(batch_BS1.to(self.device))
+        return self.model.loss(batch_to_device(batch_BS1, self.device))
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``, averaged over the micro-batches of a step and loss-scaled."""
@@ -174,7 +175,8 @@ class Engine:
         """One optimizer step over ``grad_accum_steps`` micro-batches; metrics averaged globally."""
         start, moved = time.perf_counter(), self.optimizer.swap_traffic()
         totals = torch.zeros(3, device=self.device)
-        for batch in micro_batches:
+        queued = [batch_to_device(b, self.device) for b in micro_batches]  # no host drain
+        for batch in queued:
             loss, parts = self.forward(batch)
             self.backward(loss)
             totals += torch.stack([loss.detach().float(), parts["ce"], parts["aux_loss"]])

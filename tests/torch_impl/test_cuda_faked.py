@@ -17,6 +17,7 @@ import torch
 
 from moezero import cli
 from moezero.config import load_config
+from moezero.engine import Engine
 from moezero.model.experts import SwiGLU, grouped_kernel_ok
 from moezero.model.moe import MoE
 from moezero.model.router import Router, RouterOptions
@@ -165,3 +166,19 @@ def test_gpudirect_waits_for_the_tensor_stream_before_moving(monkeypatch, tmp_pa
         aio._gds = {path: gds}  # cuFile "works"; the tensor stands in for a CUDA one
         aio._cuda(op, path, torch.zeros(64), 0).result(timeout=10)
     assert gds.moves == [(op, True)] and _Event.made and _Event.made[0].recorded
+
+
+def test_micro_batch_reaches_the_gpu_pinned_and_non_blocking(monkeypatch):
+    """Item 9: ``Engine.forward`` copied each micro-batch from pageable memory with a blocking
+    ``to(device)``: the host waited for every queued kernel before the next forward."""
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory",
+                        lambda self, *a: calls.append("pin_memory") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(
+        ("to", *a, k.get("non_blocking", False))) or self)
+    engine = Engine.__new__(Engine)  # forward reads only these two
+    engine.device = torch.device("cuda", 0)
+    engine.model = SimpleNamespace(loss=lambda batch: (batch, {}))
+    batch = torch.zeros(2, 5, dtype=torch.long)
+    assert engine.forward(batch)[0] is batch
+    assert calls == ["pin_memory", ("to", engine.device, True)]

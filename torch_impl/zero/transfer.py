@@ -8,7 +8,8 @@ for the side stream (``finish``, or per fetched tensor) before it reads what was
 Device-to-host copies of window g+1 so run while the host steps window g, and host-to-device
 copies of the updated masters while it steps the next. Without CUDA (or for tensors already
 where they are going) they are plain copies: nothing to overlap, nothing to pin (CPU builds of
-torch refuse ``pin_memory``). Used by ``moezero.zero.optimizer`` and ``moezero.zero.sharded``.
+torch refuse ``pin_memory``). Used by ``moezero.zero.optimizer`` and ``moezero.zero.sharded``,
+and by the engine for its micro-batches (``batch_to_device``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def batch_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A micro-batch on the compute device: on CUDA pinned, then copied non-blocking on the
+    compute stream (a copy from pageable memory would make the host wait for all queued GPU
+    work, the previous micro-batch's backward included); a plain ``to`` elsewhere."""
+    if device.type != "cuda" or batch.is_cuda:
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(eq=False)
