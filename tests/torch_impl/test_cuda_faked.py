@@ -22,7 +22,9 @@ from moezero.model.experts import SwiGLU, grouped_kernel_ok
 from moezero.model.moe import MoE
 from moezero.model.router import Router, RouterOptions
 from moezero.offload.aio import AsyncIO
+from moezero.offload.state import SwapState
 from moezero.train import model_numel
+from moezero.zero.pinned import PinnedPool
 from moezero.zero.transfer import HostTransfer
 from tests.support.fake_cuda import fake_gpus, fake_launch
 
@@ -182,3 +184,47 @@ def test_micro_batch_reaches_the_gpu_pinned_and_non_blocking(monkeypatch):
     batch = torch.zeros(2, 5, dtype=torch.long)
     assert engine.forward(batch)[0] is batch
     assert calls == ["pin_memory", ("to", engine.device, True)]
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    """cudaHostRegister/Unregister faked: ``{ptr: nbytes}`` of what is page-locked now."""
+    pinned: dict[int, int] = {}
+    monkeypatch.setattr("moezero.zero.pinned.cuda_register",
+                        lambda ptr, nbytes: pinned.__setitem__(ptr, nbytes))
+    monkeypatch.setattr("moezero.zero.pinned.cuda_unregister", lambda ptr: pinned.pop(ptr))
+    return pinned
+
+
+def test_pinned_pool_is_bounded_by_the_buffers_in_use(registered):
+    """Item 4: each buffer is pinned at its exact aligned size (PyTorch's pinned allocator
+    rounds 12004 bytes up to 16384 and keeps freed blocks) and reused by later steps."""
+    pool = PinnedPool()
+    sizes = [(1000, torch.float32), (3001, torch.float32), (5, torch.bfloat16)]
+    window = [4096, 12288, 4096]  # ALIGN-rounded bytes of the three buffers
+    for _ in range(5):  # five steps, two windows alive at once (one read ahead)
+        first = [pool.take(n, dt) for n, dt in sizes]
+        second = [pool.take(n, dt) for n, dt in sizes]
+        assert all(b.data_ptr() % 4096 == 0 for b in first + second)
+        assert [b.numel() for b in first] == [n for n, _ in sizes]
+        assert len({b.data_ptr() for b in first + second}) == 6  # never handed out twice
+        del first, second
+    assert sorted(registered.values()) == sorted(window * 2)
+    assert pool.pinned_bytes == 2 * sum(window)
+    pool.close()
+    assert registered == {} and pool.pinned_bytes == 0
+
+
+def test_swap_windows_on_cuda_reuse_their_pinned_buffers(monkeypatch, registered):
+    """Item 4 through the NVMe tier: ten read/drop cycles of one slot's three states pin three
+    buffers once (old code: a fresh ``pin_memory=True`` block per cycle)."""
+    fake_gpus(monkeypatch, 1)
+    state = SwapState(None, None, [], ("master", "exp_avg", "exp_avg_sq"), torch.float32,
+                      key="zero_optimization.offload_optimizer.nvme_path", pin=True)
+    slot = SimpleNamespace(shard=3001)
+    for _ in range(10):
+        bufs = state.buffers(slot)
+        assert all(b.numel() == 3001 for b in bufs.values())
+        state.drop(bufs)
+        del bufs
+    assert sorted(registered.values()) == [12288] * 3

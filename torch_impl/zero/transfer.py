@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moezero.zero.pinned import PinnedPool
+
 
 def batch_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A micro-batch on the compute device: on CUDA pinned, then copied non-blocking on the
@@ -53,6 +55,7 @@ class HostTransfer:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.pool = PinnedPool() if self.cuda else None  # exact-size pinned buffers, reused
 
     @property
     def pin(self) -> bool:
@@ -60,7 +63,7 @@ class HostTransfer:
         return self.cuda
 
     def to_host(self, tensors: list[torch.Tensor]) -> Staged:
-        """Host copies of ``tensors``: CUDA tensors into fresh pinned buffers, in flight on the
+        """Host copies of ``tensors``: CUDA tensors into pinned buffers of the pool, in flight on the
         side stream after the compute stream's work so far; host tensors as they are (no copy,
         no stream: ``record_stream`` has only a CUDA kernel)."""
         if not (self.cuda and any(t.is_cuda for t in tensors)):
@@ -73,13 +76,19 @@ class HostTransfer:
                 if not t.is_cuda:  # already on the host (the NVMe gradient tier's): no stream
                     out.append(t)
                     continue
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host = self.pool.take(t.numel(), t.dtype).view(t.shape)
                 host.copy_(t, non_blocking=True)
                 t.record_stream(self.stream)  # not reused by the allocator before the copy
                 out.append(host)
             done = torch.cuda.Event()
             done.record(self.stream)
         return Staged(out, done)
+
+    def pinned_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t``: pinned from the pool with CUDA, plain otherwise."""
+        if self.pool is None:
+            return t.cpu()
+        return self.pool.take(t.numel(), t.dtype).view(t.shape).copy_(t)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)``: host to CUDA non-blocking on the side stream (after the compute
