@@ -3,6 +3,8 @@
 ``python -m benchmarks.gpu [--out BENCHMARKS.md] [--only TEXT] [--peak-tflops X]``
 ``python -m benchmarks.gpu --smoke``: a tiny fp32 model on CPU (gloo) through every row, to
 check the code without a GPU; prints the section and writes nothing.
+``python -m benchmarks.gpu --check``: the first session on a lent GPU, in one command
+(``benchmarks.gpu_check``); with ``--smoke`` it runs the same steps on CPU.
 
 Each row trains in a fresh process (``benchmarks.gpu_worker``) on one GPU: moezero at ZeRO-2
 (no offload; with the grouped experts, with the per-expert loop, with ``train.deterministic``),
@@ -74,11 +76,15 @@ def peak_flops(device_name: str, override_tflops: float | None) -> float | None:
     return next((t * 1e12 for key, t in PEAK_BF16_TFLOPS if key in device_name), None)
 
 
-def run_row(name: str, system: str, options: dict, grouped: bool, args, work: Path) -> dict:
+def run_row(name: str, system: str, options: dict, grouped: bool, args, work: Path, *,
+            model: dict | None = None, train: dict | None = None) -> dict:
+    """One row in a fresh ``benchmarks.gpu_worker`` process (``model``/``train``: sizes other
+    than the benchmark's, e.g. ``benchmarks.gpu_check``'s)."""
     spec = {"name": name, "system": system, "grouped": grouped,
             "options": {k: v.replace("{work}", str(work)) if isinstance(v, str) else v
                         for k, v in options.items()},
-            "model": SMOKE_MODEL if args.smoke else MODEL, "train": SMOKE_TRAIN if args.smoke else TRAIN,
+            "model": model or (SMOKE_MODEL if args.smoke else MODEL),
+            "train": train or (SMOKE_TRAIN if args.smoke else TRAIN),
             "device": "cpu" if args.smoke else "cuda", "dtype": "fp32" if args.smoke else "bf16"}
     (work / "nvme").mkdir(parents=True, exist_ok=True)
     tag = "".join(c if c.isalnum() else "-" for c in name.lower())
@@ -136,11 +142,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per row")
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak, when the device is not in the table")
     p.add_argument("--smoke", action="store_true", help="tiny fp32 model on CPU; print, write nothing")
+    p.add_argument("--check", action="store_true",
+                   help="a lent GPU's first session in one command (benchmarks.gpu_check): the "
+                        "default recipe with NCCL at W = 1, the gpu-marked tests, then every row "
+                        "at a reduced size; one table, under 10 minutes on one H100")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.check:
+        from benchmarks.gpu_check import check
+
+        return check(args)
     if not args.smoke and not torch.cuda.is_available():
         print("benchmarks.gpu: no CUDA GPU here (use --smoke to check the code on CPU)")
         return 2

@@ -46,8 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="YAML or JSON recipe (default: the embedded recipe)")
     train.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="override one dotted config key; repeatable")
-    train.add_argument("--nproc", type=int, default=2,
-                       help="local ranks to spawn (ignored under torchrun; default 2)")
+    train.add_argument("--nproc", type=int, default=None,
+                       help="local ranks to spawn (ignored under torchrun; default: one per "
+                            "CUDA device under NCCL, else 2)")
     train.add_argument("--out", help="run directory (default runs/<timestamp>)")
     train.add_argument("--data", help="train on this prepared dataset (prepare-data) or text "
                                       "file (byte-level) instead of the synthetic corpus")
@@ -220,7 +221,7 @@ def _train(args: argparse.Namespace, hooks: SaveHooks | None = None) -> int:
     overrides = list(args.overrides)
     if args.data:
         overrides.append(f"data.path={args.data}")
-    if args.nproc < 1:
+    if args.nproc is not None and args.nproc < 1:
         raise ConfigError("--nproc", f"must be >= 1, got {args.nproc}", "command line")
     cfg = load_config(args.config, overrides)
     run_dir = Path(args.out or cfg.train.out_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
@@ -228,25 +229,58 @@ def _train(args: argparse.Namespace, hooks: SaveHooks | None = None) -> int:
     from moezero.data.build import check_data
 
     cfg = check_data(cfg, note=_note)  # every data check of the ranks, shards verified
-    world = int(os.environ.get("WORLD_SIZE", args.nproc))
     from moezero.distributed.topology import validate  # torch: prepare-data never loads it
+
+    defaulted = args.nproc is None
+    args.nproc = _check_devices(cfg, args.nproc)
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
 
     try:
         validate(world, cfg.moe.ep_size, cfg.moe.num_experts)
     except ValueError as exc:
         key, _, problem = str(exc).partition(": ")
-        raise ConfigError(key, problem, f"world size {world}") from None
+        where = f"world size {world}" + (", one rank per CUDA device; set --nproc"
+                                         if defaulted and world != 2 else "")
+        raise ConfigError(key, problem, where) from None
 
     from moezero.engine import check_supported  # torch import deferred: errors above stay fast
     from moezero.rundir import check_run
     from moezero.train import checkpoint_size, launch_training, model_numel, preflight
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: this node's ranks
-    check_supported(cfg, numel=model_numel(cfg), share=local / world)
+    from moezero.distributed.devices import compute_device, cuda_device_count
+
+    check_supported(cfg, numel=model_numel(cfg), share=local / world,
+                    device=compute_device(cfg.dist.backend, cuda_device_count()))
     preflight(cfg, run_dir)
+    if cfg.train.deterministic:  # before any rank starts: cuBLAS reads it once per process
+        from moezero.model.determinism import CUBLAS_WORKSPACE
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     check_run(run_dir, cfg.checkpoint.resolve_dir(run_dir), checkpoint_size(cfg),
               lock=int(os.environ.get("RANK", "0")) == 0)  # torchrun: rank 0 holds the lock
     return launch_training(cfg, run_dir, args.nproc, hooks=hooks)
+
+
+def _check_devices(cfg, nproc: int | None) -> int:
+    """``--nproc`` (default: one rank per CUDA device under NCCL, else 2), refused in one line
+    where this machine cannot place the ranks (``moezero.distributed.devices``)."""
+    from moezero.distributed.devices import (
+        DeviceError,
+        cuda_device_count,
+        default_nproc,
+        plan_devices,
+    )
+
+    count = cuda_device_count()
+    nproc = nproc or default_nproc(cfg.dist.backend, count)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))  # torchrun: this node's ranks
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if "LOCAL_WORLD_SIZE" in os.environ else None
+    try:
+        plan_devices(local, cfg.dist.backend, count, visible)
+    except DeviceError as exc:
+        raise ConfigError(exc.key, exc.problem, f"{count} CUDA devices here") from None
+    return nproc
 
 
 def _note(line: str) -> None:

@@ -46,6 +46,7 @@ from moezero.plan.records import EngineRecord, TopologyRecord
 from moezero.zero.adamw import LossScaler, lr_at
 from moezero.zero.build import build_optimizer
 from moezero.zero.groups import OptimizerGroups, build_groups, check_digests, plan_digest
+from moezero.zero.transfer import batch_to_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -56,12 +57,14 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return DTYPES[cfg.precision.resolve(cuda=cuda, bf16_supported=cuda and torch.cuda.is_bf16_supported())]
 
 
-def check_supported(cfg: Config, *, numel: int = 0, share: float = 1.0) -> None:
+def check_supported(cfg: Config, *, numel: int = 0, share: float = 1.0,
+                    device: torch.device | None = None) -> None:
     """Checks the CLI runs before any rank starts: NVMe swap folders exist, are writable
-    and have room for this node's ``share`` of the model's swap files. One-line
-    ``ConfigError``; nothing is written. Ranks check their exact sizes again."""
+    and have room for this node's ``share`` of the model's swap files, sized with the params'
+    dtype on ``device`` (``auto`` is bf16 on GPUs). One-line ``ConfigError``; nothing is
+    written. Ranks check their exact sizes again."""
     offload_state.check_paths(cfg.zero_optimization, numel=numel, share=share,
-                              param_bytes=2 if cfg.precision.dtype in ("bf16", "fp16") else 4)
+                              param_bytes=resolve_dtype(cfg, device or torch.device("cpu")).itemsize)
 
 
 class Engine:
@@ -90,7 +93,7 @@ class Engine:
         self.params = dict(self.model.named_parameters())
         self.groups: OptimizerGroups = build_groups(self.model, cfg, topology)
         check_digests(all_gather_json(plan_digest(self.groups), device=device))
-        check_supported(cfg)
+        check_supported(cfg, device=device)
         initial = None if init is None or zero.stage < 3 else init.source(
             {fqn: p.shape for fqn, p in self.params.items()}, self.dtype, device)
         self.optimizer = build_optimizer(
@@ -114,7 +117,7 @@ class Engine:
     # ------------------------------------------------------------------ forward / backward
     def forward(self, batch_BS1: torch.Tensor):
         """Loss of one micro-batch on this rank and its parts (``ce``, ``aux_loss``)."""
-        return self.model.loss(batch_BS1.to(self.device))
+        return self.model.loss(batch_to_device(batch_BS1, self.device))
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``, averaged over the micro-batches of a step and loss-scaled."""
@@ -176,7 +179,8 @@ class Engine:
         """One optimizer step over ``grad_accum_steps`` micro-batches; metrics averaged globally."""
         start, moved = time.perf_counter(), self.optimizer.swap_traffic()
         totals = torch.zeros(3, device=self.device)
-        for batch in micro_batches:
+        queued = [batch_to_device(b, self.device) for b in micro_batches]  # no host drain
+        for batch in queued:
             loss, parts = self.forward(batch)
             self.backward(loss)
             totals += torch.stack([loss.detach().float(), parts["ce"], parts["aux_loss"]])

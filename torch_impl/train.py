@@ -33,6 +33,7 @@ from moezero.checkpoint.schedule import SaveClock, agree_step
 from moezero.config import ARCHITECTURE, Config, ConfigError, dump_config
 from moezero.data import DataError
 from moezero.data.build import DataStream, build_batches
+from moezero.distributed.devices import cuda_device_count, rank_device, resolve_backend
 from moezero.distributed.failures import rank_errors
 from moezero.distributed.launcher import launch
 from moezero.distributed.signals import Preempted, PreemptOptions, StopRequest
@@ -360,7 +361,7 @@ def launch_training(cfg: Config, run_dir: Path, nproc: int, io: IOOptions | None
                     hooks: SaveHooks | None = None) -> int:
     """Train with ``nproc`` local ranks (or join the torchrun world); returns an exit code.
     ``io``: the engines' I/O options; ``hooks``: a test's fault injection into saves."""
-    backend = cfg.dist.resolve_backend(cuda=torch.cuda.is_available())
+    backend = resolve_backend(cfg.dist.backend, cuda_device_count())
     return launch(_train_rank, (cfg.model_dump(by_alias=True), str(run_dir), io, hooks),
                   nproc=nproc,
                   backend=backend, timeout_s=cfg.dist.timeout_s,
@@ -371,14 +372,13 @@ def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None,
                 hooks: SaveHooks | None = None, *, stop: StopRequest | None = None) -> None:
     """One rank of ``moezero train``: rank 0's run directory on every rank (each torchrun
     worker's CLI picked its own), expected errors as one line (``EXPECTED_ERRORS``)."""
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device(f"cuda:{torch.cuda.current_device()}")
+    cfg = Config.model_validate(cfg_data)
+    device = rank_device(resolve_backend(cfg.dist.backend, cuda_device_count()))
     rank = dist.get_rank() if dist.is_initialized() else 0
     run_dir, lock = agree_run_dir(run_dir, rank=rank, device=device)
     try:
         with rank_errors(rank, run_dir / "logs", EXPECTED_ERRORS):
-            train(Config.model_validate(cfg_data), run_dir, device, io, stop, hooks)
+            train(cfg, run_dir, device, io, stop, hooks)
     finally:
         if lock is not None:
             lock.release()

@@ -22,9 +22,13 @@ def _capture(fn, out_dir: str, args: tuple) -> None:
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def run_world(fn, world: int, tmp_path: Path, *args, timeout_s: float = TIMEOUT_S) -> list:
+def run_world(fn, world: int, tmp_path: Path, *args, timeout_s: float = TIMEOUT_S,
+              backend: str = "gloo") -> list:
+    """``fn(*args)`` on ``world`` ranks; ``backend="nccl"`` for the GPU tests (one device per
+    rank, ``moezero.distributed.devices``)."""
     out = Path(tmp_path) / f"results_w{world}_{fn.__name__}"
     out.mkdir(parents=True, exist_ok=True)
-    code = spawn(_capture, world, (fn, str(out), args), timeout_s=timeout_s)
+    # gloo: every rank computes on the host, also on a GPU machine (moezero.distributed.devices)
+    code = spawn(_capture, world, (fn, str(out), args), backend=backend, timeout_s=timeout_s)
     assert code == 0, f"a rank of {fn.__name__} failed (exit code {code}); see stderr"
     return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]

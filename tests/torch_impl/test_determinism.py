@@ -8,9 +8,15 @@ import os
 import pytest
 import torch
 
-from moezero.config import Config
+from moezero import cli
+from moezero.config import Config, ConfigError
 from moezero.model import determinism
 from moezero.model.decoder import Decoder, ModelArgs, init_weights
+from tests.support.fake_cuda import fake_gpus
+
+TINY = ["--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
+        "--set", "model.ffn_dim=32", "--set", "moe.num_experts=4", "--set", "train.seq_len=16",
+        "--set", "train.micro_batch_size=2", "--set", "moe.ep_size=1"]
 
 
 @pytest.fixture
@@ -31,8 +37,9 @@ def test_config_key_defaults_off_and_validates():
         Config.model_validate({"train": {"deterministic": "sometimes"}})
 
 
-def test_cuda_switch_sets_deterministic_kernels(torch_flags):
+def test_cuda_switch_sets_deterministic_kernels(torch_flags, monkeypatch):
     # The flags are process-wide torch settings: settable (and so testable) without a GPU.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # no cuBLAS handle yet
     torch.backends.cudnn.benchmark = True
     determinism.configure(True, torch.device("cuda"))
     assert torch.are_deterministic_algorithms_enabled()
@@ -58,7 +65,8 @@ def _grads(model: Decoder, batch: torch.Tensor) -> dict[str, torch.Tensor]:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
-def test_cuda_deterministic_runs_agree_bit_for_bit(torch_flags, capacity_factor):
+def test_cuda_deterministic_runs_agree_bit_for_bit(torch_flags, monkeypatch, capacity_factor):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", determinism.CUBLAS_WORKSPACE)  # CUDA ran
     determinism.configure(True, torch.device("cuda"))
     args = ModelArgs(dim=128, n_layers=2, n_heads=4, ffn_dim=256, num_experts=8,
                      capacity_factor=capacity_factor)
@@ -69,3 +77,36 @@ def test_cuda_deterministic_runs_agree_bit_for_bit(torch_flags, capacity_factor)
     first, second = (_grads(model, batch.cuda()) for _ in range(2))
     assert first.keys() == second.keys()
     assert all(torch.equal(first[n], second[n]) for n in first)
+
+
+def test_cuda_switch_refuses_once_cublas_may_have_run(torch_flags, monkeypatch):
+    """Issue 29 item 8: CUDA started (a GEMM may have made a cuBLAS handle) and
+    CUBLAS_WORKSPACE_CONFIG unset: setting it now is too late, so refuse in one line (the old
+    engine set it anyway, and every later matmul raised in deterministic mode)."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    torch.use_deterministic_algorithms(False)
+    with pytest.raises(ConfigError, match=r"^train.deterministic: CUBLAS_WORKSPACE_CONFIG is "
+                                          r"unset and CUDA already ran") as info:
+        determinism.configure(True, torch.device("cuda"))
+    assert "\n" not in str(info.value) and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.parametrize("value,started,ok", [
+    (":4096:8", True, True), (":16:8", True, True), (None, False, True),
+    (None, True, False), (":0:0", False, False),
+])
+def test_workspace_rule(value, started, ok):
+    assert (determinism.workspace_problem(value, started) is None) is ok
+
+
+def test_train_exports_the_workspace_before_ranks_start(torch_flags, monkeypatch, tmp_path):
+    """Spawned ranks inherit the variable, so cuBLAS sees it at its first handle (old code:
+    unset at launch)."""
+    fake_gpus(monkeypatch, 1)
+    seen = {}
+    monkeypatch.setattr("moezero.train.launch", lambda *a, **k: seen.update(
+        env=os.environ.get("CUBLAS_WORKSPACE_CONFIG")) or 0)
+    assert cli.main(["train", *TINY, "--set", "train.deterministic=true",
+                     "--out", str(tmp_path / "run")]) == 0
+    assert seen == {"env": determinism.CUBLAS_WORKSPACE}

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moezero.distributed.devices import place_rank
 from moezero.distributed.failures import FAILED_EXIT, RankFailure
 from moezero.distributed.signals import (
     PREEMPTED_EXIT,
@@ -75,7 +76,7 @@ def launch(fn: Callable, args: tuple, *, nproc: int, backend: str, timeout_s: fl
         return _outcome_here(lambda: _in_process_group(
             fn, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", backend,
             timeout_s, args, local_rank=int(os.environ["LOCAL_RANK"]), stop=stop))
-    if nproc > cpu_count() and not torch.cuda.is_available():
+    if nproc > cpu_count() and backend == "gloo":
         warnings.warn(f"--nproc {nproc} is more than the {cpu_count()} CPU cores here: "
                       "ranks will compete for cores and run slowly", stacklevel=2)
     return spawn(fn, nproc, args, backend=backend, timeout_s=timeout_s, preempt=preempt)
@@ -252,8 +253,7 @@ def _child(rank: int, world: int, tmp: str, backend: str, timeout_s: float, fn, 
 def _in_process_group(fn, rank: int, world: int, init_method: str, backend: str,
                       timeout_s: float, args: tuple, *, local_rank: int,
                       error_file: Path | None = None, stop: StopRequest | None = None) -> None:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
+    place_rank(backend, local_rank)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     try:

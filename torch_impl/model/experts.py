@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.torch_version import TorchVersion
 
 ALIGN_BYTES = 16  # grouped GEMM kernels on CUDA need 16-byte aligned bases and strides
 
@@ -37,6 +38,7 @@ class SwiGLU(nn.Module):
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
+        self.dim, self.hidden = dim, hidden
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
@@ -55,16 +57,43 @@ def is_builtin(modules: Sequence[nn.Module]) -> bool:
     return len(shapes) == 1
 
 
-def has_grouped_kernel(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``grouped_mm`` runs without a host sync: on CPU, and on CUDA in bf16 on
-    compute capability 9.x/10.x (torch's CUTLASS kernels). Elsewhere torch falls back to a
-    loop over the groups that copies the offsets to the host on every call (3 syncs per
-    forward, 6 per backward), worse than the generic loop's one."""
-    if device.type == "cpu":
-        return True
-    if device.type != "cuda" or dtype != torch.bfloat16:
+GROUPED_MM_SINCE = "2.10"  # torch.nn.functional.grouped_mm is public from this release
+GROUPED_CAPABILITIES = (9,)
+"""CUDA compute capabilities (major) whose grouped GEMM is trusted: 9.x (H100/H200, torch's
+CUTLASS kernels). 10.x (B200) is left out: a reported torch bug gives experts with no tokens
+non-zero weight gradients there in some versions; 8.x and older get torch's syncing fallback."""
+
+
+def grouped_kernel_ok(*, torch_version: str, device_type: str,
+                      capability: tuple[int, int] | None, dtype: torch.dtype, dim: int,
+                      ffn_dim: int) -> bool:
+    """The grouped-GEMM gate as a pure function of the facts it reads (tested as a table).
+
+    True on CPU and on CUDA in bf16 at a trusted capability (``GROUPED_CAPABILITIES``) with
+    16-byte row strides (``dim`` and ``ffn_dim`` multiples of 8 in bf16), from torch
+    ``GROUPED_MM_SINCE`` on. Elsewhere torch falls back to a loop over the groups that copies
+    the offsets to the host on every call (3 syncs per forward, 6 per backward), worse than the
+    generic loop's one, or the kernel is missing or wrong.
+    """
+    if TorchVersion(torch_version) < GROUPED_MM_SINCE:
         return False
-    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+    if device_type == "cpu":
+        return True
+    if device_type != "cuda" or dtype != torch.bfloat16 or capability is None:
+        return False
+    per_row = ALIGN_BYTES // dtype.itemsize
+    return (capability[0] in GROUPED_CAPABILITIES and dim % per_row == 0
+            and ffn_dim % per_row == 0)
+
+
+def has_grouped_kernel(device: torch.device, dtype: torch.dtype, *, dim: int,
+                       ffn_dim: int) -> bool:
+    """``grouped_kernel_ok`` for this torch and ``device`` (experts of ``dim`` x ``ffn_dim``)."""
+    capability = (torch.cuda.get_device_capability(device)
+                  if device.type == "cuda" and torch.cuda.is_available() else None)
+    return hasattr(F, "grouped_mm") and grouped_kernel_ok(
+        torch_version=torch.__version__, device_type=device.type, capability=capability,
+        dtype=dtype, dim=dim, ffn_dim=ffn_dim)
 
 
 def strided_view(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -30,7 +30,7 @@ from moezero.model.dispatch import (
     send_back,
 )
 from moezero.model.experts import SwiGLU, grouped_swiglu, has_grouped_kernel, is_builtin
-from moezero.model.router import Router, RouterOptions, route
+from moezero.model.router import Router, RouterOptions, expert_counts, route
 from moezero.plan import rules
 
 __all__ = ["MoE", "SwiGLU", "aux_losses", "expert_counts", "expert_tag", "keep_mask", "route"]
@@ -58,13 +58,6 @@ def aux_losses(logits_TE, probs_TE, experts_Tk, num_experts: int):
     aux = num_experts * (frac_E * probs_TE.mean(dim=0)).sum()
     z = torch.logsumexp(logits_TE, dim=-1).square().mean()
     return aux, z
-
-
-def expert_counts(experts_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Assignments per expert (int64) with a static shape: no host sync, unlike ``bincount``."""
-    flat = experts_Tk.reshape(-1)
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    return counts_E.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def keep_mask(experts_Tk: torch.Tensor, num_experts: int, capacity_factor: float | None):
@@ -191,7 +184,10 @@ class MoE(nn.Module):
         """Whether the experts run as grouped GEMMs on inputs like ``x``."""
         if self.grouped is not None:
             return self.grouped
-        return self.builtin and has_grouped_kernel(x.device, x.dtype)
+        if not self.builtin:
+            return False
+        first = self.experts[str(self.local_experts[0])]
+        return has_grouped_kernel(x.device, x.dtype, dim=first.dim, ffn_dim=first.hidden)
 
     def _apply_local(self, rows_ND: torch.Tensor, counts_L: torch.Tensor,
                      host_counts: list[int] | None) -> torch.Tensor:

@@ -55,6 +55,13 @@ def route(logits_TE: torch.Tensor, top_k: int, *, scoring: str = "softmax",
     return probs_TE, gates_Tk, experts_Tk
 
 
+def expert_counts(experts_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert (int64) with a static shape: no host sync, unlike ``bincount``."""
+    flat = experts_Tk.reshape(-1)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts_E.scatter_add_(0, flat, torch.ones_like(flat))
+
+
 class Router(nn.Linear):
     """Router weight [E, D] (FQN ``router.weight``, as a bias-free ``nn.Linear``) and, with
     ``options.expert_bias``, the fp32 buffer ``router.expert_bias`` [E] (checkpointed, never
@@ -83,7 +90,7 @@ class Router(nn.Linear):
         # A checkpointed block's recomputation in backward routes the same tokens again.
         if (self.expert_bias is not None and self.training and torch.is_grad_enabled()
                 and not recomputing()):
-            self.pending_load += torch.bincount(experts_Tk.reshape(-1), minlength=self.num_experts)
+            self.pending_load += expert_counts(experts_Tk, self.num_experts)  # no host sync
         return logits_TE, probs_TE, gates_Tk, experts_Tk
 
     @torch.no_grad()

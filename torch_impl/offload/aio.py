@@ -24,21 +24,16 @@ from dataclasses import dataclass
 import torch
 
 from moezero.plan.bytes_io import CHUNK, byte_view
+from moezero.zero.pinned import ALIGN, PinnedPool, aligned_size
 
 __all__ = ["ALIGN", "AsyncIO", "OffloadIOError", "aligned_empty", "aligned_size", "wait"]
 
-ALIGN = 4096  # O_DIRECT granularity of buffer address, file offset and length (512e and 4Kn)
 MAPPED_BYTES = 1 << 20  # aligned_empty maps buffers of at least this size with mmap
 log = logging.getLogger("moezero.offload")
 
 
 class OffloadIOError(OSError):
     """A failed swap transfer, one line: ``<path>: <op> of bytes [a, b) failed: <why>``."""
-
-
-def aligned_size(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of ``ALIGN``."""
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
@@ -131,6 +126,7 @@ class AsyncIO:
         self._direct_dirs: dict[str, bool] = {}
         gds = torch.cuda.is_available() and hasattr(getattr(torch.cuda, "gds", None), "GdsFile")
         self._gds: dict[str, object] | None = {} if gds else None
+        self._pinned = PinnedPool() if torch.cuda.is_available() else None  # CUDA staging
         self._probe = aligned_empty(ALIGN, torch.uint8).numpy()
         self._closed = False
         self.stats = {"direct_bytes": 0, "buffered_bytes": 0, "gds_bytes": 0}
@@ -166,6 +162,8 @@ class AsyncIO:
             _close(f)
         self._files.clear()
         self._gds = None
+        if self._pinned is not None:
+            self._pinned.close()
 
     def __enter__(self) -> AsyncIO:
         return self
@@ -263,9 +261,12 @@ class AsyncIO:
             self.stats[key] += nbytes
 
     def _cuda(self, op: str, path: str, tensor: torch.Tensor, offset: int) -> Future:
-        """GPUDirect Storage when usable, else through a pinned host buffer (untested on CPU)."""
+        """GPUDirect Storage when usable, else through a pinned host buffer. The worker first
+        waits for the work queued so far on the tensor's stream (a write must not read
+        unfinished data, a read must not overwrite data a kernel still reads)."""
         whole = tensor.nbytes == tensor.untyped_storage().nbytes()  # cuFile moves whole storages
         gds = self._gds_file(path) if whole and tensor.is_contiguous() else None
+        ready = _queued_work(tensor)
         if gds is not None:
             span = f"{path}: {op} (GDS) of bytes [{offset}, {offset + tensor.nbytes}) failed"
             finish = [lambda: self._count("gds_bytes", tensor.nbytes)]
@@ -273,13 +274,14 @@ class AsyncIO:
                 finish.append(lambda: os.fsync(gds.fd))
             req = _Request(span, 1, tensor.nbytes, finish)
             move = gds.load_storage if op == "read" else gds.save_storage
-            self._pool.submit(_run, req, move, tensor.untyped_storage(), offset)
+            self._pool.submit(_run, req, _after(ready, move), tensor.untyped_storage(), offset)
             return req.future
-        host = aligned_empty(tensor.numel(), tensor.dtype, pin=True)
+        host = self._pinned.take(tensor.numel(), tensor.dtype)  # reused once it dies
         if op == "write":
-            host.copy_(tensor.reshape(-1))
+            host.copy_(tensor.reshape(-1))  # blocking: waits for the tensor's stream
             return self._submit(op, path, host, offset, [])
-        return self._submit(op, path, host, offset, [lambda: tensor.copy_(host.view(tensor.shape))])
+        copy_back = _after(ready, lambda: tensor.copy_(host.view(tensor.shape)))
+        return self._submit(op, path, host, offset, [copy_back])
 
     def _gds_file(self, path: str):
         with self._lock:
@@ -294,6 +296,21 @@ class AsyncIO:
                     self._gds = None
                     return None
             return self._gds[path]
+
+
+def _queued_work(tensor: torch.Tensor):
+    """An event after the work queued so far on the current stream of ``tensor``'s device."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
+
+
+def _after(event, fn: Callable) -> Callable:
+    """``fn`` once ``event`` is done (run on a worker thread: the caller does not wait)."""
+    def run(*args):
+        event.synchronize()
+        return fn(*args)
+    return run
 
 
 def wait(futures: list[Future]) -> None:

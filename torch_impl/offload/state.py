@@ -29,6 +29,7 @@ from moezero.offload.options import IOOptions
 from moezero.offload.readahead import ReadAhead
 from moezero.offload.swapdir import OPTIMIZER_KEY, PARAM_KEY, SwapDir
 from moezero.plan.layout import STATES
+from moezero.zero.pinned import PinnedPool
 
 
 class SwapState:
@@ -43,6 +44,7 @@ class SwapState:
         self.ahead = ReadAhead(self)  # reads hinted before they are needed (``hint``)
         self.alias = alias  # read the files of this state instead; no files, no writes
         self.readers: list[SwapState] = []  # aliases reading these files (their reads ahead)
+        self.pool = PinnedPool() if pin else None  # exact-size pinned windows, reused
 
     def nbytes(self) -> int:
         """Bytes of this rank's swap files (each rounded up to the alignment)."""
@@ -64,8 +66,9 @@ class SwapState:
 
     def buffers(self, slot) -> dict[str, torch.Tensor]:
         """Fresh aligned host buffers for ``slot``'s states (counted by the meter while alive;
-        pinned with ``pin`` where CUDA is available)."""
-        bufs = {s: aligned_empty(slot.shard, self.dtype, pin=self.pin) for s in self.states}
+        with ``pin``, from this state's pool of pinned buffers: ``moezero.zero.pinned``)."""
+        take = self.pool.take if self.pool is not None else aligned_empty
+        bufs = {s: take(slot.shard, self.dtype) for s in self.states}
         if self.meter is not None:
             self.meter.hold(sum(b.numel() * b.element_size() for b in bufs.values()))
         return bufs
@@ -169,6 +172,8 @@ class SwapState:
         swap files."""
         self.ahead.hint([])
         self.io.close()
+        if self.pool is not None:
+            self.pool.close()
         if remove:
             self.folder.cleanup()
 

@@ -170,7 +170,7 @@ class ShardedOptimizer(Optimizer):
         torch refuse ``pin_memory``)."""
         if device == t.device:
             return t
-        return t.to(device).pin_memory() if self.transfer.pin else t.to(device)
+        return self.transfer.pinned_copy(t) if self.transfer.pin else t.to(device)
 
     # ------------------------------------------------------------------ hooks and exit
     def after_backward(self) -> None:

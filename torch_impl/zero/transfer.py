@@ -8,7 +8,8 @@ for the side stream (``finish``, or per fetched tensor) before it reads what was
 Device-to-host copies of window g+1 so run while the host steps window g, and host-to-device
 copies of the updated masters while it steps the next. Without CUDA (or for tensors already
 where they are going) they are plain copies: nothing to overlap, nothing to pin (CPU builds of
-torch refuse ``pin_memory``). Used by ``moezero.zero.optimizer`` and ``moezero.zero.sharded``.
+torch refuse ``pin_memory``). Used by ``moezero.zero.optimizer`` and ``moezero.zero.sharded``,
+and by the engine for its micro-batches (``batch_to_device``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from moezero.zero.pinned import PinnedPool
+
+
+def batch_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A micro-batch on the compute device: on CUDA pinned, then copied non-blocking on the
+    compute stream (a copy from pageable memory would make the host wait for all queued GPU
+    work, the previous micro-batch's backward included); a plain ``to`` elsewhere."""
+    if device.type != "cuda" or batch.is_cuda:
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(eq=False)
@@ -43,6 +55,7 @@ class HostTransfer:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.pool = PinnedPool() if self.cuda else None  # exact-size pinned buffers, reused
 
     @property
     def pin(self) -> bool:
@@ -50,23 +63,32 @@ class HostTransfer:
         return self.cuda
 
     def to_host(self, tensors: list[torch.Tensor]) -> Staged:
-        """Host copies of ``tensors``: on CUDA into fresh pinned buffers, in flight on the side
-        stream after the compute stream's work so far; otherwise the tensors on the CPU (no
-        copy for CPU tensors)."""
-        if not self.cuda:
+        """Host copies of ``tensors``: CUDA tensors into pinned buffers of the pool, in flight on the
+        side stream after the compute stream's work so far; host tensors as they are (no copy,
+        no stream: ``record_stream`` has only a CUDA kernel)."""
+        if not (self.cuda and any(t.is_cuda for t in tensors)):
             return Staged([t.cpu() for t in tensors])
         compute = torch.cuda.current_stream(self.device)
         out = []
         with torch.cuda.stream(self.stream):
             self.stream.wait_stream(compute)
             for t in tensors:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                if not t.is_cuda:  # already on the host (the NVMe gradient tier's): no stream
+                    out.append(t)
+                    continue
+                host = self.pool.take(t.numel(), t.dtype).view(t.shape)
                 host.copy_(t, non_blocking=True)
                 t.record_stream(self.stream)  # not reused by the allocator before the copy
                 out.append(host)
             done = torch.cuda.Event()
             done.record(self.stream)
         return Staged(out, done)
+
+    def pinned_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t``: pinned from the pool with CUDA, plain otherwise."""
+        if self.pool is None:
+            return t.cpu()
+        return self.pool.take(t.numel(), t.dtype).view(t.shape).copy_(t)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)``: host to CUDA non-blocking on the side stream (after the compute
