@@ -57,16 +57,20 @@ def test_swap_check_sizes_auto_precision_as_bf16_on_a_gpu(monkeypatch, tmp_path,
     not 12 + 4 + 4: with room for 18 the run must start (the old check refused it)."""
     fake_gpus(monkeypatch, 1)
     launched = fake_launch(monkeypatch)
+    swap = tmp_path / "nvme"
+    swap.mkdir()
     nvme = ["--set", "zero_optimization.stage=3",
             "--set", "zero_optimization.offload_optimizer.device=nvme",
-            "--set", f"zero_optimization.offload_optimizer.nvme_path={tmp_path}",
+            "--set", f"zero_optimization.offload_optimizer.nvme_path={swap}",
             "--set", "zero_optimization.offload_param.device=nvme",
-            "--set", f"zero_optimization.offload_param.nvme_path={tmp_path}"]
+            "--set", f"zero_optimization.offload_param.nvme_path={swap}"]
     overrides = [a for a in TINY + nvme if a != "--set"]
     numel = model_numel(load_config(None, overrides))
-    usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr("moezero.offload.swapdir.shutil.disk_usage",
-                        lambda path: usage._replace(free=18 * numel))
+    real = shutil.disk_usage
+    monkeypatch.setattr(  # the swap path's filesystem only: the run directory's is real
+        "moezero.offload.swapdir.shutil.disk_usage",
+        lambda path: real(path)._replace(free=18 * numel) if str(path).startswith(str(swap))
+        else real(path))
     code = cli.main(["train", *TINY, *nvme, "--out", str(tmp_path / "run")])
     assert code == 0, capsys.readouterr().err
     assert launched == {"nproc": 1, "backend": "nccl"}
