@@ -239,8 +239,9 @@ def _train(args: argparse.Namespace, hooks: SaveHooks | None = None) -> int:
         validate(world, cfg.moe.ep_size, cfg.moe.num_experts)
     except ValueError as exc:
         key, _, problem = str(exc).partition(": ")
-        where = f"world size {world}" + (", one rank per CUDA device; set --nproc"
-                                         if defaulted and world != 2 else "")
+        where = f"world size {world}" + (
+            f", one rank per CUDA device; use --set {key}=1 on one GPU, or "
+            "--set dist.backend=gloo for 2 CPU ranks" if defaulted and world != 2 else "")
         raise ConfigError(key, problem, where) from None
 
     from moezero.engine import check_supported  # torch import deferred: errors above stay fast
