@@ -48,8 +48,14 @@ def log_line(history: list[dict], steps: int, window: int) -> str:
     mfu = f" mfu {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
     load = row.get("moe_imbalance_max")
     return (f"step {row['step']}/{steps} loss {row['ce']:.3f}{val} lr {row['lr']:.1e} "
-            f"{row['tokens_per_s']:.0f} tokens/s{mfu} peak {_mib(peak)}"
+            f"{row['tokens_per_s']:.0f} tokens/s{_trained(row)}{mfu} peak {_mib(peak)}"
             + (f" expert imbalance {load:.2f}" if load is not None else ""))
+
+
+def _trained(row: dict) -> str:
+    """`` (N trained)`` when a loss mask trains fewer tokens than the step saw."""
+    trained = row.get("trained_tokens_per_s")
+    return "" if trained is None or trained == row["tokens_per_s"] else f" ({trained:.0f} trained)"
 
 
 def summarize(history: list[dict], corpus) -> dict:

@@ -56,3 +56,39 @@ def masked_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor,
     if divisor is None:
         divisor = loss_mask_BS.sum().clamp(min=1)
     return total / divisor
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch on the torch side: ``tokens_BS1`` int64 [B, S+1], and optionally the
+    targets' ``loss_mask_BS`` (bool, True = trained) and the inputs' ``documents_BS``."""
+
+    tokens_BS1: torch.Tensor
+    loss_mask_BS: torch.Tensor | None = None
+    documents_BS: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, batch) -> Batch:
+        """A ``Batch`` of a token tensor, a ``Batch`` or numpy arrays (tokens, loss mask,
+        documents: the data package's ``MicroBatch``)."""
+        if isinstance(batch, Batch):
+            return batch
+        if isinstance(batch, torch.Tensor):
+            return cls(batch)
+        tokens, mask, docs = batch
+        as_tensor = lambda a: None if a is None else torch.from_numpy(a)
+        return cls(torch.from_numpy(tokens), as_tensor(mask), as_tensor(docs))
+
+    @property
+    def num_seen(self) -> int:
+        """Targets in the batch."""
+        return self.tokens_BS1[:, 1:].numel()
+
+    @property
+    def num_trained(self) -> int:
+        """Targets that count in the loss (a host sync when the mask is on a device)."""
+        return self.num_seen if self.loss_mask_BS is None else int(self.loss_mask_BS.sum())
+
+    def to(self, device: torch.device) -> Batch:
+        move = lambda t: None if t is None else t.to(device)
+        return Batch(move(self.tokens_BS1), move(self.loss_mask_BS), move(self.documents_BS))
