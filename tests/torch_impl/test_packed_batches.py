@@ -6,6 +6,10 @@ without documents."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -81,3 +85,31 @@ def test_document_mask_needs_prepared_data():
     with pytest.raises(DataError, match="data.document_mask: needs prepared datasets .* "
                                         "the synthetic corpus"):
         build_batches(cfg, dp_rank=0, dp_size=1)
+
+
+def _train(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moezero.cli", "train", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_training_on_chat_data_reports_trained_and_seen_tokens(chat_dir, tmp_path):
+    out = tmp_path / "run"
+    res = _train("--data", str(chat_dir / "out"), "--nproc", "2", "--out", str(out),
+                 *[f"--set={kv}" for kv in (
+                     "model.vocab_size=320", "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.ffn_dim=32",
+                     "moe.num_experts=4", f"train.seq_len={SEQ}", "train.micro_batch_size=2",
+                     "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
+                     "data.val_fraction=0.2", "checkpoint.every=0")])
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["trained_tokens_per_s"] < r["tokens_per_s"] for r in rows)
+    assert np.isfinite(rows[-1]["val_loss"])
+    assert "trained)" in res.stdout
+
+
+def test_document_mask_on_generated_data_is_one_line_exit_2(tmp_path):
+    res = _train("--set", "data.document_mask=true", "--out", str(tmp_path / "r"), timeout=120)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "data.document_mask: needs prepared datasets" in lines[0], \
+        res.stderr
