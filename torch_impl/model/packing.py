@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -69,12 +70,12 @@ class Batch:
 
     @classmethod
     def of(cls, batch) -> Batch:
-        """A ``Batch`` of a token tensor, a ``Batch`` or numpy arrays (tokens, loss mask,
-        documents: the data package's ``MicroBatch``)."""
+        """A ``Batch`` of a token tensor or array, a ``Batch``, or a triple of numpy arrays
+        (tokens, loss mask or None, documents or None: the data package's ``MicroBatch``)."""
         if isinstance(batch, Batch):
             return batch
-        if isinstance(batch, torch.Tensor):
-            return cls(batch)
+        if isinstance(batch, (torch.Tensor, np.ndarray)):
+            return cls(torch.as_tensor(batch))
         tokens, mask, docs = batch
         as_tensor = lambda a: None if a is None else torch.from_numpy(a)
         return cls(torch.from_numpy(tokens), as_tensor(mask), as_tensor(docs))
