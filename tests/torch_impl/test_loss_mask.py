@@ -50,14 +50,15 @@ def rows(batch: Batch, lo: int, hi: int) -> Batch:
     return Batch(batch.tokens_BS1[lo:hi], batch.loss_mask_BS[lo:hi], batch.documents_BS[lo:hi])
 
 
-def run(cfg_data: dict, accums: tuple[int, ...]) -> dict:
-    """Per ``grad_accum_steps``: each step's ce and the params after ``STEPS`` steps."""
+def run(cfg_data: dict, runs: tuple[tuple[int, int], ...]) -> dict:
+    """Per ``(grad_accum_steps, ZeRO stage)``: each step's ce and the params after ``STEPS``
+    steps."""
     out = {}
-    for accum in accums:
+    for accum, stage in runs:
         cfg = Config.model_validate(cfg_data)
         cfg.train.grad_accum_steps = accum
+        cfg.zero_optimization.stage = stage
         topo = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
-        cfg.zero_optimization.stage = 1 if topo.distributed else 0
         engine = initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu")
         per_rank = ROWS // topo.world_size
         per_micro = per_rank // accum
@@ -66,7 +67,7 @@ def run(cfg_data: dict, accums: tuple[int, ...]) -> dict:
             mine = rows(global_batch(step), topo.rank * per_rank, (topo.rank + 1) * per_rank)
             micro = [rows(mine, i * per_micro, (i + 1) * per_micro) for i in range(accum)]
             ces.append(engine.train_step(micro)["ce"])
-        out[accum] = {"ce": ces, "params": {k: p.detach().clone().numpy()
+        out[accum, stage] = {"ce": ces, "params": {k: p.detach().clone().numpy()
                                             for k, p in engine.full_parameters().items()}}
     return out
 
@@ -82,15 +83,17 @@ def direct_ce(cfg: Config) -> float:
 
 
 def test_w_and_accum_do_not_change_the_masked_loss(tmp_path):
-    (single,) = run_world(run, 1, tmp_path, config().model_dump(by_alias=True), (1, 2))
-    ranks = run_world(run, 2, tmp_path, config(ep=2).model_dump(by_alias=True), (1, 2))
-    assert rel_err(single[1]["ce"][0], direct_ce(config())) <= 1e-6
-    for accum in (1, 2):
+    sharded = ((1, 1), (2, 1), (1, 3))  # (accum, ZeRO stage) at W=2, ep 2
+    (single,) = run_world(run, 1, tmp_path, config().model_dump(by_alias=True), ((1, 0), (2, 0)))
+    ranks = run_world(run, 2, tmp_path, config(ep=2).model_dump(by_alias=True), sharded)
+    want = single[1, 0]
+    assert rel_err(want["ce"][0], direct_ce(config())) <= 1e-6
+    for key in sharded:
         for r in ranks:
-            for got, want in zip(r[accum]["ce"], single[1]["ce"], strict=True):
-                assert rel_err(got, want) <= 1e-6, (accum, got, want)
-        merged = {k: v for r in ranks for k, v in r[accum]["params"].items()}
-        assert_close_by_fqn(merged, single[1]["params"], RTOL["fp32"])
-    for got, want in zip(single[2]["ce"], single[1]["ce"], strict=True):
-        assert rel_err(got, want) <= 1e-6
-    assert_close_by_fqn(single[2]["params"], single[1]["params"], RTOL["fp32"])
+            for got, ce in zip(r[key]["ce"], want["ce"], strict=True):
+                assert rel_err(got, ce) <= 1e-6, (key, got, ce)
+        merged = {k: v for r in ranks for k, v in r[key]["params"].items()}
+        assert_close_by_fqn(merged, want["params"], RTOL["fp32"])
+    for got, ce in zip(single[2, 0]["ce"], want["ce"], strict=True):
+        assert rel_err(got, ce) <= 1e-6
+    assert_close_by_fqn(single[2, 0]["params"], want["params"], RTOL["fp32"])

@@ -9,6 +9,7 @@ import torch
 
 from moezero.model.decoder import Decoder, ModelArgs, init_weights
 from moezero.model.packing import document_mask
+from moezero.model.recompute import checkpoint_blocks
 
 ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
                  num_experts=4, top_k=2, qk_norm="head")  # dropless: tokens route alone
@@ -104,3 +105,21 @@ def test_masked_loss_is_the_sum_over_trained_targets_over_the_divisor(divisor):
     want = nll[mask].sum() / (mask.sum() if divisor is None else divisor)
     assert abs(parts["ce"].item() - want.item()) < 1e-5
     assert parts["trained"].item() == mask.sum().item()
+
+
+def test_recomputed_blocks_see_the_document_mask():
+    """Activation checkpointing passes the mask to the recomputed blocks: bit-identical grads."""
+    tokens, docs = _rows(4)
+    batch = torch.cat([tokens, tokens[:, :1]], dim=1)
+    mask = torch.ones(len(LENGTHS), 16, dtype=torch.bool)
+    grads = []
+    for recompute in (False, True):
+        model = _model().train()
+        if recompute:
+            checkpoint_blocks(model)
+        loss, _ = model.loss(batch, loss_mask_BS=mask, documents_BS=docs)
+        loss.backward()
+        grads.append({k: p.grad for k, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for fqn, g in grads[0].items():
+        assert torch.equal(g, grads[1][fqn]), fqn
