@@ -370,6 +370,25 @@ def oracle_loss(params: dict, global_batch: jax.Array, cfg: ModelConfig, world_s
     return metrics_W["loss"].mean(axis=0), mean_metrics(metrics_W, axis=0)
 
 
+def masked_oracle_loss(params: dict, global_batch: jax.Array, loss_mask: jax.Array,
+                       documents: jax.Array | None, cfg: ModelConfig, world_size: int, *,
+                       dtype=jnp.float32) -> tuple[jax.Array, dict]:
+    """``oracle_loss`` with a loss mask [W·b, S] (and document labels, or None): each rank's
+    cross-entropy is its trained targets' sum over ``count / W``, ``count`` being the trained
+    targets of the whole global batch, so the mean over ranks is ``Σ CE / count`` over the
+    global batch, whatever W; the aux losses stay per rank (docs/data.md)."""
+    divisor = jnp.maximum(jnp.sum(loss_mask), 1) / world_size
+    slices = [split_batch(a, world_size) for a in (global_batch, loss_mask)]
+    docs_W = None if documents is None else split_batch(documents, world_size)
+
+    def rank_loss(batch, mask, docs):
+        return loss_fn(params, batch, cfg, dtype=dtype, loss_mask_BS=mask, documents_BS=docs,
+                       divisor=divisor)
+    _, metrics_W = jax.vmap(rank_loss, in_axes=(0, 0, None if docs_W is None else 0))(
+        *slices, docs_W)
+    return metrics_W["loss"].mean(axis=0), mean_metrics(metrics_W, axis=0)
+
+
 def mean_metrics(metrics: dict, axis: int = 0) -> dict:
     """Float metrics averaged over ``axis``; integer counts (``expert_load``) summed."""
     def reduce(m):
