@@ -104,7 +104,7 @@ def test_training_on_chat_data_reports_trained_and_seen_tokens(chat_dir, tmp_pat
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < r["trained_tokens_per_s"] < r["tokens_per_s"] for r in rows)
     assert np.isfinite(rows[-1]["val_loss"])
-    assert "trained)" in res.stdout
+    assert "trained)" in res.stdout and "tokens/s per rank (" in res.stdout  # log, summary
 
 
 def test_document_mask_on_generated_data_is_one_line_exit_2(tmp_path):
