@@ -169,12 +169,24 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, j
     return jnp.cos(angle_SK2), jnp.sin(angle_SK2)
 
 
+def rope_tables_at(positions_BS: jax.Array, head_dim: int,
+                   theta: float) -> tuple[jax.Array, jax.Array]:
+    """``rope_tables`` at given positions (a document mask's): fp32 [B, S, K/2]."""
+    half = head_dim // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_BSK2 = positions_BS.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angle_BSK2), jnp.sin(angle_BSK2)
+
+
 def apply_rope(x_BSHK: jax.Array, cos_SK2: jax.Array, sin_SK2: jax.Array) -> jax.Array:
-    """Half-split rotation (HF ``rotate_half``), computed in fp32, cast back to x's dtype."""
+    """Half-split rotation (HF ``rotate_half``), computed in fp32, cast back to x's dtype.
+    The tables are [S, K/2] (positions 0..S-1) or [B, S, K/2] (``rope_tables_at``)."""
     x32 = x_BSHK.astype(acc_dtype(x_BSHK.dtype))
     half = x32.shape[-1] // 2
     x1, x2 = x32[..., :half], x32[..., half:]
-    cos, sin = cos_SK2[None, :, None, :], sin_SK2[None, :, None, :]
+    if cos_SK2.ndim == 2:
+        cos_SK2, sin_SK2 = cos_SK2[None], sin_SK2[None]
+    cos, sin = cos_SK2[:, :, None, :], sin_SK2[:, :, None, :]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BSHK.dtype)
 
 
@@ -199,20 +211,44 @@ def _qk_heads(p: dict, x_BSD: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, j
     return q_BSHK, k_BSGK
 
 
-def attention(p: dict, x_BSD: jax.Array, cfg: ModelConfig) -> jax.Array:
+class DocumentLayout(NamedTuple):
+    """A packed row's documents: each position's offset in its document (0 at its first token
+    in the row) and which keys each query may read (same document, not later)."""
+
+    positions_BS: jax.Array
+    allowed_BSS: jax.Array
+
+
+def document_layout(documents_BS: jax.Array) -> DocumentLayout:
+    """The layout of rows labelled by document: a new document wherever the label changes.
+    Torch counterpart: ``torch_impl/model/packing.py: document_mask``."""
+    s = documents_BS.shape[1]
+    starts_BS = jnp.concatenate([jnp.ones_like(documents_BS[:, :1], bool),
+                                 documents_BS[:, 1:] != documents_BS[:, :-1]], axis=1)
+    index_S = jnp.arange(s)
+    first_BS = jax.lax.cummax(jnp.where(starts_BS, index_S, 0), axis=1)
+    segment_BS = jnp.cumsum(starts_BS, axis=1)
+    same_BSS = segment_BS[:, :, None] == segment_BS[:, None, :]
+    return DocumentLayout(index_S - first_BS, same_BSS & jnp.tril(jnp.ones((s, s), bool)))
+
+
+def attention(p: dict, x_BSD: jax.Array, cfg: ModelConfig,
+              docs: DocumentLayout | None = None) -> jax.Array:
     """Causal grouped-query attention with RoPE; scores and softmax in fp32. Query head h
-    reads key/value head ``h // (H/G)`` (transformers' ``repeat_kv``)."""
+    reads key/value head ``h // (H/G)`` (transformers' ``repeat_kv``). With ``docs``: each
+    query reads only its own document, rotary positions restarting per document."""
     b, s, _ = x_BSD.shape
     h, g, k = cfg.n_heads, cfg.kv_heads, cfg.head_size
     q_BSHK, k_BSGK = _qk_heads(p, x_BSD, cfg)
     v_BSGK = linear(p["wv"], x_BSD).reshape(b, s, g, k)
-    cos, sin = rope_tables(s, k, cfg.rope_theta)
+    cos, sin = rope_tables(s, k, cfg.rope_theta) if docs is None else \
+        rope_tables_at(docs.positions_BS, k, cfg.rope_theta)
     q_BSHK, k_BSGK = apply_rope(q_BSHK, cos, sin), apply_rope(k_BSGK, cos, sin)
     k_BSHK, v_BSHK = jnp.repeat(k_BSGK, h // g, axis=2), jnp.repeat(v_BSGK, h // g, axis=2)
     scores_BHSS = jnp.einsum("bqhk,bshk->bhqs", q_BSHK, k_BSHK,
                              preferred_element_type=acc_dtype(x_BSD.dtype)) / math.sqrt(k)
-    causal_SS = jnp.tril(jnp.ones((s, s), bool))
-    scores_BHSS = jnp.where(causal_SS, scores_BHSS, -jnp.inf)
+    allowed = jnp.tril(jnp.ones((s, s), bool)) if docs is None else docs.allowed_BSS[:, None]
+    scores_BHSS = jnp.where(allowed, scores_BHSS, -jnp.inf)
     probs_BHSS = jax.nn.softmax(scores_BHSS, axis=-1).astype(x_BSD.dtype)
     out_BSHK = jnp.einsum("bhqs,bshk->bqhk", probs_BHSS, v_BSHK)
     return linear(p["wo"], out_BSHK.reshape(b, s, h * k))
@@ -241,15 +277,17 @@ def cast_params(params, dtype):
 
 
 def forward_with_stats(params: dict, tokens_BS: jax.Array, cfg: ModelConfig, *,
-                       dtype=jnp.float32) -> ForwardOut:
-    """The decoder on one rank's batch; the MoE sees the B·S tokens of this call as T."""
+                       dtype=jnp.float32, documents_BS: jax.Array | None = None) -> ForwardOut:
+    """The decoder on one rank's batch; the MoE sees the B·S tokens of this call as T.
+    ``documents_BS``: document labels of packed rows (``document_layout``)."""
     p = cast_params(params, dtype)
+    docs = None if documents_BS is None else document_layout(documents_BS)
     h_BSD = p["embed"]["weight"][tokens_BS]
     b, s, d = h_BSD.shape
     aux, z, load = [], [], []
     for layer in p["layers"]:
         h_BSD = h_BSD + attention(layer["attn"], rmsnorm(h_BSD, layer["attn_norm"]["weight"],
-                                                         cfg.norm_eps), cfg)
+                                                         cfg.norm_eps), cfg, docs)
         x_TD = rmsnorm(h_BSD, layer["ffn_norm"]["weight"], cfg.norm_eps).reshape(b * s, d)
         out = moe_layer(layer["moe"], x_TD, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
                         scoring=cfg.router_scoring, renormalize=cfg.renormalize)
@@ -268,32 +306,43 @@ def weighted_aux(aux_L: jax.Array, z_L: jax.Array, cfg: ModelConfig) -> jax.Arra
 
 
 def forward(params: dict, tokens_BS: jax.Array, cfg: ModelConfig, *,
-            dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+            dtype=jnp.float32, documents_BS: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Logits [B, S, V] and the weighted MoE loss term ``Σ (aux_coef·aux + z_coef·z)``."""
-    out = forward_with_stats(params, tokens_BS, cfg, dtype=dtype)
+    out = forward_with_stats(params, tokens_BS, cfg, dtype=dtype, documents_BS=documents_BS)
     return out.logits_BSV, weighted_aux(out.aux_L, out.z_L, cfg)
 
 
 # --------------------------------------------------------------------------------------- loss
 
 
-def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:
-    """Mean token cross-entropy over all B·S targets, in fp32."""
+def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array,
+                  loss_mask_BS: jax.Array | None = None, divisor=None) -> jax.Array:
+    """Token cross-entropy in fp32: the mean over all B·S targets, or with ``loss_mask_BS``
+    (True = trained) the sum over trained targets over ``divisor`` (default: their number
+    here, at least 1; the engine's is the global count, docs/data.md)."""
     logits = logits_BSV.astype(acc_dtype(logits_BSV.dtype))
     picked_BS = jnp.take_along_axis(logits, targets_BS[..., None], axis=-1)[..., 0]
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked_BS)
+    nll_BS = jax.nn.logsumexp(logits, axis=-1) - picked_BS
+    if loss_mask_BS is None:
+        return jnp.mean(nll_BS)
+    if divisor is None:
+        divisor = jnp.maximum(jnp.sum(loss_mask_BS), 1)
+    return jnp.sum(jnp.where(loss_mask_BS, nll_BS, 0.0)) / divisor
 
 
 def loss_fn(params: dict, batch_BS1: jax.Array, cfg: ModelConfig, *,
-            dtype=jnp.float32) -> tuple[jax.Array, dict]:
+            dtype=jnp.float32, loss_mask_BS: jax.Array | None = None,
+            documents_BS: jax.Array | None = None, divisor=None) -> tuple[jax.Array, dict]:
     """One rank's loss on a [B, S+1] token batch: ``ce + Σ_l (aux_coef·aux + z_coef·z)``.
 
     Metrics: ``loss``; ``ce``; ``aux_loss``, the weighted MoE term added to ce (as torch_impl
     reports it); ``lb_loss`` and ``z_loss``, the unweighted sums over layers of aux and z;
     with ``cfg.expert_bias``, ``expert_load`` [L, E] int32 (what the bias update reads).
+    ``loss_mask_BS``, ``divisor``: ``cross_entropy``'s; ``documents_BS``: ``forward``'s.
     """
-    out = forward_with_stats(params, batch_BS1[:, :-1], cfg, dtype=dtype)
-    ce = cross_entropy(out.logits_BSV, batch_BS1[:, 1:])
+    out = forward_with_stats(params, batch_BS1[:, :-1], cfg, dtype=dtype,
+                             documents_BS=documents_BS)
+    ce = cross_entropy(out.logits_BSV, batch_BS1[:, 1:], loss_mask_BS, divisor)
     aux_total = weighted_aux(out.aux_L, out.z_L, cfg)
     metrics = {"loss": ce + aux_total, "ce": ce, "aux_loss": aux_total,
                "lb_loss": jnp.sum(out.aux_L), "z_loss": jnp.sum(out.z_L)}
@@ -318,6 +367,25 @@ def oracle_loss(params: dict, global_batch: jax.Array, cfg: ModelConfig, world_s
     """
     slices_WBS1 = split_batch(global_batch, world_size)
     _, metrics_W = jax.vmap(lambda b: loss_fn(params, b, cfg, dtype=dtype))(slices_WBS1)
+    return metrics_W["loss"].mean(axis=0), mean_metrics(metrics_W, axis=0)
+
+
+def masked_oracle_loss(params: dict, global_batch: jax.Array, loss_mask: jax.Array,
+                       documents: jax.Array | None, cfg: ModelConfig, world_size: int, *,
+                       dtype=jnp.float32) -> tuple[jax.Array, dict]:
+    """``oracle_loss`` with a loss mask [W·b, S] (and document labels, or None): each rank's
+    cross-entropy is its trained targets' sum over ``count / W``, ``count`` being the trained
+    targets of the whole global batch, so the mean over ranks is ``Σ CE / count`` over the
+    global batch, whatever W; the aux losses stay per rank (docs/data.md)."""
+    divisor = jnp.maximum(jnp.sum(loss_mask), 1) / world_size
+    slices = [split_batch(a, world_size) for a in (global_batch, loss_mask)]
+    docs_W = None if documents is None else split_batch(documents, world_size)
+
+    def rank_loss(batch, mask, docs):
+        return loss_fn(params, batch, cfg, dtype=dtype, loss_mask_BS=mask, documents_BS=docs,
+                       divisor=divisor)
+    _, metrics_W = jax.vmap(rank_loss, in_axes=(0, 0, None if docs_W is None else 0))(
+        *slices, docs_W)
     return metrics_W["loss"].mean(axis=0), mean_metrics(metrics_W, axis=0)
 
 

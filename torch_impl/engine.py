@@ -36,6 +36,7 @@ from moezero.distributed.topology import Topology, build_topology
 from moezero.model import determinism
 from moezero.model.materialize import KeyedInit, materialize
 from moezero.model.moe import expert_tag
+from moezero.model.packing import Batch
 from moezero.model.recompute import checkpoint_blocks
 from moezero.model.router import update_expert_biases
 from moezero.offload import state as offload_state
@@ -115,9 +116,13 @@ class Engine:
         return self.optimizer.meter
 
     # ------------------------------------------------------------------ forward / backward
-    def forward(self, batch_BS1: torch.Tensor):
-        """Loss of one micro-batch on this rank and its parts (``ce``, ``aux_loss``)."""
-        return self.model.loss(batch_to_device(batch_BS1, self.device))
+    def forward(self, batch: torch.Tensor | Batch, divisor: float | None = None):
+        """Loss of one micro-batch on this rank and its parts (``ce``, ``aux_loss``,
+        ``trained``): a token tensor [B, S+1] or a ``Batch`` with a loss mask and documents
+        (``divisor``: the masked cross-entropy's, ``loss_divisor``)."""
+        b = Batch.of(batch).apply(lambda t: batch_to_device(t, self.device))
+        return self.model.loss(b.tokens_BS1, loss_mask_BS=b.loss_mask_BS,
+                               documents_BS=b.documents_BS, divisor=divisor)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``, averaged over the micro-batches of a step and loss-scaled."""
@@ -175,13 +180,17 @@ class Engine:
         return lr_at(self.step_count, lr=opt.lr, warmup_steps=opt.warmup_steps,
                      total_steps=self.cfg.train.steps, min_lr_ratio=opt.min_lr_ratio)
 
-    def train_step(self, micro_batches: list[torch.Tensor]) -> dict:
-        """One optimizer step over ``grad_accum_steps`` micro-batches; metrics averaged globally."""
+    def train_step(self, micro_batches: list[torch.Tensor | Batch]) -> dict:
+        """One optimizer step over ``grad_accum_steps`` micro-batches; metrics averaged globally.
+        ``tokens_per_s`` counts this rank's targets, ``trained_tokens_per_s`` those trained."""
         start, moved = time.perf_counter(), self.optimizer.swap_traffic()
+        micro_batches = [Batch.of(b) for b in micro_batches]
+        divisor = loss_divisor(micro_batches, self.topology, self.device)
         totals = torch.zeros(3, device=self.device)
-        queued = [batch_to_device(b, self.device) for b in micro_batches]  # no host drain
+        queued = [b.apply(lambda t: batch_to_device(t, self.device))  # no host drain
+                  for b in micro_batches]
         for batch in queued:
-            loss, parts = self.forward(batch)
+            loss, parts = self.forward(batch, divisor)
             self.backward(loss)
             totals += torch.stack([loss.detach().float(), parts["ce"], parts["aux_loss"]])
         # Reduce first: ranks may still have gradient buckets to launch on the world group.
@@ -192,9 +201,11 @@ class Engine:
             totals /= self.topology.world_size
         out = self.optimizer_step()
         elapsed = time.perf_counter() - start
-        tokens = sum(b[:, 1:].numel() for b in micro_batches)
+        seen, trained = (sum(b.num_seen for b in micro_batches),
+                         sum(b.num_trained for b in micro_batches))
         return {"loss": totals[0].item(), "ce": totals[1].item(), "aux_loss": totals[2].item(),
-                **out, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+                **out, "tokens_per_s": seen / elapsed, "trained_tokens_per_s": trained / elapsed,
+                "step_time_s": elapsed,
                 "peak_mem_bytes": peak_memory_bytes(self.device),
                 **swap_metrics(moved, self.optimizer.swap_traffic())}
 
@@ -264,6 +275,21 @@ class Engine:
         """Finish an async save and release offload resources (swap files are removed)."""
         self.checkpointer.wait()
         self.optimizer.close()
+
+
+def loss_divisor(micro_batches: list[Batch], topology: Topology,
+                 device: torch.device) -> float | None:
+    """The masked cross-entropy's divisor of this step: the trained targets of the global
+    batch (all ranks, all micro-batches: one all-reduce) over ``W · micro-batches``, so that
+    after the backward's 1/accum and the reduction's 1/W the gradient is that of Σ loss / count
+    over the global batch (docs/data.md). None when no batch has a loss mask (plain means)."""
+    if all(b.loss_mask_BS is None for b in micro_batches):
+        return None
+    count = torch.tensor(float(sum(b.num_trained for b in micro_batches)), dtype=torch.float64,
+                         device=device)
+    if topology.distributed:
+        dist.all_reduce(count)
+    return max(count.item(), 1.0) / (topology.world_size * len(micro_batches))
 
 
 def _rng_state() -> dict:

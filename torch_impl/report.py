@@ -48,8 +48,14 @@ def log_line(history: list[dict], steps: int, window: int) -> str:
     mfu = f" mfu {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
     load = row.get("moe_imbalance_max")
     return (f"step {row['step']}/{steps} loss {row['ce']:.3f}{val} lr {row['lr']:.1e} "
-            f"{row['tokens_per_s']:.0f} tokens/s{mfu} peak {_mib(peak)}"
+            f"{row['tokens_per_s']:.0f} tokens/s{_trained(row)}{mfu} peak {_mib(peak)}"
             + (f" expert imbalance {load:.2f}" if load is not None else ""))
+
+
+def _trained(row: dict) -> str:
+    """`` (N trained)`` when a loss mask trains fewer tokens than the step saw."""
+    trained = row.get("trained_tokens_per_s")
+    return "" if trained is None or trained == row["tokens_per_s"] else f" ({trained:.0f} trained)"
 
 
 def summarize(history: list[dict], corpus) -> dict:
@@ -61,17 +67,25 @@ def summarize(history: list[dict], corpus) -> dict:
     return {"steps": len(history), "final_loss": final,
             "val_loss": evals[-1]["val_loss"] if evals else None,
             "unigram_baseline": corpus.unigram_entropy, "entropy_floor": corpus.entropy_floor,
-            "median_tokens_per_s": sorted(r["tokens_per_s"] for r in history)[len(history) // 2]
-            if history else 0.0}
+            "median_tokens_per_s": _median(history, "tokens_per_s") or 0.0,
+            "median_trained_tokens_per_s": _median(history, "trained_tokens_per_s")}
+
+
+def _median(history: list[dict], key: str) -> float | None:
+    values = sorted(r[key] for r in history if r.get(key) is not None)
+    return values[len(values) // 2] if values else None
 
 
 def format_summary(s: dict, run_dir: Path) -> str:
+    speed = {"tokens_per_s": s["median_tokens_per_s"],
+             "trained_tokens_per_s": s.get("median_trained_tokens_per_s")}
     floor = f"{s['entropy_floor']:.3f}" if s["entropy_floor"] is not None else "n/a (text data)"
     val = "n/a" if s.get("val_loss") is None else \
         f"{s['val_loss']:.3f} (perplexity {math.exp(min(s['val_loss'], 700.0)):.2f})"
     return (f"done: {s['steps']} steps | final loss {s['final_loss']:.3f} nats/token | "
             f"val loss {val} | unigram baseline {s['unigram_baseline']:.3f} | "
-            f"entropy floor {floor} | {s['median_tokens_per_s']:.0f} tokens/s per rank | "
+            f"entropy floor {floor} | {s['median_tokens_per_s']:.0f} tokens/s per rank"
+            f"{_trained(speed)} | "
             f"run dir {run_dir}")
 
 

@@ -42,6 +42,7 @@ from moezero.engine import Engine, initialize
 from moezero.model.args import model_args
 from moezero.model.decoder import Decoder, init_weights
 from moezero.model.materialize import KeyedInit, meta_model
+from moezero.model.packing import Batch
 from moezero.offload.aio import OffloadIOError
 from moezero.offload.options import IOOptions
 from moezero.plan import store
@@ -67,11 +68,12 @@ EXPECTED_ERRORS = (CheckpointError, ConfigError, DataError, OffloadIOError, OSEr
 """What a rank reports as one line (docs/reliability.md); anything else is a crash."""
 
 METRIC_KEYS = ("step", "loss", "ce", "aux_loss", "lr", "grad_norm", "loss_scale", "skipped",
-               "tokens_per_s", "step_time_s", "peak_mem_bytes", "step_peak_engine_bytes", "mfu",
+               "tokens_per_s", "trained_tokens_per_s", "step_time_s", "peak_mem_bytes", "step_peak_engine_bytes", "mfu",
                "moe_imbalance_max", "moe_dropped_frac", "moe", "swap_read_bytes",
                "swap_write_bytes", "swap_param_read_bytes", "swap_param_write_bytes")
 """Keys of every ``metrics.jsonl`` row; ``val_loss`` and ``val_ppl`` join them on evaluation
-steps. ``peak_mem_bytes`` is the peak of that step alone; ``mfu`` is None where the device's
+steps. ``tokens_per_s`` counts this rank's targets (seen), ``trained_tokens_per_s`` those a
+loss mask trains (docs/data.md). ``peak_mem_bytes`` is the peak of that step alone; ``mfu`` is None where the device's
 peak is unknown; ``moe`` lists every MoE layer's load (moezero.telemetry); ``swap_*`` are the
 step's bytes between rank 0 and its NVMe swap files (0 without NVMe offload)."""
 EVAL_KEYS = ("val_loss", "val_ppl")
@@ -308,7 +310,7 @@ def _step(cfg: Config, engine: Engine, batches: DataStream, tele: StepTelemetry,
           step: int) -> dict:
     """One optimizer step's metrics row (and the validation loss when one is due)."""
     tele.begin_step()
-    micro = [torch.from_numpy(batches.next()) for _ in range(cfg.train.grad_accum_steps)]
+    micro = [Batch.of(batches.next_batch()) for _ in range(cfg.train.grad_accum_steps)]
     row = tele.end_step({"step": step, **engine.train_step(micro)})
     every = cfg.train.eval_every
     if every and (step % every == 0 or step == cfg.train.steps):

@@ -310,6 +310,10 @@ class DataConfig(_Section):
     val_fraction: float = Field(
         0.01, ge=0, lt=1, description="Held out for validation: this fraction of each prepared "
                                       "dataset's documents (of a text file's bytes, its tail).")
+    document_mask: bool | None = Field(
+        None, description="Packed documents attend only within themselves, rotary positions "
+                          "restarting per document; None = on for chat and prompt-completion "
+                          "datasets, off otherwise (docs/data.md).")
     synthetic_vocab: int = Field(32, ge=2, description="Synthetic corpus: token alphabet size.")
     synthetic_sources: int = Field(4, ge=1, description="Synthetic corpus: seeded Markov sources mixed.")
     synthetic_seed: int = Field(1234, ge=0, description="Synthetic corpus: seed of the sources.")

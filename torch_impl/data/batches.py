@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from moezero.data.common import DataError, check_int
+from moezero.data.common import DataError, MicroBatch, check_int
 from moezero.data.synthetic import MarkovMixture
 from moezero.data.text import TextCorpus
 
@@ -74,6 +74,13 @@ class Batches:
         rows = self.global_batch_at(self.step)[lo : lo + self.local_batch]
         self.step += 1
         return rows
+
+    def next_batch(self) -> MicroBatch:
+        """``next()`` as a ``MicroBatch``: generated corpora train every target, no documents."""
+        return MicroBatch(self.next())
+
+    def val_micro_batch(self, index: int) -> MicroBatch:
+        return MicroBatch(self.val_batch(index))
 
     def val_batch(self, index: int) -> np.ndarray:
         """This rank's rows of validation batch ``index``: ``corpus.sample_val`` under a seed

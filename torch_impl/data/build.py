@@ -22,7 +22,8 @@ from moezero.data.sampler import BlendCorpus, TokenBatches, TokenBlend
 from moezero.data.text import TextCorpus
 
 DataStream = Batches | TokenBatches
-"""A rank's data: ``next()``, ``val_batch(j)``, ``state_dict()``/``accepts``/``load_state_dict``,
+"""A rank's data: ``next()``, ``val_batch(j)`` (tokens), ``next_batch()``,
+``val_micro_batch(j)`` (``MicroBatch``: tokens, loss mask, documents), ``state_dict()``/``accepts``/``load_state_dict``,
 ``corpus`` (``describe()``, ``unigram_entropy``, ``entropy_floor``)."""
 
 
@@ -33,6 +34,9 @@ def _is_byte_text(cfg: Config) -> bool:
 
 def _generated(cfg: Config, *, dp_rank: int, dp_size: int) -> Batches:
     d, t = cfg.data, cfg.train
+    if d.document_mask:
+        raise DataError(f"data.document_mask: needs prepared datasets (their document index), "
+                        f"not {'a text file' if d.path else 'the synthetic corpus'}")
     if d.path is None:
         corpus = make_corpus(None, vocab=d.synthetic_vocab, sources=d.synthetic_sources,
                              seed=d.synthetic_seed)
@@ -107,7 +111,19 @@ def _prepared(cfg: Config, *, dp_rank: int, dp_size: int) -> TokenBatches:
     val = TokenBlend(vals, weights, seed=seed, shuffle=False) if all(vals) else None
     corpus = BlendCorpus([ds for ds, _, _ in opened], train.weights)
     return TokenBatches(train, val, corpus, local_batch=cfg.train.micro_batch_size,
-                        dp_rank=dp_rank, dp_size=dp_size)
+                        dp_rank=dp_rank, dp_size=dp_size,
+                        document_mask=document_mask(cfg, [ds for ds, _, _ in opened]))
+
+
+CHAT_FORMATS = ("chat", "prompt-completion")
+
+
+def document_mask(cfg: Config, datasets: list[TokenDataset]) -> bool:
+    """``data.document_mask``, or when unset: whether any dataset holds chat or
+    prompt-completion data (its manifest's ``input_format``)."""
+    if cfg.data.document_mask is not None:
+        return cfg.data.document_mask
+    return any(ds.manifest.get("input_format") in CHAT_FORMATS for ds in datasets)
 
 
 def build_batches(cfg: Config, *, dp_rank: int, dp_size: int) -> DataStream:

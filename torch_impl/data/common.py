@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 MODEL_VOCAB = 256  # bytes; the synthetic corpus's alphabet must fit it too
+
+
+class MicroBatch(NamedTuple):
+    """One rank's micro-batch: ``tokens`` int64 [b, S+1] (inputs and shifted targets);
+    ``loss_mask`` bool [b, S], True where target ``s`` is trained (None: every target);
+    ``documents`` int64 [b, S], the document of each input (None: no document mask)."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray | None = None
+    documents: np.ndarray | None = None
 
 
 class DataError(ValueError):

@@ -256,17 +256,32 @@ class PackedSplit:
                 f"documents) has {self.num_tokens} tokens, shorter than one sequence "
                 f"(train.seq_len + 1 = {self.seq_len + 1} tokens){why}")
 
-    def sample(self, j: int) -> np.ndarray:
-        """Sample ``j`` (0 <= j < num_samples), int64 [seq_len + 1]."""
+    def spans(self, j: int) -> list[tuple[int, int]]:
+        """Sample ``j`` as ``[start, stop)`` ranges of the dataset's token stream."""
         lo, hi = j * self.seq_len, j * self.seq_len + self.seq_len + 1
         run = int(np.searchsorted(self.run_cum, lo, side="right")) - 1
-        parts = []
+        spans = []
         while lo < hi:
             take = min(hi, self.run_cum[run + 1]) - lo
-            start = self.run_starts[run] + lo - self.run_cum[run]
-            parts.append(self.dataset.read(int(start), int(start + take)))
+            start = int(self.run_starts[run] + lo - self.run_cum[run])
+            spans.append((start, start + int(take)))
             lo, run = lo + take, run + 1
+        return spans
+
+    def sample(self, j: int) -> np.ndarray:
+        """Sample ``j`` (0 <= j < num_samples), int64 [seq_len + 1]."""
+        parts = [self.dataset.read(a, b) for a, b in self.spans(j)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def sample_mask(self, j: int) -> np.ndarray:
+        """The loss mask of sample ``j``'s tokens, bool [seq_len + 1] (all True for a
+        dataset prepared without one)."""
+        return np.concatenate([self.dataset.mask(a, b) for a, b in self.spans(j)])
+
+    def sample_documents(self, j: int) -> np.ndarray:
+        """The dataset's document index of each token of sample ``j``, int64 [seq_len + 1]."""
+        pos = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in self.spans(j)])
+        return np.searchsorted(self.dataset.offsets, pos, side="right").astype(np.int64) - 1
 
 
 def open_splits(path: str | Path, *, seq_len: int, val_fraction: float,

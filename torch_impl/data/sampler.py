@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from moezero.data.blend import blend_positions, normalise
-from moezero.data.common import DataError, check_int, entropy_nats
+from moezero.data.common import DataError, MicroBatch, check_int, entropy_nats
 from moezero.data.indexed import PackedSplit
 
 _EPOCH_TAG = 0x45504F43
@@ -54,6 +54,20 @@ class TokenBlend:
         """The tokens of sample ids (from :meth:`positions`), int64 [n, seq_len + 1]."""
         return np.stack([self.splits[d].sample(int(i)) for d, i in ids])
 
+    @property
+    def has_mask(self) -> bool:
+        """Whether any dataset of the blend holds a loss mask (then every batch carries one)."""
+        return any(split.dataset.has_mask for split in self.splits)
+
+    def micro_batch(self, ids: np.ndarray, *, document_mask: bool) -> MicroBatch:
+        """The tokens of sample ids with the targets' loss mask (when a dataset has one) and
+        each input's document (with ``document_mask``)."""
+        mask = np.stack([self.splits[d].sample_mask(int(i))[1:] for d, i in ids]) \
+            if self.has_mask else None
+        docs = np.stack([self.splits[d].sample_documents(int(i))[:-1] for d, i in ids]) \
+            if document_mask else None
+        return MicroBatch(self.rows(ids), mask, docs)
+
 
 class BlendCorpus:
     """What the trainer shows of a blend: a description and its unigram entropy."""
@@ -77,8 +91,9 @@ class TokenBatches:
     """This rank's micro-batches of a blend, resumable from the global samples consumed."""
 
     def __init__(self, train: TokenBlend, val: TokenBlend | None, corpus: BlendCorpus, *,
-                 local_batch: int, dp_rank: int, dp_size: int):
+                 local_batch: int, dp_rank: int, dp_size: int, document_mask: bool = False):
         self.train, self.val, self.corpus = train, val, corpus
+        self.document_mask = document_mask
         self.local_batch = check_int("micro_batch_size", local_batch, 1)
         self.dp_size = check_int("dp_size", dp_size, 1)
         self.dp_rank = check_int("dp_rank", dp_rank, 0)
@@ -90,10 +105,17 @@ class TokenBatches:
 
     def next(self) -> np.ndarray:
         """This rank's rows of the next global micro-batch, int64 [b, seq_len + 1]."""
+        return self.train.rows(self._advance())
+
+    def next_batch(self) -> MicroBatch:
+        """``next()`` with the loss mask and the documents (``MicroBatch``)."""
+        return self.train.micro_batch(self._advance(), document_mask=self.document_mask)
+
+    def _advance(self) -> np.ndarray:
         lo = self.consumed + self.dp_rank * self.local_batch
         self.last_ids = self.train.positions(lo, lo + self.local_batch)
         self.consumed += self.global_batch
-        return self.train.rows(self.last_ids)
+        return self.last_ids
 
     def __iter__(self):
         return self
@@ -103,10 +125,17 @@ class TokenBatches:
 
     def val_batch(self, index: int) -> np.ndarray:
         """This rank's rows of validation batch ``index`` (the same at every evaluation)."""
+        return self.val.rows(self._val_ids(index))
+
+    def val_micro_batch(self, index: int) -> MicroBatch:
+        """``val_batch(index)`` with the loss mask and the documents (``MicroBatch``)."""
+        return self.val.micro_batch(self._val_ids(index), document_mask=self.document_mask)
+
+    def _val_ids(self, index: int) -> np.ndarray:
         if self.val is None:
             raise DataError("no validation split: data.val_fraction is 0")
         lo = index * self.global_batch + self.dp_rank * self.local_batch
-        return self.val.rows(self.val.positions(lo, lo + self.local_batch))
+        return self.val.positions(lo, lo + self.local_batch)
 
     def state_dict(self) -> dict:
         return {"consumed_samples": int(self.consumed), "seed": int(self.train.seed)}

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moezero.model.packing import DocumentMask
+
 QK_NORMS = ("none", "head", "projection")
 """``model.qk_norm``: none; RMSNorm over each head's K dims (Qwen3-MoE); RMSNorm over the whole
 q and k projections, before the head split (OLMoE)."""
@@ -34,12 +36,18 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
-def rope(x_BSHK: torch.Tensor, theta: float) -> torch.Tensor:
-    """Half-split rotary embedding (HF ``rotate_half`` convention), positions 0..S-1."""
+def rope(x_BSHK: torch.Tensor, theta: float,
+         positions_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """Half-split rotary embedding (HF ``rotate_half`` convention), positions 0..S-1 or
+    ``positions_BS`` (a document mask's, restarting per document)."""
     seq, half = x_BSHK.shape[1], x_BSHK.shape[-1] // 2
     inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x_BSHK.device) / half)
-    angle_SK = torch.arange(seq, dtype=torch.float32, device=x_BSHK.device)[:, None] * inv_freq
-    cos, sin = angle_SK.cos()[None, :, None, :], angle_SK.sin()[None, :, None, :]
+    if positions_BS is None:
+        pos = torch.arange(seq, dtype=torch.float32, device=x_BSHK.device)[None, :]
+    else:
+        pos = positions_BS.to(torch.float32)
+    angle_BSK = pos[..., None] * inv_freq
+    cos, sin = angle_BSK.cos()[:, :, None, :], angle_BSK.sin()[:, :, None, :]
     x1, x2 = x_BSHK.float()[..., :half], x_BSHK.float()[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BSHK.dtype)
 
@@ -69,7 +77,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(k if per_head else h * k, args.norm_eps)
             self.k_norm = RMSNorm(k if per_head else g * k, args.norm_eps)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, docs: DocumentMask | None = None) -> torch.Tensor:
+        """Causal attention over the row, or within each document of ``docs``."""
         b, s, _ = x_BSD.shape
         q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
         if self.qk_norm == "projection":
@@ -79,9 +88,11 @@ class Attention(nn.Module):
         v_BSGK = v.view(b, s, self.n_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q_BSHK, k_BSGK = self.q_norm(q_BSHK), self.k_norm(k_BSGK)
-        q_BSHK, k_BSGK = rope(q_BSHK, self.theta), rope(k_BSGK, self.theta)
+        pos = None if docs is None else docs.positions_BS
+        q_BSHK, k_BSGK = rope(q_BSHK, self.theta, pos), rope(k_BSGK, self.theta, pos)
         # Query head h reads key/value head h // (H/G), as transformers' repeat_kv.
         out = F.scaled_dot_product_attention(
             q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2),
-            is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+            attn_mask=None if docs is None else docs.allowed_B1SS, is_causal=docs is None,
+            enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))

@@ -19,6 +19,7 @@ from torch import nn
 from moezero.model.args import ModelArgs
 from moezero.model.attention import Attention, RMSNorm, rope
 from moezero.model.moe import MoE, SwiGLU
+from moezero.model.packing import DocumentMask, document_mask, masked_cross_entropy
 from moezero.model.shared import SharedExpert
 
 __all__ = ["Attention", "Block", "Decoder", "ModelArgs", "RMSNorm", "init_weights", "rope"]
@@ -40,8 +41,9 @@ class Block(nn.Module):
         self.shared = (SharedExpert(args.dim, args.shared_ffn_dim, args.shared_gate)
                        if args.shared_ffn_dim else None)
 
-    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = h + self.attn(self.attn_norm(h))
+    def forward(self, h: torch.Tensor,
+                docs: DocumentMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        h = h + self.attn(self.attn_norm(h), docs)
         x = self.ffn_norm(h)
         y, aux = self.moe(x)
         if self.shared is not None:
@@ -61,20 +63,38 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
 
-    def forward(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (logits_BSV, summed weighted aux loss of all MoE layers)."""
+    def forward(self, tokens_BS: torch.Tensor,
+                documents_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (logits_BSV, summed weighted aux loss of all MoE layers). ``documents_BS``:
+        document labels of a packed row; each document then attends only within itself
+        (``moezero.model.packing``)."""
         h = self.embed(tokens_BS)
+        docs = None if documents_BS is None else document_mask(documents_BS.to(h.device))
         aux_total = torch.zeros((), device=h.device)
         for layer in self.layers:
-            h, aux = layer(h)
+            h, aux = layer(h, docs)
             aux_total = aux_total + aux
         return self.lm_head(self.norm(h)), aux_total
 
-    def loss(self, batch_BS1: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Mean next-token cross-entropy of a [B, S+1] batch plus the aux losses."""
-        logits_BSV, aux = self(batch_BS1[:, :-1])
-        ce = F.cross_entropy(logits_BSV.float().flatten(0, 1), batch_BS1[:, 1:].flatten())
-        return ce + aux, {"ce": ce.detach(), "aux_loss": aux.detach()}
+    def loss(self, batch_BS1: torch.Tensor, *, loss_mask_BS: torch.Tensor | None = None,
+             documents_BS: torch.Tensor | None = None,
+             divisor=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Next-token cross-entropy of a [B, S+1] batch plus the aux losses.
+
+        Without ``loss_mask_BS``: the mean over all B·S targets. With it (True = trained):
+        the sum over trained targets divided by ``divisor`` (default: their number here);
+        the engine passes the step's global count (docs/data.md). ``trained`` counts them.
+        """
+        logits_BSV, aux = self(batch_BS1[:, :-1], documents_BS)
+        targets_BS = batch_BS1[:, 1:]
+        if loss_mask_BS is None:
+            ce = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+            trained = torch.tensor(float(targets_BS.numel()), device=ce.device)
+        else:
+            mask_BS = loss_mask_BS.to(device=targets_BS.device, dtype=torch.bool)
+            ce = masked_cross_entropy(logits_BSV, targets_BS, mask_BS, divisor)
+            trained = mask_BS.sum().float()
+        return ce + aux, {"ce": ce.detach(), "aux_loss": aux.detach(), "trained": trained}
 
 
 def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
