@@ -184,7 +184,7 @@ def test_micro_batch_reaches_the_gpu_pinned_and_non_blocking(monkeypatch):
         ("to", *a, k.get("non_blocking", False))) or self)
     engine = Engine.__new__(Engine)  # forward reads only these two
     engine.device = torch.device("cuda", 0)
-    engine.model = SimpleNamespace(loss=lambda batch: (batch, {}))
+    engine.model = SimpleNamespace(loss=lambda batch, **parts: (batch, parts))
     batch = torch.zeros(2, 5, dtype=torch.long)
     assert engine.forward(batch)[0] is batch
     assert calls == ["pin_memory", ("to", engine.device, True)]
