@@ -270,8 +270,6 @@ def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None
                 saved = _save(engine, batches, root)
             if stop is not None and stop.agree(engine.device):
                 _preempt(engine, batches, root, saved)
-            if stop is not None and stop.agree(engine.device):
-                _preempt(engine, batches, root, saved)
         if saved != engine.global_steps:
             _save(engine, batches, root)
         engine.wait_checkpoint()
