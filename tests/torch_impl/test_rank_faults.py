@@ -12,6 +12,7 @@ Each run gets its own ``TMPDIR``, so the rendezvous folders it leaves can be cou
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -20,7 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
+from moezero.distributed.signals import Preempted
 from moezero.plan import store
 from tests.torch_impl.test_checkpoint_cli import _ranks
 from tests.torch_impl.test_cli import TINY
@@ -51,6 +54,76 @@ def _finish(proc: subprocess.Popen, timeout: float = 180) -> tuple[str, str]:
 
 def _rdzv(tmp: Path) -> list[Path]:
     return sorted(tmp.glob("moezero-rdzv-*"))
+
+
+def _slow_saving_rank(marks: str, *, stop) -> None:
+    """Steps until the ranks agree to stop, then 'saves' for two seconds (time for repeated
+    signals to land in the save) and leaves a mark. Writes its pid and its parent-death
+    signal (``PR_GET_PDEATHSIG``) first."""
+    rank, sig = dist.get_rank(), ctypes.c_int(0)
+    ctypes.CDLL("libc.so.6").prctl(2, ctypes.byref(sig))  # PR_GET_PDEATHSIG
+    Path(marks, f"pid-{rank}").write_text(f"{os.getpid()} {sig.value}")
+    while not stop.agree():
+        time.sleep(0.05)
+    Path(marks, f"saving-{rank}").touch()
+    time.sleep(2.0)
+    Path(marks, f"saved-{rank}").write_text(stop.reason)
+    raise Preempted(0, marks)
+
+
+LAUNCHER = """
+import sys, threading, time
+from moezero.distributed.launcher import spawn
+from moezero.distributed.signals import PreemptOptions
+from tests.torch_impl.test_rank_faults import _slow_saving_rank
+for _ in range(8):  # the kernel sends the parent-death signal once per thread that exits
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+spawn(_slow_saving_rank, 2, (sys.argv[1],), preempt=PreemptOptions(), timeout_s=60)
+"""
+
+
+def _wait_for(marks: Path, pattern: str, proc, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(marks.glob(pattern))) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, pattern
+        time.sleep(0.02)
+
+
+def test_a_repeated_parent_death_signal_never_aborts_the_save(tmp_path):
+    """The launcher is killed; while the ranks save, each gets its parent-death signal twice
+    more, 40 ms apart (what the kernel does once per exiting thread of a launcher with
+    threads): each rank still finishes its save once and exits."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(marks)],
+                            env=_env(tmp_path / "tmp"), start_new_session=True)
+    _wait_for(marks, "pid-*", proc)
+    ranks = [tuple(map(int, (marks / f"pid-{r}").read_text().split())) for r in range(2)]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    while len(list(marks.glob("saving-*"))) < 2 and any(_alive(pid) for pid, _ in ranks):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    for _ in range(2):
+        for pid, sig in ranks:
+            os.kill(pid, sig)
+        time.sleep(0.04)
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid, _ in ranks):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert sorted(p.name for p in marks.glob("saved-*")) == ["saved-0", "saved-1"], sorted(
+        p.name for p in marks.iterdir())
+    assert {p.read_text() for p in marks.glob("saved-*")} == {"the launcher died"}
+
+
+def _alive(pid: int) -> bool:
+    """Not a zombie (orphans are reaped by init or the nearest subreaper)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def test_killing_the_launcher_saves_the_step_once_and_the_next_start_cleans_up(tmp_path):
