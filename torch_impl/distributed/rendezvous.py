@@ -25,8 +25,8 @@ __all__ = ["PREFIX", "Flag", "folder", "hold", "remove_stale"]
 PREFIX = "moezero-rdzv-"
 LOCK_NAME = "owner.lock"
 UNLOCKED_AGE_S = 86400.0
-"""A folder without a lock file is another launcher's being made, or an older version's: it
-is removed once this old."""
+"""A folder without a lock file (an older version's) is removed once this old. ``folder``
+takes its lock under a hidden name first, so a new folder never looks unheld."""
 
 
 class Flag:
@@ -77,8 +77,10 @@ def folder() -> Iterator[Path]:
     """A fresh rendezvous folder, held by this process, removed on the way out (stale ones
     are removed first)."""
     remove_stale()
-    path = Path(tempfile.mkdtemp(prefix=PREFIX))
-    lock = hold(path)
+    staging = Path(tempfile.mkdtemp(prefix=f".{PREFIX}"))  # locked before it can look stale
+    lock = hold(staging)
+    path = staging.with_name(staging.name.removeprefix("."))
+    staging.rename(path)
     try:
         yield path
     finally:
