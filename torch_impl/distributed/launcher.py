@@ -12,7 +12,8 @@ preemption on, ``PARENT_DEATH_SIGNAL`` (it saves as for SIGTERM), else SIGTERM.
 Preemption (``signals``, docs/reliability.md): with ``preempt`` options each rank handles the
 preemption signals, and the spawning parent handles them too: the first sets a flag every
 rank reads (``rendezvous.Flag``) at its next step boundary, so all ranks finish their step,
-save and exit with ``PREEMPTED_EXIT``; a second one kills the ranks at once and exits with 128 + the signal.
+save and exit with ``PREEMPTED_EXIT``; a second one kills the ranks at once and exits with
+128 + the signal.
 """
 
 from __future__ import annotations
