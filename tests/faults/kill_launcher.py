@@ -122,8 +122,8 @@ def _compare(out: Path, saved: int, steps: int, ref_rows: list[dict],
                     f"{[(k, row[k], ref[k]) for k in COMPARED if row[k] != ref[k]]}")
     if _tensor_files(out / "checkpoints" / f"step_{steps:08d}") != ref_files:
         return f"the final checkpoint's tensors differ from the reference (resumed at {saved})"
-    print(f"  killed during step {interrupted + 1}, saved step {saved}, resumed bitwise",
-          flush=True)
+    print(f"  killed with step {interrupted} the last logged, saved step {saved}, resumed "
+          "bitwise", flush=True)
     return None
 
 
