@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from moezero.data import DataError
 from moezero.data.build import DataStream, build_batches
 from moezero.distributed.devices import cuda_device_count, rank_device, resolve_backend
 from moezero.distributed.failures import rank_errors
+from moezero.distributed.heartbeat import WatchOptions
 from moezero.distributed.launcher import launch
 from moezero.distributed.signals import Preempted, PreemptOptions, StopRequest
 from moezero.distributed.topology import Topology, build_topology
@@ -242,8 +244,9 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
     except Preempted as done:
         engine.close()
         if lead:
-            print(f"moezero: preempted after step {done.step}: checkpoint {done.checkpoint}; "
-                  "resume with --set checkpoint.load=latest", flush=True)
+            why = f" ({stop.reason})" if stop is not None else ""
+            print(f"moezero: preempted after step {done.step}{why}: checkpoint "
+                  f"{done.checkpoint}; resume with --set checkpoint.load=latest", flush=True)
         raise
     finally:
         tele.close()
@@ -271,6 +274,7 @@ def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None
     history = _previous_metrics(run_dir, start) if run_dir else []
     # A bar on a terminal; in logs (no tty) one line every ``train.log_every`` steps instead.
     log_lines = run_dir is not None and not sys.stderr.isatty()
+    tqdm.set_lock(threading.RLock())  # not its multiprocessing lock: a killed rank leaks that
     bar = tqdm(total=steps, initial=start, disable=run_dir is None or log_lines,
                dynamic_ncols=True, mininterval=1.0, desc="train")
     metrics_file = open(run_dir / "metrics.jsonl", "a") if run_dir else None  # noqa: SIM115
@@ -367,7 +371,8 @@ def launch_training(cfg: Config, run_dir: Path, nproc: int, io: IOOptions | None
     return launch(_train_rank, (cfg.model_dump(by_alias=True), str(run_dir), io, hooks),
                   nproc=nproc,
                   backend=backend, timeout_s=cfg.dist.timeout_s,
-                  preempt=PreemptOptions.from_names(cfg.train.preempt_signals))
+                  preempt=PreemptOptions.from_names(cfg.train.preempt_signals),
+                  watch=WatchOptions(cfg.dist.heartbeat_s, run_dir / "logs"))
 
 
 def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None,

@@ -118,13 +118,22 @@ def _check_saved_at_last_step(out: Path, output: str) -> int:
 
 
 def test_sigterm_to_the_launcher_saves_async_and_resumes(tmp_path):
+    """Periodic saves are far away (every 1000 steps of 100000): the only checkpoint can come
+    from the signal. It is the step the signal interrupted or the next one, the only one on
+    disk, and rank 0 reports the preemption path."""
     out = tmp_path / "run"
-    proc = _start([*LONG, "--set", "checkpoint.every=3", "--set", "checkpoint.async=true"], out)
+    proc = _start([*LONG, "--set", "checkpoint.every=1000", "--set", "checkpoint.async=true"],
+                  out)
     _wait_for_steps(proc, lambda: out, steps=4)
+    seen = _rows(out)[-1]["step"]
     os.kill(proc.pid, signal.SIGTERM)
     output = _finish(proc)
     assert proc.returncode == PREEMPTED_EXIT, output[-3000:]
     last = _check_saved_at_last_step(out, output)
+    # the step running at the signal, or the one just ended if its agreement had not run yet
+    assert seen <= last <= seen + 1, (seen, last)
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [f"step_{last:08d}"]
+    assert f"preempted after step {last} (a signal to the launcher)" in output, output[-3000:]
     res = moezero("train", *TINY, "--set", f"train.steps={last + 2}",
                   "--set", "checkpoint.load=latest", "--out", str(out))
     assert res.returncode == 0, res.stderr[-3000:]

@@ -355,6 +355,8 @@ class DistConfig(_Section):
 
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on CUDA, else gloo.")
     timeout_s: float = Field(300.0, gt=0, description="Collective timeout in seconds.")
+    heartbeat_s: float = Field(30.0, gt=0, description="A spawned rank silent this long is "
+                               "named as hung and the job is stopped (docs/reliability.md).")
 
     def resolve_backend(self, *, cuda: bool) -> Literal["gloo", "nccl"]:
         """The concrete backend for a device."""

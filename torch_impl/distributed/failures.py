@@ -40,22 +40,27 @@ def describe(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
-def _with_rank(text: str, rank: int) -> str:
+def _with_rank(text: str, rank: int) -> tuple[str, int]:
     """``rank R: text`` unless the text already names the rank that failed (errors agreed
-    over the checkpoint group carry the failing rank's name)."""
-    return text if re.search(r"\brank \d+: ", text) else f"rank {rank}: {text}"
+    over the checkpoint group carry the failing rank's name), and that rank."""
+    named = re.search(r"\brank (\d+): ", text)
+    return (text, int(named.group(1))) if named else (f"rank {rank}: {text}", rank)
 
 
-def _write_log(log_dir: Path, rank: int) -> str:
-    """The current exception's traceback to ``log_dir/rank<r>.log``; a note for the line."""
-    path = Path(log_dir) / f"rank{rank}.log"
+def _log_path(log_dir: Path, rank: int) -> Path:
+    return Path(log_dir) / f"rank{rank}.log"
+
+
+def _write_log(log_dir: Path, rank: int) -> str | None:
+    """The current exception's traceback to ``log_dir/rank<r>.log``; a note when it failed."""
+    path = _log_path(log_dir, rank)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as log:
             log.write(traceback.format_exc())
     except OSError as err:
         return f"traceback not saved: {describe(err)}"
-    return f"traceback: {path}"
+    return None
 
 
 @contextmanager
@@ -69,8 +74,10 @@ def rank_errors(rank: int, log_dir: str | Path,
     except Preempted:
         raise
     except expected as exc:
-        note = _write_log(Path(log_dir), rank)
-        raise RankFailure(f"{_with_rank(describe(exc), rank)} ({note})") from None
+        failed = _write_log(Path(log_dir), rank)
+        text, named = _with_rank(describe(exc), rank)  # the line points to the named rank's log
+        note = failed or f"traceback: {_log_path(Path(log_dir), named)}"
+        raise RankFailure(f"{text} ({note})") from None
     except Exception:
         _write_log(Path(log_dir), rank)
         raise
