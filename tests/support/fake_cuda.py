@@ -22,7 +22,7 @@ def fake_launch(monkeypatch) -> dict:
     """``moezero train`` stops at the launch: the layout it would start is recorded."""
     seen: dict = {}
 
-    def launch(fn, args, *, nproc, backend, timeout_s, preempt=None):
+    def launch(fn, args, *, nproc, backend, timeout_s, preempt=None, watch=None):
         seen.update(nproc=nproc, backend=backend)
         return 0
 
