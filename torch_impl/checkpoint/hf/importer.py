@@ -149,16 +149,17 @@ def _source(tensors: HFTensors, fqn: str, shape: tuple[int, ...], arch: Arch, fa
     return key, index
 
 
-def _layout(arch: Arch, cfg: Config):
-    """The plan's layout of the default recipe's groups for this architecture (weights only),
-    so a run with the default grouping reads each group contiguously."""
+def _layout(arch: Arch, cfg: Config, *, step: int = 0, weights_only: bool = True):
+    """The plan's layout of the default recipe's groups for this architecture (by default
+    weights only), so a run with the default grouping reads each group contiguously."""
     args = ModelArgs(**arch.sections()["model"], **arch.sections()["moe"],
                      ep_size=cfg.moe.ep_size)
     with torch.device("meta"):
         specs, _ = param_specs(Decoder(args), config_user_group(cfg))
     groups = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
                          split_by_expert=cfg.moe.split_groups_by_expert)
-    return plan_layout(groups, {s.fqn: s.shape for s in specs}, step=0, weights_only=True)
+    return plan_layout(groups, {s.fqn: s.shape for s in specs}, step=step,
+                       weights_only=weights_only)
 
 
 def _check_all_used(tensors: HFTensors, used: set[str], arch: Arch, src: Path) -> None:

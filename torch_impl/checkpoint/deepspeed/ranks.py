@@ -1,0 +1,70 @@
+"""One rank's optimizer file: its fp32 master and Adam moments as one vector per state.
+
+Stages 1/2 keep ``optimizer_state_dict.single_partition_of_fp32_groups[g]`` and the moments
+in ``optimizer_state_dict.base_optimizer_state.state[g]``; stage 3 keeps
+``optimizer_state_dict.fp32_flat_groups[g]`` and ``optimizer_state_dict.optimizer_state_dict
+.state[g]``. CPU-offloaded runs write the same entries (the state lives on the host).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moezero.checkpoint.deepspeed import pickles
+from moezero.plan.store import CheckpointError
+
+STATES = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class RankState:
+    """A rank's vectors (state -> fp32 1-D tensor, groups concatenated) and its counters."""
+
+    vectors: dict[str, torch.Tensor]
+    group_numel: tuple[int, ...]
+    steps: tuple[int, ...]  # Adam's step of each group
+    param_groups: list[dict]
+    loss_scaler: object
+    zero_stage: int
+
+
+def read_rank(path: Path) -> RankState:
+    """The state of one ``*_optim_states.pt`` file (memory-mapped), one-line errors."""
+    top = pickles.load(path).get("optimizer_state_dict")
+    if not isinstance(top, dict):
+        raise CheckpointError(f"{path}: no optimizer_state_dict (not a DeepSpeed ZeRO file)")
+    stage = int(top.get("zero_stage", 0))
+    inner, flat = (("optimizer_state_dict", "fp32_flat_groups") if stage == 3 else
+                   ("base_optimizer_state", "single_partition_of_fp32_groups"))
+    base, masters = top.get(inner), top.get(flat)
+    if not isinstance(base, dict) or not isinstance(masters, list | tuple):
+        raise CheckpointError(f"{path}: no {inner}/{flat} (ZeRO stage {stage} file expected)")
+    state = base.get("state", {})
+    moments = {k: [] for k in STATES[1:]}
+    steps = []
+    for g, master in enumerate(masters):
+        entry = state.get(g)
+        if entry is None or any(k not in entry for k in STATES[1:]):
+            raise CheckpointError(f"{path}: group {g} has no Adam moments (exp_avg, exp_avg_sq)"
+                                  "; only Adam/AdamW checkpoints are imported")
+        for k in STATES[1:]:
+            _check(path, g, k, entry[k], master.numel())
+            moments[k].append(entry[k])
+        steps.append(int(entry.get("step", 0)))
+    vectors = {"master": _cat(masters), **{k: _cat(v) for k, v in moments.items()}}
+    return RankState(vectors, tuple(m.numel() for m in masters), tuple(steps),
+                     list(base.get("param_groups", [])), top.get("loss_scaler"), stage)
+
+
+def _check(path: Path, g: int, key: str, t, numel: int) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != numel:
+        raise CheckpointError(f"{path}: group {g} {key} is not an fp32 tensor of the master's "
+                              f"{numel} elements")
+
+
+def _cat(parts) -> torch.Tensor:
+    flat = [p.reshape(-1) for p in parts]
+    return (flat[0] if len(flat) == 1 else torch.cat(flat)).detach()
