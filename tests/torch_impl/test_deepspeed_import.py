@@ -24,7 +24,7 @@ from tests.support.compare import rel_err
 from tests.support.world import run_world
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed"
-CASES = ("mixtral_z1_w1", "mixtral_z2_w2", "mixtral_z3_w2", "mixtral_z2_w2_cpu")
+CASES = ("mixtral_z1_w1", "mixtral_z2_w2", "mixtral_z3_w2", "mixtral_z3_w3", "mixtral_z2_w2_cpu")
 TOL = 1e-6  # the issue's bound: fp32, relative
 
 
@@ -137,3 +137,68 @@ def test_import_records_the_deepspeed_counters_and_settings(imported):
     assert (opt.warmup_steps, opt.min_lr_ratio, opt.max_grad_norm) == (0, 1.0, None)
     assert not opt.no_decay_on_norms and cfg.precision.dtype == "fp32"
     assert store.verify(store.find_checkpoint(imported / "mixtral_z2_w2")) == []
+
+
+# ---------------------------------------------------------------------------- refusals
+class _Payload:
+    """Pickles as a call of ``os.system``: loading it with plain pickle would run a command."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+def _forbidden_global(folder: Path, tmp: Path) -> str:
+    path = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"x": _Payload(tmp / "pwned")}}, path)
+    return "refusing to load: the pickle asks for posix.system"
+
+
+def _truncated(folder: Path, tmp: Path) -> str:
+    path = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return "zero_pp_rank_1_mp_rank_00_optim_states.pt: not a readable torch checkpoint"
+
+
+def _missing_rank(folder: Path, tmp: Path) -> str:
+    (folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    return "missing the optimizer file of rank 1 (dp_world_size=2; found 1)"
+
+
+def _partition_of_another_world(folder: Path, tmp: Path) -> str:
+    w1 = FIXTURES / "mixtral_z1_w1" / "ckpt" / "global_step2"
+    name = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    (folder / name).write_bytes((w1 / name).read_bytes())
+    return f"{name}: partition of [21920] elements, a world of 2 ranks needs [10960] " \
+           "(world-size mismatch)"
+
+
+def _extra_rank(folder: Path, tmp: Path) -> str:
+    src = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    (folder / "zero_pp_rank_2_mp_rank_00_optim_states.pt").write_bytes(src.read_bytes())
+    return "rank 2 beyond dp_world_size=2 recorded in the model states (world-size mismatch)"
+
+
+FAULTS = {"forbidden_global": _forbidden_global, "truncated": _truncated,
+          "missing_rank": _missing_rank, "partition_of_another_world":
+          _partition_of_another_world, "extra_rank": _extra_rank}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_bad_checkpoint_is_one_line_and_nothing_written(tmp_path, capsys, fault):
+    import shutil
+
+    from moezero.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "mixtral_z2_w2" / "ckpt", ckpt)
+    expected = FAULTS[fault](ckpt / "global_step2", tmp_path)
+    code = main(["import-deepspeed", str(ckpt), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("moezero: error: ") and expected in err[0], err[0]
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "pwned").exists()

@@ -67,15 +67,15 @@ def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = No
     family, arch, raw = read_hf_config(_config_dir(ckpt_dir))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"--out {out}: exists and is not an empty directory")
-    first = ranks.read_rank(src.optim_files[0])
+    where = placement.plan(src.stage, src.world_size, src.groups)
+    first = _check_ranks(src, where)
     cfg, notes = _config(arch, raw, src, first, out)
     layout = _layout(arch, cfg, step=src.global_steps, weights_only=False)
-    where = placement.plan(src.stage, src.world_size, src.groups)
     shapes = {name: shape for group in src.groups for name, shape in group}
     writes = _writes(layout, where, shapes, arch, family, src)
     created = not out.exists()
     try:
-        step_dir = _write(layout, src, where, writes, out, first, meta={
+        step_dir = _write(layout, src, writes, out, meta={
             "config": cfg.model_dump(by_alias=True, mode="json"),
             "topology": {"world_size": 1, "ep_sizes": [cfg.moe.ep_size], "zero_stage": None,
                          "dtype": src.dtype, "writer": "import-deepspeed"},
@@ -181,30 +181,47 @@ def _writes(layout, where: placement.Placement, shapes: dict, arch, family,
     return out
 
 
-def _write(layout, src: Source, where, writes: list[Write], out: Path,
-           first: ranks.RankState, meta: dict) -> Path:
+def _write(layout, src: Source, writes: list[Write], out: Path, meta: dict) -> Path:
     """Headers, then rank by rank its pieces (one optimizer file open at a time), manifest,
     commit."""
     partial = store.begin_save(out, layout.step)
     records = store.write_headers(layout, partial)
     for rank in range(src.world_size):
-        state = first if rank == 0 else ranks.read_rank(src.optim_files[rank])
-        _check_rank(state, where, src, rank)
-        for w in (w for w in writes if w.rank == rank):
-            data = state.vectors[w.state][w.offset:w.offset + w.length].numpy()
-            crc = store.write_range(partial / w.file, w.at, data)
-            records.append(RangeRecord(w.file, w.at, w.length * ITEMSIZE, crc))
-        del state
+        records += _write_rank(ranks.read_rank(src.optim_files[rank]), partial,
+                               [w for w in writes if w.rank == rank])
     for f in layout.files:
         fsync_file(partial / f.name)
     store.write_manifest(partial, layout, checksums=records, **meta)
     return store.commit(partial, flushed=True, layout=layout)
 
 
+def _write_rank(state: ranks.RankState, partial: Path, writes: list[Write]) -> list:
+    """One rank's pieces, each range's crc32 computed from the bytes written."""
+    records = []
+    for name in ranks.STATES:
+        vector = state.vector(name)
+        for w in (w for w in writes if w.state == name):
+            data = vector[w.offset:w.offset + w.length].numpy()
+            crc = store.write_range(partial / w.file, w.at, data)
+            records.append(RangeRecord(w.file, w.at, w.length * ITEMSIZE, crc))
+    return records
+
+
+def _check_ranks(src: Source, where: placement.Placement) -> ranks.RankState:
+    """Every rank's file read (its pickle; tensor data stays on disk) and checked against the
+    model states; rank 0's state (for the counters and settings)."""
+    first = None
+    for rank in range(src.world_size):
+        state = ranks.read_rank(src.optim_files[rank])
+        _check_rank(state, where, src, rank)
+        first = first or state
+    return first
+
+
 def _check_rank(state: ranks.RankState, where: placement.Placement, src: Source,
                 rank: int) -> None:
     path = src.optim_files[rank]
-    if state.zero_stage != src.stage:
+    if (state.zero_stage == 3) != (src.stage == 3):  # stages 1 and 2 share one format
         raise CheckpointError(f"{path}: ZeRO stage {state.zero_stage}, the model states say "
                               f"{src.stage}")
     if src.stage == 3:

@@ -21,14 +21,19 @@ STATES = ("master", "exp_avg", "exp_avg_sq")
 
 @dataclass
 class RankState:
-    """A rank's vectors (state -> fp32 1-D tensor, groups concatenated) and its counters."""
+    """A rank's per-group fp32 tensors (memory-mapped: read when used) and its counters."""
 
-    vectors: dict[str, torch.Tensor]
+    parts: dict[str, list[torch.Tensor]]
     group_numel: tuple[int, ...]
     steps: tuple[int, ...]  # Adam's step of each group
     param_groups: list[dict]
     loss_scaler: object
     zero_stage: int
+
+    def vector(self, state: str) -> torch.Tensor:
+        """``state`` of every group as one 1-D vector (a copy when there are several)."""
+        flat = [p.detach().reshape(-1) for p in self.parts[state]]
+        return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
 def read_rank(path: Path) -> RankState:
@@ -54,8 +59,7 @@ def read_rank(path: Path) -> RankState:
             _check(path, g, k, entry[k], master.numel())
             moments[k].append(entry[k])
         steps.append(int(entry.get("step", 0)))
-    vectors = {"master": _cat(masters), **{k: _cat(v) for k, v in moments.items()}}
-    return RankState(vectors, tuple(m.numel() for m in masters), tuple(steps),
+    return RankState({"master": list(masters), **moments}, tuple(m.numel() for m in masters), tuple(steps),
                      list(base.get("param_groups", [])), top.get("loss_scaler"), stage)
 
 
@@ -63,8 +67,3 @@ def _check(path: Path, g: int, key: str, t, numel: int) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != numel:
         raise CheckpointError(f"{path}: group {g} {key} is not an fp32 tensor of the master's "
                               f"{numel} elements")
-
-
-def _cat(parts) -> torch.Tensor:
-    flat = [p.reshape(-1) for p in parts]
-    return (flat[0] if len(flat) == 1 else torch.cat(flat)).detach()
