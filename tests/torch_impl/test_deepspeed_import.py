@@ -204,3 +204,93 @@ def test_a_bad_checkpoint_is_one_line_and_nothing_written(tmp_path, capsys, faul
     assert err[0].startswith("moezero: error: ") and expected in err[0], err[0]
     assert not (tmp_path / "out").exists()
     assert not (tmp_path / "pwned").exists()
+
+
+# ---------------------------------------------------------------------------- memory
+BIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+           num_attention_heads=4, num_key_value_heads=4, num_local_experts=8,
+           num_experts_per_tok=2, model_type="mixtral", tie_word_embeddings=False,
+           rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64)
+
+
+def big_shapes() -> dict[str, tuple[int, ...]]:
+    """transformers 5 Mixtral's parameters (fused experts) for ``BIG``."""
+    d, f, e, v = (BIG[k] for k in ("hidden_size", "intermediate_size", "num_local_experts",
+                                   "vocab_size"))
+    shapes = {"model.embed_tokens.weight": (v, d)}
+    for i in range(BIG["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + f"self_attn.{x}_proj.weight": (d, d) for x in "qkvo"})
+        shapes.update({p + "mlp.gate.weight": (e, d), p + "mlp.experts.gate_up_proj": (e, 2 * f, d),
+                       p + "mlp.experts.down_proj": (e, d, f), p + "input_layernorm.weight": (d,),
+                       p + "post_attention_layernorm.weight": (d,)})
+    shapes.update({"model.norm.weight": (d,), "lm_head.weight": (v, d)})
+    return shapes
+
+
+def write_zero2_like(folder: Path, world: int) -> int:
+    """A ZeRO-2 checkpoint in DeepSpeed 0.19's file layout (the entries the importer reads;
+    the real format is covered by the fixtures above), W ``world``; returns the param count."""
+    from collections import OrderedDict
+
+    shapes = big_shapes()
+    numel = sum(torch.Size(s).numel() for s in shapes.values())
+    per = -(-numel // (2 * world)) * 2 // 1
+    tag = folder / "global_step3"
+    tag.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(BIG))
+    config = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}
+    torch.save({"module": {}, "param_shapes": [OrderedDict((k, torch.Size(s))
+                                                           for k, s in shapes.items())],
+                "dp_world_size": world, "mp_world_size": 1, "global_steps": 3,
+                "ds_config": config, "ds_version": "0.19.8"}, tag / "mp_rank_00_model_states.pt")
+    gen = torch.Generator().manual_seed(0)
+    for r in range(world):
+        flat = [torch.randn(per, generator=gen) for _ in range(3)]
+        group = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+        torch.save({"optimizer_state_dict": {
+            "zero_stage": 2, "loss_scaler": None, "single_partition_of_fp32_groups": [flat[0]],
+            "base_optimizer_state": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": flat[1],
+                                                   "exp_avg_sq": flat[2]}},
+                                     "param_groups": [group]}}},
+                   tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    return numel
+
+
+PEAK = """
+import sys
+from pathlib import Path
+from moezero.checkpoint.deepspeed import import_deepspeed
+def rss(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+import_deepspeed(sys.argv[3], sys.argv[4])  # a tiny import first: every module loaded
+Path("/proc/self/clear_refs").write_text("5")  # reset the peak to the current RSS
+before = rss("VmRSS:")
+import_deepspeed(sys.argv[1], sys.argv[2])
+print(before, rss("VmHWM:"))
+"""
+
+
+def test_peak_rss_of_an_import_stays_under_a_budget_smaller_than_the_model(tmp_path):
+    """14 M params (54 MiB of fp32 weights, 162 MiB of optimizer state) in 8 rank files: the
+    import holds about one rank file at a time."""
+    import subprocess
+    import sys
+
+    world = 8
+    numel = write_zero2_like(tmp_path / "ds", world)
+    model_bytes = numel * 4  # the fp32 weights alone (the state is 3x that)
+    res = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / "ds"), str(tmp_path / "out"),
+                          str(FIXTURES / "mixtral_z1_w1" / "ckpt"), str(tmp_path / "warm")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    before, peak = map(int, res.stdout.split())
+    rank_file = 3 * numel * 4 / world
+    budget = rank_file + 16 * 2**20  # one DeepSpeed file and a little
+    print(f"model {model_bytes / 2**20:.1f} MiB, rank file {rank_file / 2**20:.1f} MiB, "
+          f"import grew RSS by {(peak - before) / 2**20:.1f} MiB (budget {budget / 2**20:.1f})")
+    assert budget < model_bytes
+    assert peak - before < budget
+    assert store.verify(store.find_checkpoint(tmp_path / "out")) == []
