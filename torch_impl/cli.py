@@ -90,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     ds.add_argument("--tag", help="tag folder (default: 'latest', else the only global_step*)")
     ds.add_argument("--out", required=True, metavar="DIR",
                     help="checkpoint root to create (new or empty)")
+    ds.add_argument("--names", metavar="YAML", help="DeepSpeed name pattern -> moezero FQN "
+                                                   "pattern, for native MoE modules")
     _prepare_parser(sub)
     est = sub.add_parser("estimate", help="per-rank bytes of params, grads and optimizer state "
                                           "per tier, from the config alone (docs/scale.md)")
@@ -188,7 +190,7 @@ def _import_deepspeed(args: argparse.Namespace) -> int:
     from moezero.checkpoint.deepspeed import import_deepspeed, report
 
     try:
-        done = import_deepspeed(Path(args.path), Path(args.out), args.tag)
+        done = import_deepspeed(Path(args.path), Path(args.out), args.tag, args.names)
     except OSError as exc:
         raise CheckpointError(f"import-deepspeed to {args.out}: {exc.strerror or exc}") from None
     print(report.render(done, args.out))

@@ -26,14 +26,41 @@ from tests.support.world import run_world
 
 FIXTURES = Path(os.environ.get("MOEZERO_DS_FIXTURES")  # nox -s deepspeed_fixtures: made anew
                 or Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed")
-CASES = ("mixtral_z1_w1", "mixtral_z2_w2", "mixtral_z3_w2", "mixtral_z3_w3", "mixtral_z2_w2_cpu")
+CASES = ("mixtral_z1_w1", "mixtral_z2_w2", "mixtral_z3_w2", "mixtral_z3_w3", "mixtral_z2_w2_cpu",
+         "native_moe_z2_w2_ep2")
 TOL = 1e-6  # the issue's bound: fp32, relative
+
+
+def expected_native(case: str) -> dict[str, torch.Tensor]:
+    """The same for the native-MoE case (a Qwen3-MoE decoder whose blocks are DeepSpeed's
+    ``MoE``; the fixture names experts by their global index, as DeepSpeed's expert files)."""
+    after = load_file(FIXTURES / case / "after.safetensors")
+    out = {"embed.weight": after.pop("model.embed_tokens.weight"),
+           "norm.weight": after.pop("model.norm.weight"),
+           "lm_head.weight": after.pop("lm_head.weight")}
+    block = {"input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_norm.weight": "attn.q_norm.weight",
+             "self_attn.k_norm.weight": "attn.k_norm.weight",
+             "mlp.moe.deepspeed_moe.gate.wg.weight": "moe.router.weight",
+             **{f"self_attn.{x}_proj.weight": f"attn.w{x}.weight" for x in "qkvo"}}
+    expert = "mlp.moe.deepspeed_moe.experts.deepspeed_experts."
+    for key in sorted(after):
+        layer, rest = key.removeprefix("model.layers.").split(".", 1)
+        if rest.startswith(expert):
+            e, w = rest.removeprefix(expert).split(".")[:2]
+            out[f"layers.{layer}.moe.experts.{e}.{w}.weight"] = after[key]
+        else:
+            out[f"layers.{layer}.{block[rest]}"] = after[key]
+    return out
 
 
 def expected_params(case: str, ffn: int) -> dict[str, torch.Tensor]:
     """DeepSpeed's parameters after step K+1 under moezero's FQNs, mapped here by hand from
     transformers 5's Mixtral names (fused experts: gate_up_proj [E, 2F, D], down_proj
     [E, D, F])."""
+    if case.startswith("native"):
+        return expected_native(case)
     after = load_file(FIXTURES / case / "after.safetensors")
     out = {"embed.weight": after.pop("model.embed_tokens.weight"),
            "norm.weight": after.pop("model.norm.weight"),
@@ -85,6 +112,8 @@ def check_continuation(case: str, results: list[dict], tol: float = TOL) -> floa
     want = expected_params(case, ffn=16)
     assert set(got) == set(want)
     worst = max(rel_err(got[k], want[k]) for k in want)
+    print(f"{case}: loss rel err {rel_err(results[0]['loss'], ref['loss']):.2e}, "
+          f"worst param rel err {worst:.2e}")
     assert worst <= tol, worst
     return worst
 
@@ -120,8 +149,8 @@ def test_control_without_adam_moments_is_far_off(imported):
     assert worst > 1e3 * TOL, worst
 
 
-def test_w2_ep2_continues_the_zero3_run(imported, tmp_path):
-    case = "mixtral_z3_w2"
+@pytest.mark.parametrize("case", ["mixtral_z3_w2", "native_moe_z2_w2_ep2"])
+def test_w2_ep2_continues_the_deepspeed_run(imported, tmp_path, case):
     results = run_world(continue_one_step, 2, tmp_path, str(imported / case),
                         ["moe.ep_size=2", "zero_optimization.stage=2"], batch(case),
                         timeout_s=180)
@@ -294,3 +323,33 @@ def test_peak_rss_of_an_import_stays_under_a_budget_smaller_than_the_model(tmp_p
     assert budget < model_bytes
     assert peak - before < budget
     assert store.verify(store.find_checkpoint(tmp_path / "out")) == []
+
+
+# ---------------------------------------------------------------------------- native MoE names
+def test_name_patterns_map_layers_and_global_experts(tmp_path):
+    from moezero.checkpoint.deepspeed import patterns
+
+    names = tmp_path / "names.yaml"
+    names.write_text("'blocks.{L}.ffn.*experts.{E}.fc_in.weight': 'layers.{L}.moe.experts.{E}"
+                     ".w1.weight'\n")
+    got = patterns.by_fqn(["blocks.3.ffn.deepspeed_moe.experts.deepspeed_experts.5.fc_in.weight",
+                           "model.layers.1.mlp.moe.deepspeed_moe.gate.wg.weight",
+                           "model.layers.0.self_attn.q_proj.weight"], patterns.load(names))
+    assert got == {"layers.3.moe.experts.5.w1.weight":
+                   "blocks.3.ffn.deepspeed_moe.experts.deepspeed_experts.5.fc_in.weight",
+                   "layers.1.moe.router.weight":
+                   "model.layers.1.mlp.moe.deepspeed_moe.gate.wg.weight"}
+
+
+def test_the_report_names_the_layout_and_measures_the_expert_files(tmp_path, capsys):
+    from moezero.cli import main
+
+    code = main(["import-deepspeed", str(FIXTURES / "native_moe_z2_w2_ep2" / "ckpt"), "--out",
+                 str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "ZeRO stage 2, data-parallel world size 2, ep 2, module dtype float32, 21,952 " \
+           "parameters in 2 optimizer group(s)" in out
+    held = 8 * 3 * 16 * 32 * 4  # 2 layers x 4 experts, three 16x32 fp32 matrices each
+    assert f"expert files: 8, {sum(p.stat().st_size for p in (FIXTURES / 'native_moe_z2_w2_ep2' / 'ckpt' / 'global_step2').glob('layer_*')):,} bytes holding {held:,} bytes" in out  # noqa: E501
+    assert "fp32 master, exp_avg, exp_avg_sq, Adam step 2" in out

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from moezero.checkpoint.deepspeed import placement, ranks, settings
+from moezero.checkpoint.deepspeed import patterns, placement, ranks, settings
 from moezero.checkpoint.deepspeed.source import Source, find_tag, read_source
 from moezero.checkpoint.hf.importer import HF_CONFIG, _layout, import_config, read_hf_config
 from moezero.checkpoint.hf.names import candidates
@@ -41,6 +41,8 @@ class Report:
     bytes_out: int
     found: list[str]
     notes: list[str] = field(default_factory=list)
+    eps: list[int] = field(default_factory=lambda: [1])
+    numel: int = 0  # parameters, every expert counted
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,10 @@ class Write:
     at: int
 
 
-def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = None) -> Report:
-    """Convert the DeepSpeed checkpoint ``ckpt_dir`` (tag ``tag``) into ``out``.
+def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = None,
+                     names: str | Path | None = None) -> Report:
+    """Convert the DeepSpeed checkpoint ``ckpt_dir`` (tag ``tag``) into ``out``; ``names``: a
+    YAML of name patterns for native-MoE modules (``patterns``).
 
     Raises:
         CheckpointError: one line naming the file or setting; nothing is left at ``out``.
@@ -67,12 +71,14 @@ def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = No
     family, arch, raw = read_hf_config(_config_dir(ckpt_dir))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"--out {out}: exists and is not an empty directory")
-    where = placement.plan(src.stage, src.world_size, src.groups)
-    first = _check_ranks(src, where)
+    first = ranks.read_rank(src.optim_files[0])
+    eps = _group_eps(first, src)
+    where = placement.plan(src.stage, src.world_size, src.groups, eps)
+    _check_ranks(src, where)
     cfg, notes = _config(arch, raw, src, first, out)
     layout = _layout(arch, cfg, step=src.global_steps, weights_only=False)
-    shapes = {name: shape for group in src.groups for name, shape in group}
-    writes = _writes(layout, where, shapes, arch, family, src)
+    mapped = patterns.by_fqn(where.shapes, patterns.load(names and Path(names)))
+    writes = _writes(layout, where, mapped, arch, family, src)
     created = not out.exists()
     try:
         step_dir = _write(layout, src, writes, out, meta={
@@ -89,7 +95,9 @@ def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = No
     dump_config(cfg, out / "config.yaml")
     bytes_in = sum(p.stat().st_size for p in src.folder.iterdir() if p.is_file())
     bytes_out = sum(p.stat().st_size for p in step_dir.iterdir())
-    return Report(src, step_dir, bytes_in, bytes_out, _found(first), notes + _unknown(src))
+    return Report(src, step_dir, bytes_in, bytes_out, _found(first), notes + _unknown(src),
+                  eps=sorted({e for e in eps if e}) or [1],
+                  numel=sum(_prod(shape) for shape in where.shapes.values()))
 
 
 def _config_dir(ckpt_dir: Path) -> Path:
@@ -123,10 +131,13 @@ def _config(arch, raw: dict, src: Source, first: ranks.RankState, out: Path):
                               f"{err['msg']}") from None
 
 
-def _source_range(fqn: str, shape, shapes: dict, arch, family) -> tuple[str, int, int] | None:
-    """(DeepSpeed param, element range) holding ``fqn``: the first name the mapping offers
-    that DeepSpeed has, its leading-index slices turned into one contiguous range."""
-    for key, index in candidates(fqn, arch, family):
+def _source_range(fqn: str, shape, shapes: dict, mapped: dict, arch, family
+                  ) -> tuple[str, int, int] | None:
+    """(DeepSpeed param, element range) holding ``fqn``: the name a pattern maps to it, else
+    the first name the Hugging Face mapping offers that DeepSpeed has, its leading-index
+    slices turned into one contiguous range."""
+    options = [(mapped[fqn], ())] if fqn in mapped else candidates(fqn, arch, family)
+    for key, index in options:
         if key in shapes:
             a, b = _flat_range(shapes[key], index)
             if b - a != _prod(shape):
@@ -155,13 +166,13 @@ def _prod(shape) -> int:
     return out
 
 
-def _writes(layout, where: placement.Placement, shapes: dict, arch, family,
+def _writes(layout, where: placement.Placement, mapped: dict, arch, family,
             src: Source) -> list[Write]:
     """Every piece to copy, checked: every moezero FQN has a source, every DeepSpeed param
     is used (lm_head may be the tied embedding)."""
-    sources = {}
+    sources, shapes = {}, where.shapes
     for fqn, shape in layout.shapes:
-        found = _source_range(fqn, shape, shapes, arch, family)
+        found = _source_range(fqn, shape, shapes, mapped, arch, family)
         if found is None:
             options = " or ".join(dict.fromkeys(k for k, _ in candidates(fqn, arch, family)))
             raise CheckpointError(f"{src.model_files[0]}: no parameter for {fqn} (looked for "
@@ -170,7 +181,8 @@ def _writes(layout, where: placement.Placement, shapes: dict, arch, family,
     left = sorted(set(shapes) - {k for k, _, _ in sources.values()})
     if left:
         raise CheckpointError(f"{src.model_files[0]}: param {left[0]} has no place in moezero's "
-                              f"decoder ({len(left)} such params); refusing to drop it")
+                              f"decoder ({len(left)} such params; map it with --names); "
+                              "refusing to drop it")
     out = []
     for f in layout.files:
         for t in f.tensors:
@@ -207,15 +219,29 @@ def _write_rank(state: ranks.RankState, partial: Path, writes: list[Write]) -> l
     return records
 
 
-def _check_ranks(src: Source, where: placement.Placement) -> ranks.RankState:
+def _check_ranks(src: Source, where: placement.Placement) -> None:
     """Every rank's file read (its pickle; tensor data stays on disk) and checked against the
-    model states; rank 0's state (for the counters and settings)."""
-    first = None
+    model states."""
     for rank in range(src.world_size):
-        state = ranks.read_rank(src.optim_files[rank])
-        _check_rank(state, where, src, rank)
-        first = first or state
-    return first
+        _check_rank(ranks.read_rank(src.optim_files[rank]), where, src, rank)
+
+
+def _group_eps(first: ranks.RankState, src: Source) -> tuple[int | None, ...]:
+    """Per group: the expert-parallel size of a native-MoE group (``moe: True``, named
+    ``ep_size_N`` by DeepSpeed), None for a dense one."""
+    out = []
+    for g in first.param_groups:
+        name = str(g.get("name", ""))
+        if not g.get("moe"):
+            out.append(None)
+        elif name.startswith("ep_size_") and name[8:].isdigit():
+            out.append(int(name[8:]))
+        else:
+            raise CheckpointError(f"{src.optim_files[0]}: MoE param group {name!r}: expected "
+                                  "DeepSpeed's 'ep_size_N' name")
+    if src.stage == 3 and any(out):
+        raise CheckpointError(f"{src.optim_files[0]}: native MoE groups at ZeRO stage 3")
+    return tuple(out)
 
 
 def _check_rank(state: ranks.RankState, where: placement.Placement, src: Source,
@@ -225,7 +251,7 @@ def _check_rank(state: ranks.RankState, where: placement.Placement, src: Source,
         raise CheckpointError(f"{path}: ZeRO stage {state.zero_stage}, the model states say "
                               f"{src.stage}")
     if src.stage == 3:
-        ok = sum(state.group_numel) == where.rank_numel
+        ok = sum(state.group_numel) == where.group_numel[0]
     else:
         ok = state.group_numel == where.group_numel
     if not ok:

@@ -1,7 +1,8 @@
 """What a DeepSpeed checkpoint folder holds, found before anything is written.
 
 A tag folder (``global_stepN``) of a ZeRO stage 1/2 run holds ``mp_rank_00_model_states.pt``
-(the module, ``param_shapes``, counters, ``ds_config``) and one
+(the module, ``param_shapes``, counters, ``ds_config``; with native MoE, the experts are in
+``layer_{l}_expert_{e}_mp_rank_00_model_states.pt`` instead) and one
 ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per data-parallel rank (rank r's slice of each
 group's flat fp32 master and Adam moments); stage 3 writes one model-states file per rank
 (``zero_pp_rank_{r}_mp_rank_00_model_states.pt``). Only rank 0's model-states file is read
@@ -41,18 +42,7 @@ class Source:
     ds_config: dict
     ds_version: str
     dtype: str
-
-    @property
-    def numel(self) -> int:
-        """Parameter elements of every group."""
-        return sum(_numel(shape) for group in self.groups for _, shape in group)
-
-
-def _numel(shape) -> int:
-    out = 1
-    for d in shape:
-        out *= int(d)
-    return out
+    expert_files: tuple[Path, ...] = ()  # native MoE: layer_*_expert_*_mp_rank_00_model_states.pt
 
 
 def find_tag(ckpt_dir: Path, tag: str | None) -> Path:
@@ -98,7 +88,8 @@ def read_source(folder: Path) -> Source:
     return Source(folder, stage, world, groups, optim, model_files,
                   _int(states, "global_steps", model_files[0]), states.get("global_samples"),
                   states.get("lr_scheduler"), dict(states.get("ds_config") or {}),
-                  str(states.get("ds_version", "?")), dtype)
+                  str(states.get("ds_version", "?")), dtype,
+                  tuple(sorted(folder.glob("layer_*_expert_*_mp_rank_00_model_states.pt"))))
 
 
 def _model_files(folder: Path) -> tuple[Path, ...]:
