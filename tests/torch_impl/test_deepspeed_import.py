@@ -27,7 +27,7 @@ from tests.support.world import run_world
 FIXTURES = Path(os.environ.get("MOEZERO_DS_FIXTURES")  # nox -s deepspeed_fixtures: made anew
                 or Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed")
 CASES = ("mixtral_z1_w1", "mixtral_z2_w2", "mixtral_z3_w2", "mixtral_z3_w3", "mixtral_z2_w2_cpu",
-         "native_moe_z2_w2_ep2")
+         "native_moe_z2_w2_ep2", "native_moe_z2_w4_ep2")
 TOL = 1e-6  # the bound: fp32, relative
 
 
@@ -149,7 +149,7 @@ def test_control_without_adam_moments_is_far_off(imported):
     assert worst > 1e3 * TOL, worst
 
 
-@pytest.mark.parametrize("case", ["mixtral_z3_w2", "native_moe_z2_w2_ep2"])
+@pytest.mark.parametrize("case", ["mixtral_z3_w2", "native_moe_z2_w2_ep2", "native_moe_z2_w4_ep2"])
 def test_w2_ep2_continues_the_deepspeed_run(imported, tmp_path, case):
     results = run_world(continue_one_step, 2, tmp_path, str(imported / case),
                         ["moe.ep_size=2", "zero_optimization.stage=2"], batch(case),
