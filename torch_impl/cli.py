@@ -83,15 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     hf.add_argument("path", metavar="PATH", help="directory with config.json and safetensors")
     hf.add_argument("--out", required=True, metavar="DIR",
                     help="checkpoint root to create (new or empty)")
-    ds = sub.add_parser("import-deepspeed", help="a DeepSpeed ZeRO checkpoint of a Hugging Face "
-                                                 "MoE model, optimizer state included "
-                                                 "(docs/migrate-deepspeed.md)")
-    ds.add_argument("path", metavar="CKPT_DIR", help="DeepSpeed checkpoint folder")
-    ds.add_argument("--tag", help="tag folder (default: 'latest', else the only global_step*)")
-    ds.add_argument("--out", required=True, metavar="DIR",
-                    help="checkpoint root to create (new or empty)")
-    ds.add_argument("--names", metavar="YAML", help="DeepSpeed name pattern -> moezero FQN "
-                                                   "pattern, for native MoE modules")
+    _import_deepspeed_parser(sub)
     _prepare_parser(sub)
     est = sub.add_parser("estimate", help="per-rank bytes of params, grads and optimizer state "
                                           "per tier, from the config alone (docs/scale.md)")
@@ -184,6 +176,18 @@ def _prepare_data(args: argparse.Namespace) -> int:
         raise DataError(f"prepare-data to {args.out}: {exc.strerror or exc}") from None
     print(prepare.summary_line(manifest, Path(args.out)))
     return 0
+
+
+def _import_deepspeed_parser(sub) -> None:
+    ds = sub.add_parser("import-deepspeed", help="a DeepSpeed ZeRO checkpoint of a Hugging Face "
+                                                 "MoE model, optimizer state included "
+                                                 "(docs/migrate-deepspeed.md)")
+    ds.add_argument("path", metavar="CKPT_DIR", help="DeepSpeed checkpoint folder")
+    ds.add_argument("--tag", help="tag folder (default: 'latest', else the only global_step*)")
+    ds.add_argument("--out", required=True, metavar="DIR",
+                    help="checkpoint root to create (new or empty)")
+    ds.add_argument("--names", metavar="YAML", help="DeepSpeed name pattern -> moezero FQN "
+                                                   "pattern, for native MoE modules")
 
 
 def _import_deepspeed(args: argparse.Namespace) -> int:
