@@ -210,12 +210,10 @@ def _write(layout, src: Source, writes: list[Write], out: Path, meta: dict) -> P
 def _write_rank(state: ranks.RankState, partial: Path, writes: list[Write]) -> list:
     """One rank's pieces, each range's crc32 computed from the bytes written."""
     records = []
-    for name in ranks.STATES:
-        vector = state.vector(name)
-        for w in (w for w in writes if w.state == name):
-            data = vector[w.offset:w.offset + w.length].numpy()
-            crc = store.write_range(partial / w.file, w.at, data)
-            records.append(RangeRecord(w.file, w.at, w.length * ITEMSIZE, crc))
+    for w in writes:
+        data = state.slice(w.state, w.offset, w.length).numpy()
+        crc = store.write_range(partial / w.file, w.at, data)
+        records.append(RangeRecord(w.file, w.at, w.length * ITEMSIZE, crc))
     return records
 
 

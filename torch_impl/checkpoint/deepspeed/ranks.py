@@ -30,10 +30,18 @@ class RankState:
     loss_scaler: object
     zero_stage: int
 
-    def vector(self, state: str) -> torch.Tensor:
-        """``state`` of every group as one 1-D vector (a copy when there are several)."""
-        flat = [p.detach().reshape(-1) for p in self.parts[state]]
-        return flat[0] if len(flat) == 1 else torch.cat(flat)
+    def slice(self, state: str, offset: int, length: int) -> torch.Tensor:
+        """Elements ``[offset, offset + length)`` of ``state`` in the rank's vector (its groups'
+        partitions back to back), a view of one group's tensor: a piece never spans groups,
+        and no group is copied."""
+        for part in self.parts[state]:
+            n = part.numel()
+            if offset < n:
+                if offset + length > n:
+                    raise ValueError(f"[{offset}, {offset + length}) spans two groups")
+                return part.detach().reshape(-1)[offset:offset + length]
+            offset -= n
+        raise ValueError(f"offset {offset} beyond the rank's {state}")
 
 
 def read_rank(path: Path) -> RankState:
