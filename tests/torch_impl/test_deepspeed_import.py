@@ -358,3 +358,16 @@ def test_the_report_names_the_layout_and_measures_the_expert_files(tmp_path, cap
     held = 8 * 3 * 16 * 32 * 4  # 2 layers x 4 experts, three 16x32 fp32 matrices each
     assert f"expert files: 8, {sum(p.stat().st_size for p in (FIXTURES / 'native_moe_z2_w2_ep2' / 'ckpt' / 'global_step2').glob('layer_*')):,} bytes holding {held:,} bytes" in out  # noqa: E501
     assert "fp32 master, exp_avg, exp_avg_sq, Adam step 2" in out
+
+
+def test_train_with_the_imported_config_resumes_with_deepspeeds_settings(imported, tmp_path):
+    from tests.torch_impl.test_cli import moezero
+
+    res = moezero("train", "--nproc", "1", "--config", str(imported / "mixtral_z2_w2" /
+                                                          "config.yaml"),
+                  "--set", "moe.ep_size=1", "--set", "train.steps=3", "--set", "train.seq_len=12",
+                  "--out", str(tmp_path / "run"), timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert "resumed from" in res.stdout and "step_00000002 at step 2" in res.stdout
+    (metrics,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert metrics["step"] == 3 and metrics["lr"] == 1e-2 and metrics["aux_loss"] == 0.0

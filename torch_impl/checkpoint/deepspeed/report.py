@@ -20,8 +20,8 @@ def render(report: Report, out: str) -> str:
         *_experts(report),
         *(f"not carried over: {note}" for note in report.notes),
         f"wrote {report.step_dir}",
-        f"continue: moezero train --set checkpoint.load={out} "
-        f"(or --config {out}/config.yaml)",
+        f"continue: moezero train --config {out}/config.yaml (DeepSpeed's optimizer settings "
+        "and checkpoint.load; --set checkpoint.load alone adopts only the architecture)",
     ]
     return "\n".join(lines)
 
