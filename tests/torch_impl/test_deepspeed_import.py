@@ -371,3 +371,25 @@ def test_train_with_the_imported_config_resumes_with_deepspeeds_settings(importe
     assert "resumed from" in res.stdout and "step_00000002 at step 2" in res.stdout
     (metrics,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert metrics["step"] == 3 and metrics["lr"] == 1e-2 and metrics["aux_loss"] == 0.0
+
+
+# ---------------------------------------------------------------------------- settings
+def test_trainer_style_groups_and_schedules_map_or_are_refused():
+    from moezero.checkpoint.deepspeed import settings
+    from moezero.plan.store import CheckpointError
+
+    ds = {"optimizer": {"type": "AdamW"}, "gradient_clipping": 1.0}
+    groups = [{"lr": 2e-4, "betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.01},
+              {"lr": 2e-4, "betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.0}]
+    names = [["model.layers.0.self_attn.q_proj.weight"], ["model.norm.weight", "x.bias"]]
+    opt, notes = settings.optimizer_section(ds, groups, names, "f")
+    assert opt == {"lr": 2e-4, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": 0.01,
+                   "no_decay_on_norms": True, "gradient_clipping": 1.0, "warmup_steps": 0,
+                   "min_lr_ratio": 1.0} and notes == []
+    with pytest.raises(CheckpointError, match=r"weight decays \[0.0, 0.01\]"):
+        settings.optimizer_section(ds, groups, names[::-1], "f")
+    _, notes = settings.optimizer_section({**ds, "scheduler": {"type": "WarmupLR"}}, groups,
+                                          names, "f")
+    assert notes and "'WarmupLR'" in notes[0]
+    with pytest.raises(CheckpointError, match="only Adam/AdamW"):
+        settings.optimizer_section({"optimizer": {"type": "Lamb"}}, groups, names, "f")
