@@ -357,7 +357,7 @@ def test_the_report_names_the_layout_and_measures_the_expert_files(tmp_path, cap
            "parameters in 2 optimizer group(s)" in out
     held = 8 * 3 * 16 * 32 * 4  # 2 layers x 4 experts, three 16x32 fp32 matrices each
     assert f"expert files: 8, {sum(p.stat().st_size for p in (FIXTURES / 'native_moe_z2_w2_ep2' / 'ckpt' / 'global_step2').glob('layer_*')):,} bytes holding {held:,} bytes" in out  # noqa: E501
-    assert "fp32 master, exp_avg, exp_avg_sq, Adam step 2" in out
+    assert "fp32 master, exp_avg, exp_avg_sq, Adam step 2, static loss scale" in out
 
 
 def test_train_with_the_imported_config_resumes_with_deepspeeds_settings(imported, tmp_path):
@@ -393,3 +393,16 @@ def test_trainer_style_groups_and_schedules_map_or_are_refused():
     assert notes and "'WarmupLR'" in notes[0]
     with pytest.raises(CheckpointError, match="only Adam/AdamW"):
         settings.optimizer_section({"optimizer": {"type": "Lamb"}}, groups, names, "f")
+
+
+def test_deepspeeds_dynamic_loss_scale_becomes_moezeros():
+    from moezero.checkpoint.deepspeed.importer import loss_scaler
+    from moezero.checkpoint.deepspeed.pickles import LossScaler
+
+    ds = LossScaler()
+    ds.__dict__.update(cur_scale=2.0**14, cur_iter=1250, last_overflow_iter=1000,
+                       scale_window=100, cur_hysteresis=1, dynamic=True)
+    assert loss_scaler(ds) == {"scale": 16384.0, "good_steps": 49, "hysteresis_left": 1}
+    static = LossScaler()
+    static.__dict__.update(cur_scale=1.0, dynamic=False)
+    assert loss_scaler(static) is None and loss_scaler(None) is None

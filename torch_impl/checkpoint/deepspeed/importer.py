@@ -264,13 +264,28 @@ def _engine(src: Source, first: ranks.RankState) -> dict:
         raise CheckpointError(f"{src.optim_files[0]}: groups at different Adam steps "
                               f"{sorted(steps)}")
     lr = first.param_groups[0].get("lr") if first.param_groups else None
-    return {"step_count": steps.pop(), "global_steps": src.global_steps,
-            "lr_step": first.steps[0], "lr": lr}
+    record = {"step_count": steps.pop(), "global_steps": src.global_steps,
+              "lr_step": first.steps[0], "lr": lr}
+    scaler = loss_scaler(first.loss_scaler)
+    return {**record, "loss_scaler": scaler} if scaler else record
+
+
+def loss_scaler(ds) -> dict | None:
+    """moezero's fp16 scaler state from DeepSpeed's dynamic one (scale, clean steps since the
+    last overflow within the window, hysteresis left); None for a static scaler (fp32, bf16)."""
+    fields = vars(ds) if ds is not None else {}
+    if not fields.get("dynamic") or "cur_scale" not in fields:
+        return None
+    clean = int(fields.get("cur_iter", 0)) - int(fields.get("last_overflow_iter", -1)) - 1
+    return {"scale": float(fields["cur_scale"]),
+            "good_steps": clean % int(fields.get("scale_window", 1000)),
+            "hysteresis_left": int(fields.get("cur_hysteresis", fields.get("delayed_shift", 1)))}
 
 
 def _found(first: ranks.RankState) -> list[str]:
+    scaler = loss_scaler(first.loss_scaler)
     return ["fp32 master", "exp_avg", "exp_avg_sq", f"Adam step {first.steps[0]}",
-            "loss scaler" if first.loss_scaler is not None else "no loss scaler"]
+            f"dynamic loss scale {scaler['scale']:g}" if scaler else "static loss scale"]
 
 
 def _unknown(src: Source) -> list[str]:
