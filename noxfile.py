@@ -134,7 +134,9 @@ DEEPSPEED = ("deepspeed==0.19.8", "transformers>=5.0", "accelerate", "safetensor
 def deepspeed_fixtures(session: nox.Session) -> None:
     """Slow, not in the default sessions: re-create tests/fixtures/deepspeed with the real
     DeepSpeed (in this session's own venv, on CPU with gloo), then check ``import-deepspeed``
-    against them (``deepspeed_check``, moezero's venv). A DeepSpeed format change fails here."""
+    against them (``deepspeed_check``, moezero's venv). A DeepSpeed format change fails here.
+    The NVMe case (not committed: 14 MB) needs ``libaio-dev``; DeepSpeed JIT-builds its
+    async_io op on first use (minutes)."""
     env = {"DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu"}
     session.install("torch==2.13.0", "wheel")
     session.install("--no-build-isolation", DEEPSPEED[0], env=env)

@@ -71,7 +71,7 @@ def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = No
     family, arch, raw = read_hf_config(_config_dir(ckpt_dir))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"--out {out}: exists and is not an empty directory")
-    first = ranks.read_rank(src.optim_files[0])
+    first = _read_rank(src, 0)
     eps = _group_eps(first, src)
     where = placement.plan(src.stage, src.world_size, src.groups, eps)
     _check_ranks(src, where)
@@ -93,7 +93,7 @@ def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = No
         _remove(out, created)
         raise
     dump_config(cfg, out / "config.yaml")
-    bytes_in = sum(p.stat().st_size for p in src.folder.iterdir() if p.is_file())
+    bytes_in = sum(p.stat().st_size for p in src.folder.rglob("*") if p.is_file())
     bytes_out = sum(p.stat().st_size for p in step_dir.iterdir())
     return Report(src, step_dir, bytes_in, bytes_out, _found(first), notes + _unknown(src),
                   eps=sorted({e for e in eps if e}) or [1],
@@ -199,7 +199,7 @@ def _write(layout, src: Source, writes: list[Write], out: Path, meta: dict) -> P
     partial = store.begin_save(out, layout.step)
     records = store.write_headers(layout, partial)
     for rank in range(src.world_size):
-        records += _write_rank(ranks.read_rank(src.optim_files[rank]), partial,
+        records += _write_rank(_read_rank(src, rank), partial,
                                [w for w in writes if w.rank == rank])
     for f in layout.files:
         fsync_file(partial / f.name)
@@ -221,7 +221,15 @@ def _check_ranks(src: Source, where: placement.Placement) -> None:
     """Every rank's file read (its pickle; tensor data stays on disk) and checked against the
     model states."""
     for rank in range(src.world_size):
-        _check_rank(ranks.read_rank(src.optim_files[rank]), where, src, rank)
+        _check_rank(_read_rank(src, rank), where, src, rank)
+
+
+def _read_rank(src: Source, rank: int) -> ranks.RankState:
+    """Rank ``rank``'s state; NVMe-offloaded state from ``offloaded_tensors/rankNN``, whose
+    sub-groups are named by param ids (the params in order)."""
+    per = [-(-_prod(shape) // src.world_size) for group in src.groups for _, shape in group]
+    return ranks.read_rank(src.optim_files[rank], src.folder / "offloaded_tensors" /
+                           f"rank{rank:02d}", lambda a, b: sum(per[a:b + 1]))
 
 
 def _group_eps(first: ranks.RankState, src: Source) -> tuple[int | None, ...]:

@@ -8,6 +8,8 @@ in ``optimizer_state_dict.base_optimizer_state.state[g]``; stage 3 keeps
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from moezero.checkpoint.deepspeed import pickles
 from moezero.plan.store import CheckpointError
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
+_SWAP = re.compile(r"(?:(exp_avg|exp_avg_sq)-)?(\d+)_(\d+)\.tensor\.swp")
 
 
 @dataclass
@@ -44,8 +47,12 @@ class RankState:
         raise ValueError(f"offset {offset} beyond the rank's {state}")
 
 
-def read_rank(path: Path) -> RankState:
-    """The state of one ``*_optim_states.pt`` file (memory-mapped), one-line errors."""
+def read_rank(path: Path, offloaded: Path | None = None,
+              numel_of: Callable[[int, int], int] | None = None) -> RankState:
+    """The state of one ``*_optim_states.pt`` file (memory-mapped), one-line errors. A ZeRO-3
+    run with its optimizer state on NVMe saves empty tensors there and the state in
+    ``offloaded`` (``offloaded_tensors/rankNN``): read from those files instead
+    (``read_offloaded``; ``numel_of(a, b)``: this rank's elements of params a..b)."""
     top = pickles.load(path).get("optimizer_state_dict")
     if not isinstance(top, dict):
         raise CheckpointError(f"{path}: no optimizer_state_dict (not a DeepSpeed ZeRO file)")
@@ -67,7 +74,13 @@ def read_rank(path: Path) -> RankState:
             _check(path, g, k, entry[k], master.numel())
             moments[k].append(entry[k])
         steps.append(int(entry.get("step", 0)))
-    return RankState({"master": list(masters), **moments}, tuple(m.numel() for m in masters), tuple(steps),
+    parts = {"master": list(masters), **moments}
+    if stage == 3 and masters and all(m.numel() == 0 for m in masters):
+        if offloaded is None or not offloaded.is_dir():
+            raise CheckpointError(f"{path}: the optimizer state is empty (offloaded to NVMe) and "
+                                  f"there is no {offloaded or 'offloaded_tensors'} folder")
+        parts = read_offloaded(offloaded, numel_of)
+    return RankState(parts, tuple(m.numel() for m in parts["master"]), tuple(steps),
                      list(base.get("param_groups", [])), top.get("loss_scaler"), stage)
 
 
@@ -75,3 +88,28 @@ def _check(path: Path, g: int, key: str, t, numel: int) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != numel:
         raise CheckpointError(f"{path}: group {g} {key} is not an fp32 tensor of the master's "
                               f"{numel} elements")
+
+
+def read_offloaded(folder: Path, numel_of: Callable[[int, int], int]) -> dict[str, list]:
+    """NVMe-offloaded ZeRO-3 state: DeepSpeed copies each sub-group's raw fp32 swap files
+    (``{first}_{last}.tensor.swp`` for the master, ``exp_avg-…``, ``exp_avg_sq-…``, named by
+    the ids of the sub-group's first and last params, padded to the I/O alignment) into the
+    checkpoint. Raw floats, no pickle: each is memory-mapped."""
+    found = {}
+    for p in folder.iterdir():
+        m = _SWAP.fullmatch(p.name)
+        if m:
+            found[(m[1] or "master", int(m[2]), int(m[3]))] = p
+    parts = {k: [] for k in STATES}
+    for a, b in sorted({(a, b) for _, a, b in found}):
+        numel = numel_of(a, b)
+        for key in STATES:
+            path = found.get((key, a, b))
+            if path is None:
+                raise CheckpointError(f"{folder}: no {key} swap file of params {a}..{b}")
+            if path.stat().st_size < numel * 4:
+                raise CheckpointError(f"{path}: {path.stat().st_size} bytes, params {a}..{b} "
+                                      f"need {numel * 4} (truncated)")
+            parts[key].append(torch.from_file(str(path), shared=False, size=numel,
+                                              dtype=torch.float32))
+    return parts
