@@ -27,7 +27,7 @@ from tests.support.world import run_world
 FIXTURES = Path(os.environ.get("MOEZERO_DS_FIXTURES")  # nox -s deepspeed_fixtures: made anew
                 or Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed")
 CASES = ("mixtral_z1_w1", "mixtral_z2_w2", "mixtral_z3_w2", "mixtral_z3_w3", "mixtral_z2_w2_cpu",
-         "native_moe_z2_w2_ep2", "native_moe_z2_w4_ep2")
+         "qwen3_moe_z2_w2", "native_moe_z2_w2_ep2", "native_moe_z2_w4_ep2")
 NVME = "mixtral_z3_w2_nvme"  # ~12 MB, not committed: made by nox -s deepspeed_fixtures
 LOCAL = [*CASES, pytest.param(NVME, marks=pytest.mark.skipif(
     not (FIXTURES / NVME).is_dir(), reason="NVMe fixture not made here"))]
@@ -64,7 +64,8 @@ def expected_params(case: str) -> dict[str, torch.Tensor]:
     [E, D, F])."""
     if case.startswith("native"):
         return expected_native(case)
-    ffn = json.loads((FIXTURES / case / "ckpt" / "config.json").read_text())["intermediate_size"]
+    config = json.loads((FIXTURES / case / "ckpt" / "config.json").read_text())
+    ffn = config.get("moe_intermediate_size") or config["intermediate_size"]
     after = load_file(FIXTURES / case / "after.safetensors")
     out = {"embed.weight": after.pop("model.embed_tokens.weight"),
            "norm.weight": after.pop("model.norm.weight"),
@@ -72,6 +73,8 @@ def expected_params(case: str) -> dict[str, torch.Tensor]:
     block = {"input_layernorm.weight": "attn_norm.weight",
              "post_attention_layernorm.weight": "ffn_norm.weight",
              "mlp.gate.weight": "moe.router.weight",
+             "self_attn.q_norm.weight": "attn.q_norm.weight",  # Qwen3-MoE
+             "self_attn.k_norm.weight": "attn.k_norm.weight",
              **{f"self_attn.{x}_proj.weight": f"attn.w{x}.weight" for x in "qkvo"}}
     for key in sorted(after):
         layer, rest = key.removeprefix("model.layers.").split(".", 1)
