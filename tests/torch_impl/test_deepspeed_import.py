@@ -220,7 +220,13 @@ def _extra_rank(folder: Path, tmp: Path) -> str:
     return "rank 2 beyond dp_world_size=2 recorded in the model states (world-size mismatch)"
 
 
+def _no_config_json(folder: Path, tmp: Path) -> str:
+    (folder.parent / "config.json").unlink()
+    return "no config.json here or one folder up"
+
+
 FAULTS = {"forbidden_global": _forbidden_global, "truncated": _truncated,
+          "no_config_json": _no_config_json,
           "missing_rank": _missing_rank, "partition_of_another_world":
           _partition_of_another_world, "extra_rank": _extra_rank}
 
@@ -409,3 +415,22 @@ def test_deepspeeds_dynamic_loss_scale_becomes_moezeros():
     static = LossScaler()
     static.__dict__.update(cur_scale=1.0, dynamic=False)
     assert loss_scaler(static) is None and loss_scaler(None) is None
+
+
+def test_two_params_mapped_to_one_fqn_are_one_line_naming_both(tmp_path, capsys):
+    import shutil
+
+    from moezero.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "native_moe_z2_w2_ep2" / "ckpt", ckpt)
+    names = tmp_path / "names.yaml"  # sends w1 to w3: w3 then has two sources
+    names.write_text("'model.layers.{L}.*deepspeed_experts.{E}.w1.weight': "
+                     "'layers.{L}.moe.experts.{E}.w3.weight'\n")
+    code = main(["import-deepspeed", str(ckpt), "--out", str(tmp_path / "out"), "--names",
+                 str(names)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "deepspeed_experts.0.w1.weight and " in err[0] and "both map to " \
+        "layers.0.moe.experts.0.w3.weight" in err[0], err[0]
+    assert not (tmp_path / "out").exists()
