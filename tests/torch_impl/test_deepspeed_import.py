@@ -156,11 +156,18 @@ def test_control_without_adam_moments_is_far_off(imported):
     assert worst > 1e3 * TOL, worst
 
 
-@pytest.mark.parametrize("case", ["mixtral_z3_w2", "native_moe_z2_w2_ep2", "native_moe_z2_w4_ep2"])
-def test_w2_ep2_continues_the_deepspeed_run(imported, tmp_path, case):
+W2 = {"stage2": ["zero_optimization.stage=2"],
+      "stage3_cpu_offload": ["zero_optimization.stage=3",
+                             "zero_optimization.offload_optimizer.device=cpu"]}
+
+
+@pytest.mark.parametrize("case,layout", [("mixtral_z3_w2", "stage2"),
+                                         ("mixtral_z2_w2", "stage3_cpu_offload"),
+                                         ("native_moe_z2_w2_ep2", "stage2"),
+                                         ("native_moe_z2_w4_ep2", "stage3_cpu_offload")])
+def test_w2_ep2_continues_the_deepspeed_run(imported, tmp_path, case, layout):
     results = run_world(continue_one_step, 2, tmp_path, str(imported / case),
-                        ["moe.ep_size=2", "zero_optimization.stage=2"], batch(case),
-                        timeout_s=180)
+                        ["moe.ep_size=2", *W2[layout]], batch(case), timeout_s=180)
     check_continuation(case, results)
 
 
