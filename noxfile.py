@@ -10,6 +10,7 @@ sessions: ``.ci/run`` calls it after them, as ``python -m nox -s wheel``.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -152,3 +153,36 @@ def bench(session: nox.Session) -> None:
             session.warn(note)
     peer = ["--peer-python", str(venv / "bin" / "python")] + (["--peer-note", note] if note else [])
     session.run("python", "-m", "benchmarks.run", *peer, *session.posargs)
+
+
+DEEPSPEED = ("deepspeed==0.19.8", "transformers>=5.0", "accelerate", "safetensors")
+"""The DeepSpeed the fixtures of ``import-deepspeed`` were made with (tests/fixtures/deepspeed)."""
+
+
+@nox.session
+def deepspeed_fixtures(session: nox.Session) -> None:
+    """Slow, not in the default sessions: re-create tests/fixtures/deepspeed with the real
+    DeepSpeed (in this session's own venv, on CPU with gloo), then check ``import-deepspeed``
+    against them (``deepspeed_check``, moezero's venv). A DeepSpeed format change fails here.
+    The NVMe case (not committed: 14 MB) needs ``libaio-dev``; DeepSpeed JIT-builds its
+    async_io op on first use (minutes)."""
+    env = {"DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu"}
+    session.install("torch==2.13.0", "wheel")
+    session.install("--no-build-isolation", DEEPSPEED[0], env=env)
+    session.install(*DEEPSPEED[1:])
+    script = "tests/fixtures/deepspeed/make_fixtures.py"
+    out = os.path.join(session.create_tmp(), "deepspeed_fixtures")
+    cases = session.run("python", script, "--cases", silent=True, env=env)
+    for case, world in json.loads(cases.strip().splitlines()[-1]).items():
+        session.run("torchrun", "--nproc_per_node", str(world), "--master_port", "29650",
+                    script, case, out, env=env)
+    session.notify("deepspeed_check", [out])
+
+
+@nox.session
+def deepspeed_check(session: nox.Session) -> None:
+    """The importer tests against the fixtures folder given as the argument (default: the
+    committed ones)."""
+    _install(session, "dev")
+    env = {"MOEZERO_DS_FIXTURES": session.posargs[0]} if session.posargs else {}
+    session.run("pytest", "tests/torch_impl/test_deepspeed_import.py", env=env)

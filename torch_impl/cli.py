@@ -76,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     hf.add_argument("path", metavar="PATH", help="directory with config.json and safetensors")
     hf.add_argument("--out", required=True, metavar="DIR",
                     help="checkpoint root to create (new or empty)")
+    _import_deepspeed_parser(sub)
     _prepare_parser(sub)
     est = sub.add_parser("estimate", help="per-rank bytes of params, grads and optimizer state "
                                           "per tier, from the config alone (docs/scale.md)")
@@ -168,6 +169,29 @@ def _prepare_data(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise DataError(f"prepare-data to {args.out}: {exc.strerror or exc}") from None
     print(prepare.summary_line(manifest, Path(args.out)))
+    return 0
+
+
+def _import_deepspeed_parser(sub) -> None:
+    ds = sub.add_parser("import-deepspeed", help="a DeepSpeed ZeRO checkpoint of a Hugging Face "
+                                                 "MoE model, optimizer state included "
+                                                 "(docs/migrate-deepspeed.md)")
+    ds.add_argument("path", metavar="CKPT_DIR", help="DeepSpeed checkpoint folder")
+    ds.add_argument("--tag", help="tag folder (default: 'latest', else the only global_step*)")
+    ds.add_argument("--out", required=True, metavar="DIR",
+                    help="checkpoint root to create (new or empty)")
+    ds.add_argument("--names", metavar="YAML", help="DeepSpeed name pattern -> moezero FQN "
+                                                   "pattern, for native MoE modules")
+
+
+def _import_deepspeed(args: argparse.Namespace) -> int:
+    from moezero.checkpoint.deepspeed import import_deepspeed, report
+
+    try:
+        done = import_deepspeed(Path(args.path), Path(args.out), args.tag, args.names)
+    except OSError as exc:
+        raise CheckpointError(f"import-deepspeed to {args.out}: {exc.strerror or exc}") from None
+    print(report.render(done, args.out))
     return 0
 
 
@@ -299,6 +323,8 @@ def main(argv: list[str] | None = None, hooks: SaveHooks | None = None) -> int:
             return _checkpoint(args)
         if args.command == "import-hf":
             return _import_hf(args)
+        if args.command == "import-deepspeed":
+            return _import_deepspeed(args)
         if args.command == "prepare-data":
             return _prepare_data(args)
         if args.command == "estimate":

@@ -150,14 +150,15 @@ def _source(tensors: HFTensors, fqn: str, shape: tuple[int, ...], arch: Arch, fa
     return key, index
 
 
-def _layout(cfg: Config):
-    """The plan's layout of the default recipe's groups for the imported architecture (weights
-    only), so a run with the default grouping reads each group contiguously."""
+def _layout(cfg: Config, *, step: int = 0, weights_only: bool = True):
+    """The plan's layout of the default recipe's groups for the imported architecture (by
+    default weights only), so a run with the default grouping reads each group contiguously."""
     with torch.device("meta"):
         specs, _ = param_specs(Decoder(model_args(cfg)), config_user_group(cfg))
     groups = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
                          split_by_expert=cfg.moe.split_groups_by_expert)
-    return plan_layout(groups, {s.fqn: s.shape for s in specs}, step=0, weights_only=True)
+    return plan_layout(groups, {s.fqn: s.shape for s in specs}, step=step,
+                       weights_only=weights_only)
 
 
 def _check_all_used(tensors: HFTensors, used: set[str], arch: Arch, src: Path) -> None:

@@ -1,0 +1,443 @@
+"""``moezero import-deepspeed`` against checkpoints the real DeepSpeed 0.19.8 wrote
+(tests/fixtures/deepspeed/, made by its make_fixtures.py in DeepSpeed's own venv).
+
+The continuation test: DeepSpeed ran K steps, saved, and ran step K+1 (loss L, parameters P,
+recorded in the fixture). moezero imports the step-K checkpoint and runs step K+1 on the same
+global batch, at another world size / ep / ZeRO stage: loss == L and parameters == P within
+fp32 tolerance; the control (Adam moments dropped) lands far outside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moezero.checkpoint.deepspeed import import_deepspeed
+from moezero.config import load_config
+from moezero.plan import store
+from moezero.train import setup
+from tests.support.compare import rel_err
+from tests.support.world import run_world
+
+FIXTURES = Path(os.environ.get("MOEZERO_DS_FIXTURES")  # nox -s deepspeed_fixtures: made anew
+                or Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed")
+CASES = ("mixtral_z1_w1", "mixtral_z2_w2", "mixtral_z3_w2", "mixtral_z3_w3", "mixtral_z2_w2_cpu",
+         "qwen3_moe_z2_w2", "native_moe_z2_w2_ep2", "native_moe_z2_w4_ep2")
+NVME = "mixtral_z3_w2_nvme"  # ~12 MB, not committed: made by nox -s deepspeed_fixtures
+LOCAL = [*CASES, pytest.param(NVME, marks=pytest.mark.skipif(
+    not (FIXTURES / NVME).is_dir(), reason="NVMe fixture not made here"))]
+TOL = 1e-6  # the issue's bound: fp32, relative
+
+
+def expected_native(case: str) -> dict[str, torch.Tensor]:
+    """The same for the native-MoE case (a Qwen3-MoE decoder whose blocks are DeepSpeed's
+    ``MoE``; the fixture names experts by their global index, as DeepSpeed's expert files)."""
+    after = load_file(FIXTURES / case / "after.safetensors")
+    out = {"embed.weight": after.pop("model.embed_tokens.weight"),
+           "norm.weight": after.pop("model.norm.weight"),
+           "lm_head.weight": after.pop("lm_head.weight")}
+    block = {"input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_norm.weight": "attn.q_norm.weight",
+             "self_attn.k_norm.weight": "attn.k_norm.weight",
+             "mlp.moe.deepspeed_moe.gate.wg.weight": "moe.router.weight",
+             **{f"self_attn.{x}_proj.weight": f"attn.w{x}.weight" for x in "qkvo"}}
+    expert = "mlp.moe.deepspeed_moe.experts.deepspeed_experts."
+    for key in sorted(after):
+        layer, rest = key.removeprefix("model.layers.").split(".", 1)
+        if rest.startswith(expert):
+            e, w = rest.removeprefix(expert).split(".")[:2]
+            out[f"layers.{layer}.moe.experts.{e}.{w}.weight"] = after[key]
+        else:
+            out[f"layers.{layer}.{block[rest]}"] = after[key]
+    return out
+
+
+def expected_params(case: str) -> dict[str, torch.Tensor]:
+    """DeepSpeed's parameters after step K+1 under moezero's FQNs, mapped here by hand from
+    transformers 5's Mixtral names (fused experts: gate_up_proj [E, 2F, D], down_proj
+    [E, D, F])."""
+    if case.startswith("native"):
+        return expected_native(case)
+    config = json.loads((FIXTURES / case / "ckpt" / "config.json").read_text())
+    ffn = config.get("moe_intermediate_size") or config["intermediate_size"]
+    after = load_file(FIXTURES / case / "after.safetensors")
+    out = {"embed.weight": after.pop("model.embed_tokens.weight"),
+           "norm.weight": after.pop("model.norm.weight"),
+           "lm_head.weight": after.pop("lm_head.weight")}
+    block = {"input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "ffn_norm.weight",
+             "mlp.gate.weight": "moe.router.weight",
+             "self_attn.q_norm.weight": "attn.q_norm.weight",  # Qwen3-MoE
+             "self_attn.k_norm.weight": "attn.k_norm.weight",
+             **{f"self_attn.{x}_proj.weight": f"attn.w{x}.weight" for x in "qkvo"}}
+    for key in sorted(after):
+        layer, rest = key.removeprefix("model.layers.").split(".", 1)
+        if rest in block:
+            out[f"layers.{layer}.{block[rest]}"] = after[key]
+        elif rest == "mlp.experts.gate_up_proj":
+            for e, w in enumerate(after[key]):
+                out[f"layers.{layer}.moe.experts.{e}.w1.weight"] = w[:ffn]
+                out[f"layers.{layer}.moe.experts.{e}.w3.weight"] = w[ffn:]
+        else:
+            assert rest == "mlp.experts.down_proj", key
+            for e, w in enumerate(after[key]):
+                out[f"layers.{layer}.moe.experts.{e}.w2.weight"] = w
+    return out
+
+
+def continue_one_step(ckpt: str, overrides: list[str], tokens: torch.Tensor,
+                      drop_moments: bool = False) -> dict:
+    """Load the imported checkpoint, run one step on this rank's rows of ``tokens``."""
+    cfg = load_config(Path(ckpt) / "config.yaml", overrides)
+    engine, _ = setup(cfg, torch.device("cpu"))
+    engine.load_checkpoint(ckpt)
+    start = engine.step_count
+    if drop_moments:
+        for shard in engine.optimizer.shards():
+            for key, t in shard.tensors.items():
+                if key != "master":
+                    t.zero_()
+    rows = tokens.shape[0] // engine.topology.world_size
+    mine = tokens[engine.topology.rank * rows:(engine.topology.rank + 1) * rows]
+    loss = engine.train_step([mine])["loss"]
+    return {"start": start, "loss": loss,
+            "params": {k: p.detach().float().clone()
+                       for k, p in engine.full_parameters().items()}}
+
+
+def check_continuation(case: str, results: list[dict], tol: float = TOL) -> float:
+    ref = json.loads((FIXTURES / case / "reference.json").read_text())
+    assert results[0]["start"] == ref["k"]
+    assert rel_err(results[0]["loss"], ref["loss"]) <= tol, (results[0]["loss"], ref["loss"])
+    got = {k: v for r in results for k, v in r["params"].items()}
+    want = expected_params(case)
+    assert set(got) == set(want)
+    worst = max(rel_err(got[k], want[k]) for k in want)
+    print(f"{case}: loss rel err {rel_err(results[0]['loss'], ref['loss']):.2e}, "
+          f"worst param rel err {worst:.2e}")
+    assert worst <= tol, worst
+    return worst
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds")
+    for case in CASES + (NVME,) * (FIXTURES / NVME).is_dir():
+        import_deepspeed(FIXTURES / case / "ckpt", root / case)
+    return root
+
+
+def batch(case: str) -> torch.Tensor:
+    return load_file(FIXTURES / case / "batch.safetensors")["tokens"]
+
+
+@pytest.mark.parametrize("case", LOCAL)
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_w1_continues_the_deepspeed_run(imported, case, stage):
+    result = continue_one_step(str(imported / case), ["moe.ep_size=1",
+                               f"zero_optimization.stage={stage}"], batch(case))
+    check_continuation(case, [result])
+
+
+def test_control_without_adam_moments_is_far_off(imported):
+    case = "mixtral_z2_w2"
+    result = continue_one_step(str(imported / case), ["moe.ep_size=1"], batch(case),
+                               drop_moments=True)
+    with pytest.raises(AssertionError):
+        check_continuation(case, [result])
+    want = expected_params(case)
+    worst = max(rel_err(result["params"][k], want[k]) for k in want)
+    assert worst > 1e3 * TOL, worst
+
+
+W2 = {"stage2": ["zero_optimization.stage=2"],
+      "stage3_cpu_offload": ["zero_optimization.stage=3",
+                             "zero_optimization.offload_optimizer.device=cpu"]}
+
+
+@pytest.mark.parametrize("case,layout", [("mixtral_z3_w2", "stage2"),
+                                         ("mixtral_z2_w2", "stage3_cpu_offload"),
+                                         ("native_moe_z2_w2_ep2", "stage2"),
+                                         ("native_moe_z2_w4_ep2", "stage3_cpu_offload")])
+def test_w2_ep2_continues_the_deepspeed_run(imported, tmp_path, case, layout):
+    results = run_world(continue_one_step, 2, tmp_path, str(imported / case),
+                        ["moe.ep_size=2", *W2[layout]], batch(case), timeout_s=180)
+    check_continuation(case, results)
+
+
+def test_import_records_the_deepspeed_counters_and_settings(imported):
+    manifest = store.read_manifest(store.find_checkpoint(imported / "mixtral_z2_w2"))
+    assert manifest.step == 2 and not manifest.layout.weights_only
+    assert manifest.state["engine"]["step_count"] == 2
+    assert manifest.state["engine"]["global_steps"] == 2
+    cfg = load_config(imported / "mixtral_z2_w2" / "config.yaml")
+    opt = cfg.optimizer
+    assert (opt.lr, tuple(opt.betas), opt.eps, opt.weight_decay) == (1e-2, (0.9, 0.95), 1e-8, 0.1)
+    assert (opt.warmup_steps, opt.min_lr_ratio, opt.max_grad_norm) == (0, 1.0, None)
+    assert not opt.no_decay_on_norms and cfg.precision.dtype == "fp32"
+    assert store.verify(store.find_checkpoint(imported / "mixtral_z2_w2")) == []
+
+
+# ---------------------------------------------------------------------------- refusals
+class _Payload:
+    """Pickles as a call of ``os.system``: loading it with plain pickle would run a command."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+def _forbidden_global(folder: Path, tmp: Path) -> str:
+    path = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"x": _Payload(tmp / "pwned")}}, path)
+    return "refusing to load: the pickle asks for posix.system"
+
+
+def _truncated(folder: Path, tmp: Path) -> str:
+    path = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return "zero_pp_rank_1_mp_rank_00_optim_states.pt: not a readable torch checkpoint"
+
+
+def _missing_rank(folder: Path, tmp: Path) -> str:
+    (folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    return "missing the optimizer file of rank 1 (dp_world_size=2; found 1)"
+
+
+def _partition_of_another_world(folder: Path, tmp: Path) -> str:
+    w1 = FIXTURES / "mixtral_z1_w1" / "ckpt" / "global_step2"
+    name = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    (folder / name).write_bytes((w1 / name).read_bytes())
+    return f"{name}: partition of [21920] elements, a world of 2 ranks needs [10960] " \
+           "(world-size mismatch)"
+
+
+def _extra_rank(folder: Path, tmp: Path) -> str:
+    src = folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    (folder / "zero_pp_rank_2_mp_rank_00_optim_states.pt").write_bytes(src.read_bytes())
+    return "rank 2 beyond dp_world_size=2 recorded in the model states (world-size mismatch)"
+
+
+def _no_config_json(folder: Path, tmp: Path) -> str:
+    (folder.parent / "config.json").unlink()
+    return "no config.json here or one folder up"
+
+
+FAULTS = {"forbidden_global": _forbidden_global, "truncated": _truncated,
+          "no_config_json": _no_config_json,
+          "missing_rank": _missing_rank, "partition_of_another_world":
+          _partition_of_another_world, "extra_rank": _extra_rank}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_bad_checkpoint_is_one_line_and_nothing_written(tmp_path, capsys, fault):
+    import shutil
+
+    from moezero.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "mixtral_z2_w2" / "ckpt", ckpt)
+    expected = FAULTS[fault](ckpt / "global_step2", tmp_path)
+    code = main(["import-deepspeed", str(ckpt), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("moezero: error: ") and expected in err[0], err[0]
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "pwned").exists()
+
+
+# ---------------------------------------------------------------------------- memory
+BIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+           num_attention_heads=4, num_key_value_heads=4, num_local_experts=8,
+           num_experts_per_tok=2, model_type="mixtral", tie_word_embeddings=False,
+           rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64)
+
+
+def big_shapes() -> dict[str, tuple[int, ...]]:
+    """transformers 5 Mixtral's parameters (fused experts) for ``BIG``."""
+    d, f, e, v = (BIG[k] for k in ("hidden_size", "intermediate_size", "num_local_experts",
+                                   "vocab_size"))
+    shapes = {"model.embed_tokens.weight": (v, d)}
+    for i in range(BIG["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + f"self_attn.{x}_proj.weight": (d, d) for x in "qkvo"})
+        shapes.update({p + "mlp.gate.weight": (e, d), p + "mlp.experts.gate_up_proj": (e, 2 * f, d),
+                       p + "mlp.experts.down_proj": (e, d, f), p + "input_layernorm.weight": (d,),
+                       p + "post_attention_layernorm.weight": (d,)})
+    shapes.update({"model.norm.weight": (d,), "lm_head.weight": (v, d)})
+    return shapes
+
+
+def write_zero2_like(folder: Path, world: int) -> int:
+    """A ZeRO-2 checkpoint in DeepSpeed 0.19's file layout (the entries the importer reads;
+    the real format is covered by the fixtures above), W ``world``, two param groups (experts
+    apart, as DeepSpeed's MoE param split makes them); returns the param count."""
+    from collections import OrderedDict
+
+    shapes = big_shapes()
+    groups = [OrderedDict((k, torch.Size(s)) for k, s in shapes.items() if ("experts" in k) == e)
+              for e in (False, True)]
+    tag = folder / "global_step3"
+    tag.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(BIG))
+    config = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}
+    torch.save({"module": {}, "param_shapes": groups, "dp_world_size": world,
+                "mp_world_size": 1, "global_steps": 3, "ds_config": config,
+                "ds_version": "0.19.8"}, tag / "mp_rank_00_model_states.pt")
+    pers = [-(-sum(s.numel() for s in g.values()) // (2 * world)) * 2 for g in groups]
+    gen = torch.Generator().manual_seed(0)
+    for r in range(world):
+        flat = [[torch.randn(per, generator=gen) for per in pers] for _ in range(3)]
+        group = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
+        state = {g: {"step": torch.tensor(3.0), "exp_avg": flat[1][g], "exp_avg_sq": flat[2][g]}
+                 for g in range(2)}
+        torch.save({"optimizer_state_dict": {
+            "zero_stage": 2, "loss_scaler": None, "single_partition_of_fp32_groups": flat[0],
+            "base_optimizer_state": {"state": state, "param_groups": [group, dict(group)]}}},
+                   tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    return sum(torch.Size(s).numel() for s in shapes.values())
+
+
+PEAK = """
+import sys
+from pathlib import Path
+from moezero.checkpoint.deepspeed import import_deepspeed
+def rss(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+import_deepspeed(sys.argv[3], sys.argv[4])  # a tiny import first: every module loaded
+Path("/proc/self/clear_refs").write_text("5")  # reset the peak to the current RSS
+before = rss("VmRSS:")
+import_deepspeed(sys.argv[1], sys.argv[2])
+print(before, rss("VmHWM:"))
+"""
+
+
+def test_peak_rss_of_an_import_stays_under_a_budget_smaller_than_the_model(tmp_path):
+    """21 M params (81 MiB of fp32 weights, 243 MiB of optimizer state) in 4 rank files of two
+    groups each: the import holds about one rank file at a time, and copies no group."""
+    import subprocess
+    import sys
+
+    world = 4
+    numel = write_zero2_like(tmp_path / "ds", world)
+    model_bytes = numel * 4  # the fp32 weights alone (the state is 3x that)
+    res = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / "ds"), str(tmp_path / "out"),
+                          str(FIXTURES / "mixtral_z1_w1" / "ckpt"), str(tmp_path / "warm")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    before, peak = map(int, res.stdout.split())
+    rank_file = 3 * numel * 4 / world
+    budget = rank_file + 16 * 2**20  # one DeepSpeed file and a little
+    print(f"model {model_bytes / 2**20:.1f} MiB, rank file {rank_file / 2**20:.1f} MiB, "
+          f"import grew RSS by {(peak - before) / 2**20:.1f} MiB (budget {budget / 2**20:.1f})")
+    assert budget < model_bytes
+    assert peak - before < budget
+    assert store.verify(store.find_checkpoint(tmp_path / "out")) == []
+
+
+# ---------------------------------------------------------------------------- native MoE names
+def test_name_patterns_map_layers_and_global_experts(tmp_path):
+    from moezero.checkpoint.deepspeed import patterns
+
+    names = tmp_path / "names.yaml"
+    names.write_text("'blocks.{L}.ffn.*experts.{E}.fc_in.weight': 'layers.{L}.moe.experts.{E}"
+                     ".w1.weight'\n")
+    got = patterns.by_fqn(["blocks.3.ffn.deepspeed_moe.experts.deepspeed_experts.5.fc_in.weight",
+                           "model.layers.1.mlp.moe.deepspeed_moe.gate.wg.weight",
+                           "model.layers.0.self_attn.q_proj.weight"], patterns.load(names))
+    assert got == {"layers.3.moe.experts.5.w1.weight":
+                   "blocks.3.ffn.deepspeed_moe.experts.deepspeed_experts.5.fc_in.weight",
+                   "layers.1.moe.router.weight":
+                   "model.layers.1.mlp.moe.deepspeed_moe.gate.wg.weight"}
+
+
+def test_the_report_names_the_layout_and_measures_the_expert_files(tmp_path, capsys):
+    from moezero.cli import main
+
+    code = main(["import-deepspeed", str(FIXTURES / "native_moe_z2_w2_ep2" / "ckpt"), "--out",
+                 str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "ZeRO stage 2, data-parallel world size 2, ep 2, module dtype float32, 21,952 " \
+           "parameters in 2 optimizer group(s)" in out
+    held = 8 * 3 * 16 * 32 * 4  # 2 layers x 4 experts, three 16x32 fp32 matrices each
+    assert f"expert files: 8, {sum(p.stat().st_size for p in (FIXTURES / 'native_moe_z2_w2_ep2' / 'ckpt' / 'global_step2').glob('layer_*')):,} bytes holding {held:,} bytes" in out  # noqa: E501
+    assert "fp32 master, exp_avg, exp_avg_sq, Adam step 2, static loss scale" in out
+
+
+def test_train_with_the_imported_config_resumes_with_deepspeeds_settings(imported, tmp_path):
+    from tests.torch_impl.test_cli import moezero
+
+    res = moezero("train", "--nproc", "1", "--config", str(imported / "mixtral_z2_w2" /
+                                                          "config.yaml"),
+                  "--set", "moe.ep_size=1", "--set", "train.steps=3", "--set", "train.seq_len=12",
+                  "--out", str(tmp_path / "run"), timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert "resumed from" in res.stdout and "step_00000002 at step 2" in res.stdout
+    (metrics,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert metrics["step"] == 3 and metrics["lr"] == 1e-2 and metrics["aux_loss"] == 0.0
+
+
+# ---------------------------------------------------------------------------- settings
+def test_trainer_style_groups_and_schedules_map_or_are_refused():
+    from moezero.checkpoint.deepspeed import settings
+    from moezero.plan.store import CheckpointError
+
+    ds = {"optimizer": {"type": "AdamW"}, "gradient_clipping": 1.0}
+    groups = [{"lr": 2e-4, "betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.01},
+              {"lr": 2e-4, "betas": (0.9, 0.99), "eps": 1e-6, "weight_decay": 0.0}]
+    names = [["model.layers.0.self_attn.q_proj.weight"], ["model.norm.weight", "x.bias"]]
+    opt, notes = settings.optimizer_section(ds, groups, names, "f")
+    assert opt == {"lr": 2e-4, "betas": [0.9, 0.99], "eps": 1e-6, "weight_decay": 0.01,
+                   "no_decay_on_norms": True, "gradient_clipping": 1.0, "warmup_steps": 0,
+                   "min_lr_ratio": 1.0} and notes == []
+    with pytest.raises(CheckpointError, match=r"weight decays \[0.0, 0.01\]"):
+        settings.optimizer_section(ds, groups, names[::-1], "f")
+    _, notes = settings.optimizer_section({**ds, "scheduler": {"type": "WarmupLR"}}, groups,
+                                          names, "f")
+    assert notes and "'WarmupLR'" in notes[0]
+    with pytest.raises(CheckpointError, match="only Adam/AdamW"):
+        settings.optimizer_section({"optimizer": {"type": "Lamb"}}, groups, names, "f")
+
+
+def test_deepspeeds_dynamic_loss_scale_becomes_moezeros():
+    from moezero.checkpoint.deepspeed.importer import loss_scaler
+    from moezero.checkpoint.deepspeed.pickles import LossScaler
+
+    ds = LossScaler()
+    ds.__dict__.update(cur_scale=2.0**14, cur_iter=1250, last_overflow_iter=1000,
+                       scale_window=100, cur_hysteresis=1, dynamic=True)
+    assert loss_scaler(ds) == {"scale": 16384.0, "good_steps": 49, "hysteresis_left": 1}
+    static = LossScaler()
+    static.__dict__.update(cur_scale=1.0, dynamic=False)
+    assert loss_scaler(static) is None and loss_scaler(None) is None
+
+
+def test_two_params_mapped_to_one_fqn_are_one_line_naming_both(tmp_path, capsys):
+    import shutil
+
+    from moezero.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "native_moe_z2_w2_ep2" / "ckpt", ckpt)
+    names = tmp_path / "names.yaml"  # sends w1 to w3: w3 then has two sources
+    names.write_text("'model.layers.{L}.*deepspeed_experts.{E}.w1.weight': "
+                     "'layers.{L}.moe.experts.{E}.w3.weight'\n")
+    code = main(["import-deepspeed", str(ckpt), "--out", str(tmp_path / "out"), "--names",
+                 str(names)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "deepspeed_experts.0.w1.weight and " in err[0] and "both map to " \
+        "layers.0.moe.experts.0.w3.weight" in err[0], err[0]
+    assert not (tmp_path / "out").exists()
