@@ -226,16 +226,7 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
         raise
     lead = engine.topology.rank == 0
     if lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, run_dir / "config.yaml")
-        (run_dir / "param_groups.json").write_text(
-            json.dumps(param_groups_table(engine.groups), indent=1))
-        print(f"moezero: W={engine.topology.world_size} ep={cfg.moe.ep_size} "
-              f"stage={cfg.zero_optimization.stage} dtype={str(engine.dtype).removeprefix('torch.')} "
-              f"data: {batches.corpus.describe()}", flush=True)
-        print_group_table(engine.groups)
-        if resumed is not None:
-            print(f"moezero: resumed from {resumed} at step {engine.global_steps}", flush=True)
+        _start_run_dir(cfg, engine, batches, run_dir, resumed)
     tele = StepTelemetry(engine, model_args(cfg), cfg.train.seq_len,
                          run_dir / "tensorboard" if lead else None)
     try:
@@ -259,6 +250,21 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
         if latest is not None:
             print(f"checkpoint: {latest}", flush=True)
     return summary
+
+
+def _start_run_dir(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path,
+                   resumed: Path | None) -> None:
+    """Rank 0: the run directory's config and group table, and the run's opening lines."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, run_dir / "config.yaml")
+    (run_dir / "param_groups.json").write_text(
+        json.dumps(param_groups_table(engine.groups), indent=1))
+    print(f"moezero: W={engine.topology.world_size} ep={cfg.moe.ep_size} "
+          f"stage={cfg.zero_optimization.stage} dtype={str(engine.dtype).removeprefix('torch.')} "
+          f"data: {batches.corpus.describe()}", flush=True)
+    print_group_table(engine.groups)
+    if resumed is not None:
+        print(f"moezero: resumed from {resumed} at step {engine.global_steps}", flush=True)
 
 
 def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None, root: Path,

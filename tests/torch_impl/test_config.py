@@ -19,6 +19,7 @@ from moezero.config import (
     parse_override,
     to_yaml,
 )
+from moezero.distributed.devices import resolve_backend
 
 
 def _sections(model: type[BaseModel]):
@@ -164,8 +165,8 @@ def test_helpers_resolve_auto():
     cfg = Config()
     assert cfg.precision.resolve(cuda=False, bf16_supported=False) == "fp32"
     assert cfg.precision.resolve(cuda=True, bf16_supported=True) == "bf16"
-    assert cfg.dist.resolve_backend(cuda=False) == "gloo"
-    assert cfg.dist.resolve_backend(cuda=True) == "nccl"
+    assert resolve_backend(cfg.dist.backend, 0) == "gloo"
+    assert resolve_backend(cfg.dist.backend, 1) == "nccl"
     assert cfg.optimizer.model_copy(update={"gradient_clipping": 0.0}).max_grad_norm is None
     assert str(cfg.checkpoint.resolve_dir("runs/a")) == "runs/a/checkpoints"
 

@@ -358,12 +358,6 @@ class DistConfig(_Section):
     heartbeat_s: float = Field(30.0, gt=0, description="A spawned rank silent this long is "
                                "named as hung and the job is stopped (docs/reliability.md).")
 
-    def resolve_backend(self, *, cuda: bool) -> Literal["gloo", "nccl"]:
-        """The concrete backend for a device."""
-        if self.backend != "auto":
-            return self.backend
-        return "nccl" if cuda else "gloo"
-
 
 class ActivationCheckpointingConfig(_Section):
     """Recompute decoder blocks in backward instead of keeping their activations."""
