@@ -92,8 +92,8 @@ class Engine:
             {fqn: p.shape for fqn, p in self.params.items()}, self.dtype, device)
         self.optimizer = build_optimizer(
             self.params, self.groups, topology, zero, model=self.model, initial=initial,
-            swap_factory=lambda slots, meter: offload_state.build(
-                zero, slots, topology.rank, self.dtype, meter, self.io))
+            swap_factory=lambda slots, meter, frozen=(): offload_state.build(
+                zero, slots, topology.rank, self.dtype, meter, self.io, frozen=frozen))
         self.scaler = LossScaler.from_config(cfg.precision)
         self.step_count = 0  # optimizer steps taken (skipped steps excluded)
         self.global_steps = 0  # optimizer_step calls, skipped ones included (checkpoint names)

@@ -96,6 +96,8 @@ def read_param(ckpt_dir: str | os.PathLike, manifest: Manifest, fqn: str, start:
     if not 0 <= start <= stop <= numel:
         raise ValueError(f"param {fqn!r}: range [{start}, {stop}) is outside [0, {numel})")
     out = _output(out, stop - start)
+    if not pieces:  # a moment of a param saved frozen
+        out[:] = 0
     for f, t in pieces:
         lo, hi = max(start, t.start), min(stop, t.stop)
         if lo < hi:

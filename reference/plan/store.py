@@ -131,8 +131,8 @@ def _create(path: Path, size: int, header: bytes = b"") -> int:
 
 
 def write_partition(ckpt_dir: str | os.PathLike, layout: Layout, partition: Partition,
-                    dp_rank: int, *, master: np.ndarray, exp_avg: np.ndarray,
-                    exp_avg_sq: np.ndarray, fsync: bool = True,
+                    dp_rank: int, *, master: np.ndarray, exp_avg: np.ndarray | None = None,
+                    exp_avg_sq: np.ndarray | None = None, fsync: bool = True,
                     writer: Callable[[Path, int, np.ndarray], int] | None = None,
                     ) -> list[RangeRecord]:
     """Write one DP rank's shard of one group (every state) at its ranges from the layout.
@@ -143,7 +143,8 @@ def write_partition(ckpt_dir: str | os.PathLike, layout: Layout, partition: Part
         partition: The group's partition in the current plan (same members as saved).
         dp_rank: This rank's DP rank in the group.
         master, exp_avg, exp_avg_sq: The rank's fp32 shards (``shard_numel`` elements,
-            padding included, or at least the real elements; only those are written).
+            padding included, or at least the real elements; only those are written). The
+            moments are None for a frozen group (its layout has no optim file).
         fsync: Flush the written files before returning (do it on the writing host).
         writer: ``writer(path, offset, array) -> crc32`` writes one range into the existing
             file and returns the crc32 of its bytes (default ``write_range``; the torch side

@@ -64,6 +64,10 @@ class TrainConfig(_Section):
     deterministic: bool = Field(
         False, description="CUDA: deterministic kernels (torch.use_deterministic_algorithms, "
                            "cuDNN, cuBLAS workspace); slower. No effect on CPU (docs/model.md).")
+    freeze: list[str] = Field(
+        [], description="FQN glob patterns of parameters never trained, in order; '!' unfreezes "
+                        "(['*', '!*.experts.*'] trains the experts only). Frozen parameters get "
+                        "no gradient and no optimizer state (docs/finetune.md).")
     preempt_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU"]] = Field(
         ["SIGTERM", "SIGUSR1"],
         description="Signals that make every rank finish its step, save and exit (code 75); "

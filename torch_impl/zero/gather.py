@@ -177,8 +177,12 @@ class ParamGatherer:
             module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units))
             module.register_forward_hook(lambda m, a, out, units=units, root=module is model:
                                          self._post_forward(units, out, root))
+        # frozen params get no gradient: a unit waits for its trained params' only (one of
+        # frozen params alone is held until ``after_backward``)
+        self.trained = [sum(params[f].requires_grad for f in unit.fqns) for unit in self.units]
         for fqn, p in params.items():
-            p.register_post_accumulate_grad_hook(lambda _p, fqn=fqn: self._on_grad(fqn))
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _p, fqn=fqn: self._on_grad(fqn))
         for p in params.values():
             p.data.untyped_storage().resize_(0)
 
@@ -212,7 +216,7 @@ class ParamGatherer:
     def _pre_backward(self, units: list[int]) -> None:
         for u in units:
             self._acquire(u)
-            self.pending[u], self.active[u] = len(self.units[u].fqns), True
+            self.pending[u], self.active[u] = self.trained[u], True
         if self.prefetch and units[0] > 0:
             self._start(self.units[units[0] - 1].slots)
         if self.hint is not None and units in self._post:

@@ -22,6 +22,12 @@ to the host (``transfer.HostTransfer``: pinned, on a side stream, while the prev
 steps), stepped by ``adamw.adamw_foreach_`` (one vectorised call per hyperparameter set; on CPU
 bit for bit ``adamw_``) and the masters copied back. Reference counterpart:
 ``reference/zero.py`` (the sharded step) and ``reference/optim.py``.
+
+**Frozen groups** (``train.freeze``, docs/grouping.md) are slots too (``frozen``, after the
+trained ``slots``): their params live in the flat buffers (stages 0-2) or as compute-dtype
+shards (stage 3, in memory, on the host or in the param swap files) and are gathered like the
+others, but they have no gradient, no fp32 master, no moments and are never stepped;
+checkpoints receive their weights only (``_frozen_shards``).
 """
 
 from __future__ import annotations
@@ -75,15 +81,21 @@ class Optimizer:
         """Kinds and slots (plan order); with ``flat`` the params become views of one flat
         buffer per kind, with ``full_grads`` their gradients too."""
         self.kinds = build_kinds(groups.local, self.topology, columns)
-        self.slots = sorted((s for kind in self.kinds for s in kind.slots),
-                            key=lambda s: s.group.plan.index)
+        ordered = sorted((s for kind in self.kinds for s in kind.slots),
+                         key=lambda s: s.group.plan.index)
+        self.slots = [s for s in ordered if not s.group.plan.frozen]
+        self.frozen = [s for s in ordered if s.group.plan.frozen]
+        frozen = {m.fqn for s in self.frozen for m in s.group.members}
+        for fqn in frozen:
+            self.params[fqn].requires_grad_(False)
+        self.trained = {f: p for f, p in self.params.items() if f not in frozen}
         self.where = param_positions(self.kinds, self.params)
         self.full_grads = full_grads
         if flat:
             flatten_params(self.kinds, self.params, self.where, full_grads=full_grads,
                            meter=self.meter)
         if full_grads:
-            attach_grad_views(self.params, self.kinds, self.where)
+            attach_grad_views(self.trained, self.kinds, self.where)
 
     def _plan_host_step(self, options: ZeroOptions) -> None:
         """With ``options.host_step``: the windows of the offloaded step, in plan order."""
@@ -93,7 +105,7 @@ class Optimizer:
                 for w in plan_windows([s.shard for s in self.slots], options.host_window))
 
     def _build_reduction(self, options: ZeroOptions, *, all_reduce: bool, release: bool) -> None:
-        self.reduction = GradReduction(self.params, self.kinds,
+        self.reduction = GradReduction(self.trained, [k for k in self.kinds if not k.frozen],
                                        bucket_size=options.reduce_bucket_size,
                                        overlap=options.overlap_comm, all_reduce=all_reduce,
                                        release=release, world_size=self.topology.world_size,
@@ -108,7 +120,7 @@ class Optimizer:
         """Called before each micro-batch's backward; ``final`` = the step's last one."""
         self.reduction.before_backward(final=final)
         if self.full_grads:
-            attach_grad_views(self.params, self.kinds, self.where)
+            attach_grad_views(self.trained, self.kinds, self.where)
 
     def after_backward(self) -> None:
         """Called after each micro-batch's backward."""
@@ -270,8 +282,9 @@ class Optimizer:
         return acc[0].item(), acc[1].item() > 0
 
     def _states(self) -> Iterator[tuple[Slot, dict[str, torch.Tensor]]]:
-        """(slot, {"master", "exp_avg", "exp_avg_sq": fp32 tensors}) in plan order: the
-        tensors themselves, or swap files' contents in host buffers that are written back."""
+        """(slot, {"master", "exp_avg", "exp_avg_sq": fp32 tensors}) in plan order, the
+        trained slots only: the tensors themselves, or swap files' contents in host buffers
+        that are written back."""
         if self.optim_swap is not None:
             for slot, (bufs,) in zip(self.slots, self.optim_swap.stepping([[s] for s in self.slots]),
                                      strict=True):
@@ -294,27 +307,61 @@ class Optimizer:
     # ------------------------------------------------------------------ checkpoints
     def shards(self) -> list[StateShard]:
         """What this rank saves: its fp32 range of every local group, in plan order (views of
-        the live state, or with NVMe offload the swap files, which hold the same range)."""
+        the live state, or with NVMe offload the swap files, which hold the same range); of a
+        frozen group its weights only."""
         if self.optim_swap is not None:
-            return [StateShard(slot.partition, slot.dp_rank,
-                               files={s: self.optim_swap.path(slot, s) for s in STATES})
-                    for slot in self.slots]
+            return self._swapped_shards() + list(self._frozen_shards(load=False))
         out = []
         for slot, st in self._states():
             lo, hi = self._local(slot)
             out.append(StateShard(slot.partition, slot.dp_rank,
                                   tensors={s: t[lo:hi] for s, t in st.items()}))
-        return out
+        return out + list(self._frozen_shards(load=False))
 
     def load_targets(self) -> Iterator[StateShard]:
         """What this rank fills from a checkpoint: every DP rank's range it holds (views of
         the live state, or the swap files); call ``after_load`` once they are filled."""
         if self.optim_swap is not None:
-            yield from self.shards()
-            return
-        for slot, st in self._states():
-            for d, lo, hi in self._load_ranges(slot):
-                yield StateShard(slot.partition, d, tensors={s: t[lo:hi] for s, t in st.items()})
+            yield from self._swapped_shards()
+        else:
+            for slot, st in self._states():
+                for d, lo, hi in self._load_ranges(slot):
+                    yield StateShard(slot.partition, d,
+                                     tensors={s: t[lo:hi] for s, t in st.items()})
+        yield from self._frozen_shards(load=True)
+
+    def _swapped_shards(self) -> list[StateShard]:
+        return [StateShard(slot.partition, slot.dp_rank,
+                           files={s: self.optim_swap.path(slot, s) for s in STATES})
+                for slot in self.slots]
+
+    def _frozen_shards(self, *, load: bool) -> Iterator[StateShard]:
+        """The frozen groups' weights as fp32 ``master`` shards: views of the params in fp32,
+        else fp32 copies that, on ``load``, go back into the params once the consumer has
+        filled them (the generator resumes after each target is read)."""
+        for slot in self.frozen:
+            param = self._frozen_param(slot)
+            for d, lo, hi in self._frozen_ranges(slot, load=load):
+                view = param[lo:hi]
+                t = view.float()
+                yield StateShard(slot.partition, d, tensors={"master": t})
+                if load and t is not view:
+                    view.copy_(t)
+            self._frozen_stored(slot, param, changed=load)
+
+    def _frozen_param(self, slot: Slot) -> torch.Tensor:
+        """The compute-dtype tensor that holds a frozen slot's params (the group's range of
+        the flat params; at stage 3 its shard)."""
+        return slot.param
+
+    def _frozen_ranges(self, slot: Slot, *, load: bool) -> list[tuple[int, int, int]]:
+        """(DP rank, lo, hi) of ``_frozen_param`` saved (this rank's) or loaded (every
+        rank's: the whole group is held)."""
+        ranks = range(slot.partition.dp_size) if load else (slot.dp_rank,)
+        return [(d, *slot.rank_range(d)) for d in ranks]
+
+    def _frozen_stored(self, slot: Slot, param: torch.Tensor, *, changed: bool) -> None:
+        """Done with ``_frozen_param(slot)`` (``changed``: it was loaded)."""
 
     def after_load(self) -> None:
         """Derive the compute-dtype params from the loaded masters (collective)."""
