@@ -204,3 +204,14 @@ def test_cli_trains_with_frozen_params_and_refuses_a_pattern_matching_nothing(tm
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "train.freeze: pattern '*.gate.*' matches no parameter" in lines[0]
     assert "Traceback" not in bad.stderr
+
+
+def test_stage3_keeps_a_unit_gathered_until_its_first_frozen_param_was_used(tmp_path):
+    """A block's norm gain is its first param used in forward (alone in its frozen group),
+    so its backward comes after every trained gradient of the block has arrived: a unit
+    released on its trained gradients alone frees the frozen gain before its backward reads
+    it."""
+    (res,) = run_world(run_cases, 1, tmp_path,
+                       {"s3": (cfg_of(3, "none", ["layers.1.attn_norm.weight"], None, ep=1),),
+                        "s0": (cfg_of(0, "none", ["layers.1.attn_norm.weight"], None, ep=1),)})
+    assert_close_by_fqn(res["s3"]["params"], res["s0"]["params"], RTOL["fp32"])

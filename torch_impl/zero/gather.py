@@ -174,12 +174,17 @@ class ParamGatherer:
         self.owner = {fqn: u for u, unit in enumerate(self.units) for fqn in unit.fqns}
         for name, module in modules:
             units = [u for u, unit in enumerate(self.units) if unit.module == name]
-            module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units))
+            module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units, a))
             module.register_forward_hook(lambda m, a, out, units=units, root=module is model:
                                          self._post_forward(units, out, root))
-        # frozen params get no gradient: a unit waits for its trained params' only (one of
-        # frozen params alone is held until ``after_backward``)
-        self.trained = [sum(params[f].requires_grad for f in unit.fqns) for unit in self.units]
+        # Backward releases a unit once its trained params' gradients arrived and, if it has
+        # frozen params (no gradient to wait for), once its inputs' gradient is computed (the
+        # last use of its params: ``_InputsDone``); a unit whose inputs need no gradient is
+        # held until ``after_backward``.
+        self.waits = [sum(params[f].requires_grad for f in unit.fqns)
+                      + any(not params[f].requires_grad for f in unit.fqns) for unit in self.units]
+        self.frozen_in = [w > sum(params[f].requires_grad for f in unit.fqns)
+                          for w, unit in zip(self.waits, self.units, strict=True)]
         for fqn, p in params.items():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda _p, fqn=fqn: self._on_grad(fqn))
@@ -187,9 +192,22 @@ class ParamGatherer:
             p.data.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------ hooks
-    def _pre_forward(self, units: list[int]) -> None:
+    def _pre_forward(self, units: list[int], args: tuple) -> tuple | None:
         for u in units:
             self._acquire(u)
+        self._prefetch_after(units)
+        if not torch.is_grad_enabled() or recomputing() \
+                or not any(self.frozen_in[u] for u in units):
+            return None
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not tensors:
+            return None
+        wrapped = iter(_InputsDone.apply(self, units, *tensors))
+        return tuple(next(wrapped) if isinstance(a, torch.Tensor) and a.requires_grad else a
+                     for a in args)
+
+    def _prefetch_after(self, units: list[int]) -> None:
+        """Start the next unit's gathers (and hint the reads ahead) as ``units`` run."""
         if self.prefetch and not recomputing():
             after = units[-1] + 1 if units else len(self.units)
             for unit in self.units[after:after + 1]:
@@ -216,7 +234,7 @@ class ParamGatherer:
     def _pre_backward(self, units: list[int]) -> None:
         for u in units:
             self._acquire(u)
-            self.pending[u], self.active[u] = self.trained[u], True
+            self.pending[u], self.active[u] = self.waits[u], True
         if self.prefetch and units[0] > 0:
             self._start(self.units[units[0] - 1].slots)
         if self.hint is not None and units in self._post:
@@ -224,7 +242,14 @@ class ParamGatherer:
             self._read_ahead(self._backward_fetches(calls.index(units) + 1))
 
     def _on_grad(self, fqn: str) -> None:
-        u = self.owner[fqn]
+        self._arrived(self.owner[fqn])
+
+    def _on_inputs_done(self, units: list[int]) -> None:
+        for u in units:
+            if self.frozen_in[u]:
+                self._arrived(u)
+
+    def _arrived(self, u: int) -> None:
         if self.active[u]:
             self.pending[u] -= 1
             if self.pending[u] == 0:
@@ -361,6 +386,20 @@ class _Regather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ctx.gatherer._pre_backward(ctx.units)
+        return (None, None, *grads)
+
+
+class _InputsDone(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward (the unit's last) lets the unit go."""
+
+    @staticmethod
+    def forward(ctx, gatherer: ParamGatherer, units: list[int], *xs):
+        ctx.gatherer, ctx.units = gatherer, units
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.gatherer._on_inputs_done(ctx.units)
         return (None, None, *grads)
 
 
