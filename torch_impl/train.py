@@ -39,6 +39,7 @@ from moezero.distributed.topology import Topology, build_topology
 from moezero.engine import Engine, initialize
 from moezero.model.args import model_args
 from moezero.model.decoder import Decoder, init_weights
+from moezero.model.lora import apply_lora, lora_options
 from moezero.model.materialize import KeyedInit, meta_model
 from moezero.offload.aio import OffloadIOError
 from moezero.offload.options import IOOptions
@@ -78,6 +79,7 @@ def build_model(cfg: Config, topology: Topology) -> Decoder:
     """The decoder with this rank's experts, initialised identically for any W and ep."""
     ep = cfg.moe.ep_size
     model = Decoder(model_args(cfg), ep_rank=topology.ep_rank(ep), ep_group=topology.ep_group(ep))
+    apply_lora(model, lora_options(cfg.peft))
     init_weights(model, cfg.train.seed, cfg.model.init_std)
     return model
 
@@ -87,8 +89,9 @@ def sharded_model(cfg: Config, topology: Topology) -> tuple[Decoder, KeyedInit]:
     only what this rank keeps (sharded construction, docs/scale.md); the same values as
     ``build_model``."""
     ep, args = cfg.moe.ep_size, model_args(cfg)
-    model = meta_model(lambda: Decoder(args, ep_rank=topology.ep_rank(ep),
-                                       ep_group=topology.ep_group(ep)))
+    model = meta_model(lambda: apply_lora(Decoder(args, ep_rank=topology.ep_rank(ep),
+                                                  ep_group=topology.ep_group(ep)),
+                                          lora_options(cfg.peft)))
     return model, KeyedInit(cfg.train.seed, cfg.model.init_std, args)
 
 

@@ -15,6 +15,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from fnmatch import fnmatchcase
 
+LORA_PARAMS = ("*.lora_A", "*.lora_B")
+"""FQN patterns of LoRA adapters (``<projection>.lora_A`` [r, in], ``.lora_B`` [out, r])."""
+
+
+def freeze_patterns(patterns: Sequence[str], *, lora: bool) -> list[str]:
+    """The patterns in force: with LoRA, everything but the adapters is frozen first
+    (``["*", "!*.lora_A", "!*.lora_B"]``), then ``patterns`` apply (``!`` unfreezes more)."""
+    base = ["*", *(f"!{p}" for p in LORA_PARAMS)] if lora else []
+    return [*base, *patterns]
+
 
 def frozen_fqns(patterns: Sequence[str], fqns: Iterable[str]) -> frozenset[str]:
     """The FQNs among ``fqns`` that ``patterns`` freeze.

@@ -14,30 +14,12 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from moezero.config.errors import FieldError
+from moezero.config.peft import PeftConfig
+from moezero.config.section import Section as _Section
 from moezero.plan import rules
-
-
-class _Section(BaseModel):
-    """Base of every section: unknown keys rejected, assignments validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # pydantic keeps a value that failed an after-validator on assignment; undo it.
-        old = self.__dict__.get(name, _MISSING)
-        try:
-            super().__setattr__(name, value)
-        except ValidationError:
-            if old is not _MISSING:
-                self.__dict__[name] = old
-            raise
-
-
-_MISSING = object()
-
 
 _ARCH = {"architecture": True}
 
@@ -382,6 +364,7 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
     dist: DistConfig = Field(default_factory=DistConfig, description="torch.distributed.")
+    peft: PeftConfig = Field(default_factory=PeftConfig, description="LoRA fine-tuning.")
 
     @model_validator(mode="after")
     def _across_sections(self) -> Config:

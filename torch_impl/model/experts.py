@@ -15,6 +15,11 @@ they are copied by ``torch.stack``. The autograd function saves the per-expert p
 the stack, so a copy lives only during the forward and is made again in the backward (stage 3
 keeps releasing the gathered weights); the weight gradients come back per expert.
 
+**LoRA** (``moezero.model.lora``): when the experts' projections carry adapters
+(``lora_A`` [R, I], ``lora_B`` [O, R] per expert), each projection is three grouped GEMMs
+(``GroupedLinear``: base, A, B over the same row groups), the SwiGLU in between left to
+autograd; the frozen base weights get no weight gradient computed.
+
 Rows past ``offs[-1]`` (dropped assignments at ep = 1) are not computed: their outputs and
 input gradients are undefined and must be masked by the caller (``moezero.model.dispatch``).
 Legend: N rows, D model dim, F expert hidden dim, L local experts.
@@ -132,8 +137,46 @@ class _GroupedSwiGLU(torch.autograd.Function):
         return dx_ND, None, None, *dw1.unbind(0), *dw3.unbind(0), *dw2.unbind(0)
 
 
+class GroupedLinear(torch.autograd.Function):
+    """``x W_l^T`` on row group l; inputs (x [N, I], offs, W_0 .. W_{L-1} [O, I]). Saves the
+    per-expert weights (not a stack), like ``_GroupedSwiGLU``; weight gradients only for the
+    weights that need them (frozen base weights: none)."""
+
+    @staticmethod
+    def forward(ctx, x_NI, offs_L, *weights):
+        ctx.save_for_backward(x_NI, offs_L, *weights)
+        return F.grouped_mm(x_NI, stack_weights(weights).transpose(-2, -1), offs=offs_L)
+
+    @staticmethod
+    def backward(ctx, dy_NO):
+        x_NI, offs_L, *weights = ctx.saved_tensors
+        dy_NO = dy_NO.contiguous()  # grouped_mm rejects expanded (stride-0) gradients
+        dx_NI = F.grouped_mm(dy_NO, stack_weights(weights), offs=offs_L) \
+            if ctx.needs_input_grad[0] else None
+        dws = [None] * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            dws = list(F.grouped_mm(dy_NO.t(), x_NI, offs=offs_L).unbind(0))
+        return dx_NI, None, *dws
+
+
+def _grouped_projection(x_NI: torch.Tensor, offs_L: torch.Tensor,
+                        linears: Sequence[nn.Linear]) -> torch.Tensor:
+    """One projection of every local expert, with its LoRA adapters if it has them."""
+    y_NO = GroupedLinear.apply(x_NI, offs_L, *(m.weight for m in linears))
+    first = linears[0]
+    if not hasattr(first, "lora_A"):
+        return y_NO
+    h_NR = GroupedLinear.apply(first.lora_dropout(x_NI), offs_L, *(m.lora_A for m in linears))
+    return y_NO + first.scale * GroupedLinear.apply(h_NR, offs_L, *(m.lora_B for m in linears))
+
+
 def grouped_swiglu(x_ND: torch.Tensor, offs_L: torch.Tensor,
                    modules: Sequence[SwiGLU]) -> torch.Tensor:
     """Run expert i of ``modules`` on rows [offs[i-1], offs[i]) of ``x_ND`` (int32 ends)."""
+    first = modules[0]
+    if any(hasattr(getattr(first, n), "lora_A") for n in ("w1", "w3", "w2")):
+        h1_NF, h3_NF = (_grouped_projection(x_ND, offs_L, [getattr(m, n) for m in modules])
+                        for n in ("w1", "w3"))
+        return _grouped_projection(F.silu(h1_NF) * h3_NF, offs_L, [m.w2 for m in modules])
     w1s, w3s, w2s = _projections(modules)
     return _GroupedSwiGLU.apply(x_ND, offs_L, len(modules), *w1s, *w3s, *w2s)

@@ -20,7 +20,7 @@ from torch import nn
 from moezero.config import Config, ConfigError
 from moezero.distributed.topology import Topology
 from moezero.model.moe import ExpertTag, MoE, expert_tag
-from moezero.plan.freeze import frozen_fqns
+from moezero.plan.freeze import freeze_patterns, frozen_fqns
 from moezero.plan.grouping import GroupPlan, plan_groups
 from moezero.plan.partition import Partition, plan_partitions
 from moezero.plan.rules import expert_fqn, parse_expert_fqn, weight_decay_applies
@@ -147,7 +147,7 @@ def build_groups(model: nn.Module, cfg: Config, topology: Topology, *,
     ``train.freeze`` names are in frozen groups (ConfigError, one line, for a pattern that
     matches nothing)."""
     specs, user_groups = param_specs(model, user_group or config_user_group(cfg))
-    specs = freeze_specs(specs, cfg.train.freeze)
+    specs = freeze_specs(specs, freeze_patterns(cfg.train.freeze, lora=cfg.peft.method == "lora"))
     plan = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
                        split_by_expert=cfg.moe.split_groups_by_expert)
     partitions = plan_partitions(plan, world_size=topology.world_size, align=align)

@@ -21,13 +21,9 @@ the same ops window by window (``buckets.plan_windows``): a window's fp32 gradie
 to the host (``transfer.HostTransfer``: pinned, on a side stream, while the previous window
 steps), stepped by ``adamw.adamw_foreach_`` (one vectorised call per hyperparameter set; on CPU
 bit for bit ``adamw_``) and the masters copied back. Reference counterpart:
-``reference/zero.py`` (the sharded step) and ``reference/optim.py``.
-
-**Frozen groups** (``train.freeze``, docs/grouping.md) are slots too (``frozen``, after the
-trained ``slots``): their params live in the flat buffers (stages 0-2) or as compute-dtype
-shards (stage 3, in memory, on the host or in the param swap files) and are gathered like the
-others, but they have no gradient, no fp32 master, no moments and are never stepped;
-checkpoints receive their weights only (``_frozen_shards``).
+``reference/zero.py`` (the sharded step) and ``reference/optim.py``. **Frozen groups**
+(``train.freeze``) are slots too (``frozen``): held and gathered like the others, never
+stepped, no gradient or fp32 state; checkpoints get their weights (``zero.frozen``).
 """
 
 from __future__ import annotations
@@ -45,6 +41,7 @@ from moezero.plan.partition import Partition
 from moezero.zero.adamw import adamw_, adamw_foreach_, clip_coef
 from moezero.zero.buckets import GroupColumns, plan_windows
 from moezero.zero.buffers import attach_grad_views, build_kinds, flatten_params, param_positions
+from moezero.zero.frozen import FrozenWeights
 from moezero.zero.gradtier import square_sum
 from moezero.zero.groups import OptimizerGroups
 from moezero.zero.options import ZeroOptions
@@ -55,7 +52,7 @@ from moezero.zero.transfer import HostTransfer, Staged
 ADAMW_TEMPORARIES = 2  # adamw_ allocates m_hat and denom, each the size of its input
 
 
-class Optimizer:
+class Optimizer(FrozenWeights):
     """Gradient reduction, fp32 state and the (tiled) step of the local optimizer groups.
 
     Subclasses build the slots' state and say where this rank's range of a slot lies
@@ -309,10 +306,8 @@ class Optimizer:
         """What this rank saves: its fp32 range of every local group, in plan order (views of
         the live state, or with NVMe offload the swap files, which hold the same range); of a
         frozen group its weights only."""
-        if self.optim_swap is not None:
-            return self._swapped_shards() + list(self._frozen_shards(load=False))
-        out = []
-        for slot, st in self._states():
+        out = self._swapped_shards() if self.optim_swap is not None else []
+        for slot, st in self._states() if self.optim_swap is None else ():
             lo, hi = self._local(slot)
             out.append(StateShard(slot.partition, slot.dp_rank,
                                   tensors={s: t[lo:hi] for s, t in st.items()}))
@@ -334,34 +329,6 @@ class Optimizer:
         return [StateShard(slot.partition, slot.dp_rank,
                            files={s: self.optim_swap.path(slot, s) for s in STATES})
                 for slot in self.slots]
-
-    def _frozen_shards(self, *, load: bool) -> Iterator[StateShard]:
-        """The frozen groups' weights as fp32 ``master`` shards: views of the params in fp32,
-        else fp32 copies that, on ``load``, go back into the params once the consumer has
-        filled them (the generator resumes after each target is read)."""
-        for slot in self.frozen:
-            param = self._frozen_param(slot)
-            for d, lo, hi in self._frozen_ranges(slot, load=load):
-                view = param[lo:hi]
-                t = view.float()
-                yield StateShard(slot.partition, d, tensors={"master": t})
-                if load and t is not view:
-                    view.copy_(t)
-            self._frozen_stored(slot, param, changed=load)
-
-    def _frozen_param(self, slot: Slot) -> torch.Tensor:
-        """The compute-dtype tensor that holds a frozen slot's params (the group's range of
-        the flat params; at stage 3 its shard)."""
-        return slot.param
-
-    def _frozen_ranges(self, slot: Slot, *, load: bool) -> list[tuple[int, int, int]]:
-        """(DP rank, lo, hi) of ``_frozen_param`` saved (this rank's) or loaded (every
-        rank's: the whole group is held)."""
-        ranks = range(slot.partition.dp_size) if load else (slot.dp_rank,)
-        return [(d, *slot.rank_range(d)) for d in ranks]
-
-    def _frozen_stored(self, slot: Slot, param: torch.Tensor, *, changed: bool) -> None:
-        """Done with ``_frozen_param(slot)`` (``changed``: it was loaded)."""
 
     def after_load(self) -> None:
         """Derive the compute-dtype params from the loaded masters (collective)."""
