@@ -27,6 +27,7 @@ import torch.distributed as dist
 from pydantic import ValidationError
 from tqdm import tqdm
 
+from moezero.checkpoint import base as adapter_ckpt
 from moezero.checkpoint.core import CheckpointError, check_shapes, model_shapes, resolve_load
 from moezero.config import ARCHITECTURE, Config, ConfigError, dump_config
 from moezero.data import DataError
@@ -169,7 +170,11 @@ def preflight(cfg: Config, run_dir: str | Path) -> Path | None:
     with torch.device("meta"):  # shapes only: no memory, no init
         shapes = model_shapes(Decoder(model_args(cfg)))
     try:
-        check_shapes(store.read_manifest(ckpt), shapes, ckpt)
+        manifest, where = store.read_manifest(ckpt), ckpt
+        if manifest.base:  # adapters (LoRA): the model's weights are in the base checkpoint
+            where = adapter_ckpt.check(manifest.base, ckpt)
+            manifest = store.read_manifest(where)
+        check_shapes(manifest, shapes, where)
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint.load: {exc}") from None
     return ckpt

@@ -41,7 +41,9 @@ class Manifest:
 
     ``config``, ``topology`` and ``state`` are opaque JSON objects owned by the caller
     (resolved config; world size, ep sizes, stage at save; RNG, data position, loss
-    scaler, lr step).
+    scaler, lr step). ``base`` (``{"path", "sha256"}``, else empty): a checkpoint of the
+    trained params only, whose frozen params are those of the base checkpoint at ``path``
+    whose ``manifest.json`` had that sha256 (LoRA, docs/checkpoint.md).
     """
 
     layout: Layout
@@ -49,6 +51,7 @@ class Manifest:
     config: dict = field(default_factory=dict)
     topology: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)
+    base: dict = field(default_factory=dict)
 
     @property
     def step(self) -> int:
@@ -71,6 +74,8 @@ def manifest_to_json(manifest: Manifest) -> dict:
         obj["weights_only"] = True
     if layout.buffers:  # likewise
         obj["buffers"] = {fqn: list(shape) for fqn, shape in layout.buffers}
+    if manifest.base:  # likewise
+        obj["base"] = manifest.base
     if layout.frozen:  # likewise; the groups say it too ("frozen": true)
         obj["frozen_params"] = sorted(layout.frozen, key=natural_key)
     return obj
@@ -90,7 +95,7 @@ def manifest_from_json(obj: Any) -> Manifest:
         files = [(f["name"], f["kind"], f["group"], f["size"]) for f in obj["files"]]
         checksums = tuple(RangeRecord(str(f), int(o), int(n), int(c))
                           for f, o, n, c in obj["checksums"])
-        extra = {k: obj.get(k, {}) for k in ("config", "topology", "state")}
+        extra = {k: obj.get(k, {}) for k in ("config", "topology", "state", "base")}
     except (AttributeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"malformed manifest: {type(err).__name__}: {err}") from None
     if files != [(f.name, f.kind, f.group, f.size) for f in layout.files]:

@@ -217,8 +217,10 @@ def _crc_range(path: Path, offset: int, length: int, chunk: int = CHUNK) -> int:
     return crc
 
 
-def check_shapes(manifest, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
-    """CheckpointError (one line) unless the checkpoint holds exactly the model's params."""
+def check_shapes(manifest, shapes: dict[str, tuple[int, ...]], where: Path, *,
+                 exact: bool = True) -> None:
+    """CheckpointError (one line) unless the checkpoint holds exactly the model's params (with
+    ``exact=False``: at least ``shapes``, as a base checkpoint holds the frozen ones)."""
     saved = dict(manifest.layout.shapes)
     for fqn, shape in shapes.items():
         if fqn not in saved:
@@ -227,6 +229,6 @@ def check_shapes(manifest, shapes: dict[str, tuple[int, ...]], where: Path) -> N
             raise CheckpointError(f"{where}: parameter {fqn} has shape {tuple(saved[fqn])} in "
                                   f"the checkpoint, {tuple(shape)} in the model")
     extra = sorted(set(saved) - set(shapes))
-    if extra:
+    if extra and exact:
         raise CheckpointError(f"{where}: the checkpoint has parameter {extra[0]} that the "
                               "model does not")

@@ -230,7 +230,8 @@ def _real_elements(shard: np.ndarray, numel: int, what: str) -> np.ndarray:
 
 def write_manifest(ckpt_dir: str | os.PathLike, layout: Layout, *,
                    checksums: Iterable[RangeRecord], config: dict | None = None,
-                   topology: dict | None = None, state: dict | None = None) -> Path:
+                   topology: dict | None = None, state: dict | None = None,
+                   base: dict | None = None) -> Path:
     """Write ``manifest.json`` atomically once every rank's ranges are on disk (rank 0).
 
     Args:
@@ -238,10 +239,11 @@ def write_manifest(ckpt_dir: str | os.PathLike, layout: Layout, *,
             must tile every file exactly (checked, ValueError naming the first gap).
         config, topology, state: Opaque JSON objects (resolved config; world size, ep
             sizes, stage at save; RNG, data position, loss scaler, lr step).
+        base: ``{"path", "sha256"}`` of the base checkpoint holding the frozen params.
     """
     records = tuple(sorted(RangeRecord(*r) for r in checksums))
     check_tiling(layout, records)
-    manifest = Manifest(layout, records, config or {}, topology or {}, state or {})
+    manifest = Manifest(layout, records, config or {}, topology or {}, state or {}, base or {})
     path = Path(ckpt_dir) / MANIFEST_NAME
     write_json(path, manifest_to_json(manifest))
     return path

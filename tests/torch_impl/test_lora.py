@@ -7,13 +7,19 @@ adapters only.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+from moezero.checkpoint.core import CheckpointError
+from moezero.config import Config
 from moezero.distributed.topology import build_topology
 from moezero.model.moe import MoE
-from moezero.train import build_model
+from moezero.train import build_model, preflight
 from tests.support.compare import assert_close_by_fqn, rel_err
 from tests.support.world import run_world
 from tests.torch_impl.test_distributed import MICRO, merged, small_config
@@ -88,19 +94,22 @@ def test_lora_at_w2_ep2_equals_w1_stage0(w2, w1, name):
             assert moved == (fqn in adapters), fqn
 
 
-def test_fresh_adapters_leave_the_model_unchanged_and_grouped_equals_the_loop():
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16 at r=4: the padded kernels
+def test_fresh_adapters_leave_the_model_unchanged_and_grouped_equals_the_loop(dtype):
     cfg = small_config(ep_size=1)
     cfg.moe.shared_ffn_dim = 16
     topo = build_topology([1], num_experts=4)
     x = torch.randint(0, 32, (2, 17))
-    base_loss = build_model(cfg, topo).loss(x)[0]
+    to = torch.float32 if dtype == "fp32" else torch.bfloat16
+    base_loss = build_model(cfg, topo).to(to).loss(x)[0]
     cfg.peft.method, cfg.peft.targets, cfg.peft.r = "lora", TARGETS, 4
-    model = build_model(cfg, topo)
+    model = build_model(cfg, topo).to(to)
     assert torch.equal(model.loss(x)[0], base_loss)
     with torch.no_grad():
         for fqn, p in model.named_parameters():
             if fqn.endswith("lora_B"):
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(fqn)))
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(fqn)))
+                        * 0.05)
     grads = {}
     for grouped in (True, False):
         for module in model.modules():
@@ -114,4 +123,92 @@ def test_fresh_adapters_leave_the_model_unchanged_and_grouped_equals_the_loop():
         grads[grouped]["loss"] = loss.detach()
     assert not torch.equal(grads[True]["loss"], base_loss)
     assert any(".experts." in k and "lora_A" in k for k in grads[True])
-    assert_close_by_fqn(grads[True], grads[False], GROUPED_RTOL["fp32"])
+    assert_close_by_fqn({k: v.float() for k, v in grads[True].items()},
+                        {k: v.float() for k, v in grads[False].items()}, GROUPED_RTOL[dtype])
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def save_base(cfg_data: dict, root: str) -> None:
+    """The base model (no adapters) saved at step 0: what import-hf would give."""
+    base = {**cfg_data, "peft": {"method": "none"}}
+    engine, _, _ = engine_and_batches(base, 2)
+    engine.save_checkpoint(root, step=0)
+    engine.close()
+
+
+def lora_steps(cfg_data: dict, load: str, save: str | None = None) -> dict:
+    """Load ``load``, train STEPS steps (saving to ``save``), full params before and after."""
+    engine, topo, batches = engine_and_batches(cfg_data, 2)
+    engine.load_checkpoint(load)
+    loaded = _full(engine)
+    for _ in range(STEPS if save else 0):
+        slices = torch.from_numpy(batches.next()).split(MICRO)
+        engine.train_step(list(slices[topo.rank::topo.world_size]))
+    if save:
+        engine.save_checkpoint(save)
+    out = {"loaded": loaded, "params": _full(engine)}
+    engine.close()
+    return out
+
+
+def ckpt_cases(calls: list) -> list:
+    return [fn(*args) for fn, args in calls]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_ckpt")
+    base, adapters = str(root / "base"), str(root / "adapters")
+    (base_run,) = run_world(ckpt_cases, 1, root / "w1a",
+                            [(save_base, (lora_cfg(0, "none", None, ep=1), base))])
+    w2 = run_world(ckpt_cases, 2, root / "w2",
+                   [(lora_steps, (lora_cfg(2, "none", None), base, adapters))])
+    (w1,) = run_world(ckpt_cases, 1, root / "w1b",
+                      [(lora_steps, (lora_cfg(3, "none", None, ep=1), adapters))])
+    return root, [r[0] for r in w2], w1[0]
+
+
+def _step_dir(root: Path) -> Path:
+    return root / (root / "latest").read_text()
+
+
+def test_lora_checkpoint_holds_the_adapters_and_names_its_base(ckpts):
+    root, w2, _ = ckpts
+    step = _step_dir(root / "adapters")
+    manifest = json.loads((step / "manifest.json").read_text())
+    base = _step_dir(root / "base")
+    assert manifest["base"] == {"path": str(base.resolve()), "sha256": hashlib.sha256(
+        (base / "manifest.json").read_bytes()).hexdigest()}
+    adapters = {f: v.size for f, v in merged(w2, "params").items() if ".lora_" in f}
+    assert set(manifest["shapes"]) == set(adapters)
+    files = [f for f in manifest["files"] if f["kind"] in ("model", "optim")]
+    data = sum(f["size"] for f in files) - sum(_header_bytes(step / f["name"]) for f in files)
+    assert data == 12 * sum(adapters.values())  # master + exp_avg + exp_avg_sq, nothing else
+
+
+def _header_bytes(path: Path) -> int:
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def test_lora_checkpoint_resumes_at_w1_stage3_from_its_base_and_adapters(ckpts):
+    _, w2, w1 = ckpts
+    assert_close_by_fqn(w1["loaded"], merged(w2, "params"), 0.0)
+
+
+def test_a_changed_base_is_refused_in_one_line(ckpts):
+    root, _, _ = ckpts
+    base = _step_dir(root / "base") / "manifest.json"
+    original = base.read_bytes()
+    cfg = Config.model_validate(lora_cfg(0, "none", None, ep=1))
+    cfg.checkpoint.load = str(_step_dir(root / "adapters"))
+    try:
+        base.write_bytes(original.replace(b'"step": 0', b'"step": 0 '))
+        with pytest.raises(CheckpointError) as err:
+            preflight(cfg, root / "run")
+    finally:
+        base.write_bytes(original)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("checkpoint.load: ")
+    assert f"its base checkpoint {base.parent.resolve()} changed since the save" in line
+    assert preflight(cfg, root / "run") == Path(cfg.checkpoint.load)

@@ -140,23 +140,39 @@ class _GroupedSwiGLU(torch.autograd.Function):
 class GroupedLinear(torch.autograd.Function):
     """``x W_l^T`` on row group l; inputs (x [N, I], offs, W_0 .. W_{L-1} [O, I]). Saves the
     per-expert weights (not a stack), like ``_GroupedSwiGLU``; weight gradients only for the
-    weights that need them (frozen base weights: none)."""
+    weights that need them (frozen base weights: none). Dims whose rows would not be
+    ``ALIGN_BYTES`` apart (a LoRA rank of 4 in bf16) are zero-padded for the kernels."""
 
     @staticmethod
     def forward(ctx, x_NI, offs_L, *weights):
         ctx.save_for_backward(x_NI, offs_L, *weights)
-        return F.grouped_mm(x_NI, stack_weights(weights).transpose(-2, -1), offs=offs_L)
+        w_LOI = _aligned(_aligned(stack_weights(weights), -1), -2)
+        y_NO = F.grouped_mm(_aligned(x_NI, -1), w_LOI.transpose(-2, -1), offs=offs_L)
+        return y_NO[:, :weights[0].shape[0]]
 
     @staticmethod
     def backward(ctx, dy_NO):
         x_NI, offs_L, *weights = ctx.saved_tensors
-        dy_NO = dy_NO.contiguous()  # grouped_mm rejects expanded (stride-0) gradients
-        dx_NI = F.grouped_mm(dy_NO, stack_weights(weights), offs=offs_L) \
-            if ctx.needs_input_grad[0] else None
+        (o, i), dx_NI = weights[0].shape, None
+        dy_NO = _aligned(dy_NO.contiguous(), -1)  # grouped_mm rejects stride-0 gradients
+        if ctx.needs_input_grad[0]:
+            w_LOI = _aligned(_aligned(stack_weights(weights), -1), -2)
+            dx_NI = F.grouped_mm(dy_NO, w_LOI, offs=offs_L)[:, :i]
         dws = [None] * len(weights)
         if any(ctx.needs_input_grad[2:]):
-            dws = list(F.grouped_mm(dy_NO.t(), x_NI, offs=offs_L).unbind(0))
+            dw_LOI = F.grouped_mm(dy_NO.t(), _aligned(x_NI, -1), offs=offs_L)
+            dws = list(dw_LOI[:, :o, :i].unbind(0))
         return dx_NI, None, *dws
+
+
+def _aligned(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` zero-padded along ``dim`` to a multiple of ``ALIGN_BYTES`` (itself if it is)."""
+    step = ALIGN_BYTES // t.element_size()
+    extra = -t.shape[dim] % step
+    if not extra:
+        return t
+    pad = [0, 0] * (-dim - 1) + [0, extra]
+    return F.pad(t, pad)
 
 
 def _grouped_projection(x_NI: torch.Tensor, offs_L: torch.Tensor,

@@ -302,7 +302,7 @@ class Optimizer(FrozenWeights):
             self.optim_swap.drop(bufs)
 
     # ------------------------------------------------------------------ checkpoints
-    def shards(self) -> list[StateShard]:
+    def shards(self, *, frozen: bool = True) -> list[StateShard]:
         """What this rank saves: its fp32 range of every local group, in plan order (views of
         the live state, or with NVMe offload the swap files, which hold the same range); of a
         frozen group its weights only."""
@@ -311,19 +311,20 @@ class Optimizer(FrozenWeights):
             lo, hi = self._local(slot)
             out.append(StateShard(slot.partition, slot.dp_rank,
                                   tensors={s: t[lo:hi] for s, t in st.items()}))
-        return out + list(self._frozen_shards(load=False))
+        return out + list(self._frozen_shards(load=False) if frozen else ())
 
-    def load_targets(self) -> Iterator[StateShard]:
+    def load_targets(self, *, trained: bool = True, frozen: bool = True) -> Iterator[StateShard]:
         """What this rank fills from a checkpoint: every DP rank's range it holds (views of
-        the live state, or the swap files); call ``after_load`` once they are filled."""
-        if self.optim_swap is not None:
+        the live state, or the swap files), of the trained and/or the frozen groups; call
+        ``after_load`` once they are filled."""
+        if trained and self.optim_swap is not None:
             yield from self._swapped_shards()
-        else:
+        elif trained:
             for slot, st in self._states():
                 for d, lo, hi in self._load_ranges(slot):
                     yield StateShard(slot.partition, d,
                                      tensors={s: t[lo:hi] for s, t in st.items()})
-        yield from self._frozen_shards(load=True)
+        yield from self._frozen_shards(load=True) if frozen else ()
 
     def _swapped_shards(self) -> list[StateShard]:
         return [StateShard(slot.partition, slot.dp_rank,
