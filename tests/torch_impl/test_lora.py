@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moezero.checkpoint.core import CheckpointError
-from moezero.config import Config
+from moezero.config import Config, ConfigError, load_config
 from moezero.distributed.topology import build_topology
 from moezero.model.moe import MoE
 from moezero.train import build_model, preflight
@@ -212,3 +212,12 @@ def test_a_changed_base_is_refused_in_one_line(ckpts):
     assert "\n" not in line and line.startswith("checkpoint.load: ")
     assert f"its base checkpoint {base.parent.resolve()} changed since the save" in line
     assert preflight(cfg, root / "run") == Path(cfg.checkpoint.load)
+
+
+def test_a_target_the_model_lacks_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["peft.method=lora", "peft.targets=[attn, shared]"])
+    assert str(err.value).startswith("peft.targets: names the shared expert, but the model has "
+                                     "none (moe.shared_ffn_dim is 0)")
+    with pytest.raises(ConfigError, match=r"peft.targets.*'attn.wx'"):
+        load_config(None, ["peft.method=lora", "peft.targets=[attn.wx]"])
