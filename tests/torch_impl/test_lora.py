@@ -221,3 +221,25 @@ def test_a_target_the_model_lacks_is_refused_in_one_line():
                                      "none (moe.shared_ffn_dim is 0)")
     with pytest.raises(ConfigError, match=r"peft.targets.*'attn.wx'"):
         load_config(None, ["peft.method=lora", "peft.targets=[attn.wx]"])
+
+
+def _bf16_round_trip(root: str) -> dict:
+    out = {}
+    for stage, offload in ((2, "none"), (3, "cpu")):
+        cfg = lora_cfg(stage, offload, None, ep=1)
+        cfg["precision"]["dtype"] = "bf16"
+        save_base(cfg, f"{root}/base{stage}")
+        trained = lora_steps(cfg, f"{root}/base{stage}", f"{root}/adapters{stage}")
+        out[stage] = (trained, lora_steps(cfg, f"{root}/adapters{stage}")["loaded"])
+    return out
+
+
+def test_bf16_base_stays_frozen_and_reloads_from_base_and_adapters(tmp_path):
+    """bf16 compute: the frozen base lives in bf16 (stage 2, and stage 3 on the host), the
+    adapters train (grouped kernels on r=4: padded), and a reload gives the same params."""
+    (res,) = run_world(_bf16_round_trip, 1, tmp_path / "w1", str(tmp_path))
+    for trained, reloaded in res.values():
+        moved = {f for f, v in trained["params"].items()
+                 if not np.array_equal(v, trained["loaded"][f])}
+        assert moved and all(".lora_" in f for f in moved)
+        assert_close_by_fqn(reloaded, trained["params"], 0.0)
