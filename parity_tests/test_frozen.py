@@ -17,6 +17,7 @@ import torch
 
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
+from moezero.reference.checkpoint import load_train_state
 from moezero.reference.optim import OptimConfig, TrainConfig, init_train_state, train_step
 from parity_tests.models import corpus_batch, engine_config, tiny, to_jax, torch_model
 from parity_tests.tolerances import FP32
@@ -28,7 +29,7 @@ FREEZE = ("embed.*", "*.router.*", "layers.0.moe.experts.1.*", "layers.1.attn.wq
 
 
 @pytest.fixture(scope="module")
-def trained():
+def trained(tmp_path_factory):
     cfg = tiny(top_k=2)
     opt = OptimConfig(lr=1e-2, weight_decay=0.1, gradient_clipping=1.0, warmup_steps=2,
                       total_steps=STEPS)
@@ -47,7 +48,10 @@ def trained():
         state, metrics = step(tcfg, state, jnp.asarray(batch, jnp.int32))
         ref.append({k: float(v) for k, v in jax.device_get(metrics).items()})
         mine.append(engine.train_step([torch.from_numpy(batch)]))
-    return initial, mine, ref, torch_fqns(engine.params), jax_fqns(state.params)
+    ckpt = engine.save_checkpoint(tmp_path_factory.mktemp("frozen_ckpt"))
+    loaded, _ = load_train_state(ckpt, tcfg)
+    return initial, mine, ref, torch_fqns(engine.params), jax_fqns(state.params), \
+        (loaded, jax_fqns(state.opt_state[0].mu))
 
 
 def test_losses_and_grad_norms_every_step(trained):
@@ -58,7 +62,7 @@ def test_losses_and_grad_norms_every_step(trained):
 
 
 def test_params_after_training_and_frozen_ones_unchanged(trained):
-    initial, _, _, mine, ref = trained
+    initial, _, _, mine, ref, _ = trained
     ref = {k: v for k, v in ref.items() if k in mine}
     assert_close_by_fqn(mine, ref, FP32.train_param_rel, f"frozen: params after {STEPS} steps")
     frozen = [k for k in initial if any(fnmatchcase(k, p) for p in FREEZE)]
@@ -66,3 +70,16 @@ def test_params_after_training_and_frozen_ones_unchanged(trained):
     for fqn in frozen:
         assert np.array_equal(mine[fqn], initial[fqn]), fqn
         assert np.array_equal(ref[fqn], initial[fqn]), fqn
+
+
+def test_the_reference_reads_the_torch_checkpoint_with_frozen_params(trained):
+    """Frozen groups hold weights only: the reference gets the weights as torch has them and
+    zero moments for the frozen params, the trained ones' moments as its own run has them."""
+    _, _, _, mine, _, (loaded, ref_mu) = trained
+    assert_close_by_fqn(jax_fqns(loaded.params), mine, 0.0, "frozen: checkpoint params")
+    mu = jax_fqns(loaded.opt_state[0].mu)
+    frozen = {k for k in mine if any(fnmatchcase(k, p) for p in FREEZE)}
+    assert frozen and all(not np.any(mu[k]) for k in frozen)
+    trained_mu = {k: v for k, v in mu.items() if k in mine and k not in frozen}
+    assert_close_by_fqn(trained_mu, {k: ref_mu[k] for k in trained_mu}, FP32.train_param_rel,
+                        "frozen: exp_avg of the trained params")
