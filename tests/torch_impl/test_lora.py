@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from moezero.checkpoint.core import CheckpointError
+from moezero.checkpoint.hf import export_hf
+from moezero.checkpoint.tools import describe
 from moezero.config import Config, ConfigError, load_config
 from moezero.distributed.topology import build_topology
 from moezero.model.moe import MoE
@@ -243,3 +245,14 @@ def test_bf16_base_stays_frozen_and_reloads_from_base_and_adapters(tmp_path):
                  if not np.array_equal(v, trained["loaded"][f])}
         assert moved and all(".lora_" in f for f in moved)
         assert_close_by_fqn(reloaded, trained["params"], 0.0)
+
+
+def test_an_adapter_checkpoint_is_described_and_not_exported_to_hf_unmerged(ckpts):
+    root, _, _ = ckpts
+    step, base = _step_dir(root / "adapters"), _step_dir(root / "base")
+    assert f"adapters only: the frozen weights are in the base checkpoint {base.resolve()}" \
+        in describe(step)
+    with pytest.raises(CheckpointError) as err:
+        export_hf(step, root / "hf")
+    assert "\n" not in str(err.value) and "holds LoRA adapters" in str(err.value)
+    assert not (root / "hf").exists()

@@ -53,6 +53,9 @@ def describe(ckpt: Path) -> str:
              + (f" + 4 B x {frozen:,} frozen" if frozen else "")
              + f"), headers {headers:,}, JSON {on_disk - state - headers:,}",
              f"{'group':<44} {'members':>7} {'elements':>12} {'bytes':>14}"]
+    if m.base:
+        lines.insert(2, f"adapters only: the frozen weights are in the base checkpoint "
+                        f"{m.base['path']} (manifest sha256 {m.base['sha256'][:16]})")
     for g in layout.groups:
         size = (4 if g.frozen else per) * g.numel
         lines.append(f"{g.name:<44} {len(g.members):>7} {g.numel:>12,} {size:>14,}")
