@@ -21,6 +21,7 @@ from moezero.data import Batches, make_corpus
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
 from moezero.model.decoder import Decoder, ModelArgs, init_weights
+from moezero.model.lora import LoraOptions, apply_lora
 from moezero.plan.buffers import is_buffer
 from moezero.reference.model import ModelConfig, forward, loss_fn, oracle_loss
 from moezero.reference.optim import OptimConfig
@@ -64,9 +65,21 @@ def perturb(model: Decoder, seed: int) -> Decoder:
     return model
 
 
+REFERENCE_ONLY = {"lora_r", "lora_scale", "lora_targets"}
+"""``ModelConfig`` fields that are not ``ModelArgs``': torch's LoRA is the ``peft`` section
+(``torch_lora``, ``moezero.model.lora.apply_lora`` on a built model)."""
+
+
+def torch_lora(cfg: ModelConfig) -> LoraOptions | None:
+    """The torch ``LoraOptions`` of a reference config's ``lora_*`` fields (None: no LoRA)."""
+    if not cfg.lora_r:
+        return None
+    return LoraOptions(cfg.lora_r, cfg.lora_scale * cfg.lora_r, 0.0, cfg.lora_targets)
+
+
 def torch_args(cfg: ModelConfig, ep_size: int = 1) -> ModelArgs:
     """The torch ``ModelArgs`` of a reference ``ModelConfig`` (same field names)."""
-    ref_names = {f.name for f in dataclasses.fields(ModelConfig)}
+    ref_names = {f.name for f in dataclasses.fields(ModelConfig)} - REFERENCE_ONLY
     names = {f.name for f in dataclasses.fields(ModelArgs)} & ref_names
     assert names == ref_names, f"ModelArgs lacks {sorted(ref_names - names)}"
     return ModelArgs(**{n: getattr(cfg, n) for n in names}, ep_size=ep_size)
@@ -74,7 +87,7 @@ def torch_args(cfg: ModelConfig, ep_size: int = 1) -> ModelArgs:
 
 def torch_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
     """An fp32 torch decoder (all experts local) with ``init_weights(seed)``."""
-    model = Decoder(torch_args(cfg))
+    model = apply_lora(Decoder(torch_args(cfg)), torch_lora(cfg))
     init_weights(model, seed)
     return model
 
@@ -177,6 +190,10 @@ def engine_config(cfg: ModelConfig, opt: OptimConfig, *, precision: str = "fp32"
     c.data = c.data.model_copy(update={"synthetic_vocab": min(32, cfg.vocab_size)})
     c.precision.dtype = precision
     c.zero_optimization.stage = stage
+    if cfg.lora_r:
+        c.peft = c.peft.model_copy(update={"method": "lora", "r": cfg.lora_r,
+                                           "alpha": cfg.lora_scale * cfg.lora_r,
+                                           "targets": list(cfg.lora_targets)})
     return Config.model_validate(c.model_dump(by_alias=True))  # validated as a whole
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from typing import NamedTuple
 
 import jax
@@ -56,6 +57,16 @@ class ModelConfig:
     bias_update_rate: float = 1e-3
     shared_ffn_dim: int = 0  # 0: no shared expert
     shared_gate: bool = False
+    # LoRA (torch: the ``peft`` section, ``moezero.model.lora``): rank (0: none), alpha / r,
+    # and the targets (attn, shared, experts, or one projection of them, e.g. attn.wq)
+    lora_r: int = 0
+    lora_scale: float = 1.0
+    lora_targets: tuple[str, ...] = ()
+
+    def wants_lora(self, owner: str, proj: str) -> bool:
+        """Whether projection ``proj`` of ``owner`` (attn, shared, experts) has adapters."""
+        return bool(self.lora_r) and (owner in self.lora_targets
+                                      or f"{owner}.{proj}" in self.lora_targets)
 
     def __post_init__(self):
         if self.head_dim is None and self.dim % self.n_heads or self.head_size % 2:
@@ -93,6 +104,25 @@ def _linear(key, out_dim: int, in_dim: int, std: float, bias: bool) -> dict:
     return {**p, "bias": jnp.zeros((out_dim,), jnp.float32)} if bias else p
 
 
+LORA_PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+def _with_lora(cfg: ModelConfig, owner: str, params: dict, stack: tuple[int, ...] = ()) -> dict:
+    """``params`` ({proj: {weight: [*stack, out, in], ...}}) with ``lora_A`` [*stack, r, in]
+    (uniform ±1/sqrt(in)) and ``lora_B`` [*stack, out, r] (zeros) on the projections
+    ``cfg`` targets; the torch init differs only in its random stream."""
+    out = dict(params)
+    for proj, p in params.items():
+        if proj in LORA_PROJECTIONS and cfg.wants_lora(owner, proj):
+            *_, o, i = p["weight"].shape
+            key = jax.random.key(zlib.crc32(f"{owner}.{proj}".encode()))
+            bound = 1.0 / math.sqrt(i)
+            out[proj] = {**p, "lora_A": jax.random.uniform(key, (*stack, cfg.lora_r, i),
+                                                           jnp.float32, -bound, bound),
+                         "lora_B": jnp.zeros((*stack, o, cfg.lora_r), jnp.float32)}
+    return out
+
+
 def _init_attention(cfg: ModelConfig, key, std: float, out_std: float) -> dict:
     d, hk, gk, bias = cfg.dim, cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size, \
         cfg.attn_bias != "none"
@@ -104,7 +134,7 @@ def _init_attention(cfg: ModelConfig, key, std: float, out_std: float) -> dict:
         per_head = cfg.qk_norm == "head"
         p["q_norm"] = {"weight": jnp.ones((cfg.head_size if per_head else hk,), jnp.float32)}
         p["k_norm"] = {"weight": jnp.ones((cfg.head_size if per_head else gk,), jnp.float32)}
-    return p
+    return _with_lora(cfg, "attn", p)
 
 
 def _init_shared(cfg: ModelConfig, key, std: float, out_std: float) -> dict:
@@ -112,6 +142,7 @@ def _init_shared(cfg: ModelConfig, key, std: float, out_std: float) -> dict:
     k = jax.random.split(key, 4)
     p = {"w1": {"weight": _normal(k[0], (f, d), std)}, "w3": {"weight": _normal(k[1], (f, d), std)},
          "w2": {"weight": _normal(k[2], (d, f), out_std)}}
+    p = _with_lora(cfg, "shared", p)
     return {**p, "gate": {"weight": _normal(k[3], (1, d), std)}} if cfg.shared_gate else p
 
 
@@ -128,11 +159,11 @@ def _init_layer(cfg: ModelConfig, key) -> dict:
         "ffn_norm": {"weight": jnp.ones((d,), jnp.float32)},
         "moe": {
             "router": router,
-            "experts": {
+            "experts": _with_lora(cfg, "experts", {
                 "w1": {"weight": _normal(k[2], (e, f, d), std)},
                 "w3": {"weight": _normal(k[3], (e, f, d), std)},
                 "w2": {"weight": _normal(k[4], (e, d, f), out_std)},
-            },
+            }, (e,)),
         },
     }
     if cfg.shared_ffn_dim:
@@ -190,16 +221,21 @@ def apply_rope(x_BSHK: jax.Array, cos_SK2: jax.Array, sin_SK2: jax.Array) -> jax
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BSHK.dtype)
 
 
-def linear(p: dict, x: jax.Array) -> jax.Array:
-    """``x @ W.T (+ b)``: torch's Linear layout, the bias only where the params have one."""
+def linear(p: dict, x: jax.Array, lora_scale: float = 1.0) -> jax.Array:
+    """``x @ W.T (+ b)``: torch's Linear layout, the bias only where the params have one;
+    plus ``lora_scale · (x @ A.T) @ B.T`` where it has LoRA adapters (``lora_A``/``lora_B``;
+    torch: ``moezero.model.lora.LoRALinear``)."""
     y = x @ p["weight"].T
-    return y + p["bias"] if "bias" in p else y
+    y = y + p["bias"] if "bias" in p else y
+    if "lora_A" in p:
+        y = y + lora_scale * ((x @ p["lora_A"].T) @ p["lora_B"].T)
+    return y
 
 
 def _qk_heads(p: dict, x_BSD: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """q [B,S,H,K] and k [B,S,G,K], QK-normed where ``cfg.qk_norm`` says, before RoPE."""
     b, s, _ = x_BSD.shape
-    q, k = linear(p["wq"], x_BSD), linear(p["wk"], x_BSD)
+    q, k = linear(p["wq"], x_BSD, cfg.lora_scale), linear(p["wk"], x_BSD, cfg.lora_scale)
     if cfg.qk_norm == "projection":  # OLMoE: over all heads at once
         q, k = (rmsnorm(q, p["q_norm"]["weight"], cfg.norm_eps),
                 rmsnorm(k, p["k_norm"]["weight"], cfg.norm_eps))
@@ -240,7 +276,7 @@ def attention(p: dict, x_BSD: jax.Array, cfg: ModelConfig,
     b, s, _ = x_BSD.shape
     h, g, k = cfg.n_heads, cfg.kv_heads, cfg.head_size
     q_BSHK, k_BSGK = _qk_heads(p, x_BSD, cfg)
-    v_BSGK = linear(p["wv"], x_BSD).reshape(b, s, g, k)
+    v_BSGK = linear(p["wv"], x_BSD, cfg.lora_scale).reshape(b, s, g, k)
     cos, sin = rope_tables(s, k, cfg.rope_theta) if docs is None else \
         rope_tables_at(docs.positions_BS, k, cfg.rope_theta)
     q_BSHK, k_BSGK = apply_rope(q_BSHK, cos, sin), apply_rope(k_BSGK, cos, sin)
@@ -251,12 +287,13 @@ def attention(p: dict, x_BSD: jax.Array, cfg: ModelConfig,
     scores_BHSS = jnp.where(allowed, scores_BHSS, -jnp.inf)
     probs_BHSS = jax.nn.softmax(scores_BHSS, axis=-1).astype(x_BSD.dtype)
     out_BSHK = jnp.einsum("bhqs,bshk->bqhk", probs_BHSS, v_BSHK)
-    return linear(p["wo"], out_BSHK.reshape(b, s, h * k))
+    return linear(p["wo"], out_BSHK.reshape(b, s, h * k), cfg.lora_scale)
 
 
-def shared_expert(p: dict, x: jax.Array) -> jax.Array:
+def shared_expert(p: dict, x: jax.Array, lora_scale: float = 1.0) -> jax.Array:
     """The always-on SwiGLU ``w2(silu(w1 x) * w3 x)``, times ``sigmoid(x · gate)`` if gated."""
-    y = (jax.nn.silu(x @ p["w1"]["weight"].T) * (x @ p["w3"]["weight"].T)) @ p["w2"]["weight"].T
+    h = jax.nn.silu(linear(p["w1"], x, lora_scale)) * linear(p["w3"], x, lora_scale)
+    y = linear(p["w2"], h, lora_scale)
     return y if "gate" not in p else jax.nn.sigmoid(x @ p["gate"]["weight"].T) * y
 
 
@@ -290,8 +327,10 @@ def forward_with_stats(params: dict, tokens_BS: jax.Array, cfg: ModelConfig, *,
                                                          cfg.norm_eps), cfg, docs)
         x_TD = rmsnorm(h_BSD, layer["ffn_norm"]["weight"], cfg.norm_eps).reshape(b * s, d)
         out = moe_layer(layer["moe"], x_TD, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
-                        scoring=cfg.router_scoring, renormalize=cfg.renormalize)
-        y_TD = out.y_TD if "shared" not in layer else out.y_TD + shared_expert(layer["shared"], x_TD)
+                        scoring=cfg.router_scoring, renormalize=cfg.renormalize,
+                        lora_scale=cfg.lora_scale)
+        y_TD = out.y_TD if "shared" not in layer else \
+            out.y_TD + shared_expert(layer["shared"], x_TD, cfg.lora_scale)
         h_BSD = h_BSD + y_TD.reshape(b, s, d)
         aux.append(out.aux)
         z.append(out.z)

@@ -148,10 +148,21 @@ def swiglu(w1_FD: jax.Array, w3_FD: jax.Array, w2_DF: jax.Array, x_ND: jax.Array
     return (jax.nn.silu(x_ND @ w1_FD.T) * (x_ND @ w3_FD.T)) @ w2_DF.T
 
 
-def apply_experts(experts: dict, x_ECD: jax.Array) -> jax.Array:
-    """Run expert e on row block e: stacked params ``{w1: [E,F,D], w3: [E,F,D], w2: [E,D,F]}``."""
-    w = {name: experts[name]["weight"] for name in ("w1", "w3", "w2")}
-    return jax.vmap(swiglu)(w["w1"], w["w3"], w["w2"], x_ECD)
+def apply_experts(experts: dict, x_ECD: jax.Array, lora_scale: float = 1.0) -> jax.Array:
+    """Run expert e on row block e: stacked params ``{w1: [E,F,D], w3: [E,F,D], w2: [E,D,F]}``;
+    with LoRA adapters (``lora_A`` [E,R,in], ``lora_B`` [E,out,R] on a projection) each
+    expert's projection adds ``lora_scale · (x A_e^T) B_e^T`` (torch: the grouped GEMMs of
+    ``moezero.model.experts``)."""
+    if not any("lora_A" in experts[name] for name in ("w1", "w3", "w2")):
+        w = {name: experts[name]["weight"] for name in ("w1", "w3", "w2")}
+        return jax.vmap(swiglu)(w["w1"], w["w3"], w["w2"], x_ECD)
+
+    def one(p: dict, x_CD: jax.Array) -> jax.Array:
+        def proj(q, x):
+            y = x @ q["weight"].T
+            return y + lora_scale * ((x @ q["lora_A"].T) @ q["lora_B"].T) if "lora_A" in q else y
+        return proj(p["w2"], jax.nn.silu(proj(p["w1"], x_CD)) * proj(p["w3"], x_CD))
+    return jax.vmap(one)({n: experts[n] for n in ("w1", "w3", "w2")}, x_ECD)
 
 
 class MoEOut(NamedTuple):
@@ -164,7 +175,7 @@ class MoEOut(NamedTuple):
 
 def moe_layer(params: dict, x_TD: jax.Array, *, top_k: int,
               capacity_factor: float | None, scoring: str = "softmax",
-              renormalize: bool = True) -> MoEOut:
+              renormalize: bool = True, lora_scale: float = 1.0) -> MoEOut:
     """The MoE layer on one rank's T tokens: ``params = {router: {weight[, expert_bias]},
     experts: {...}}``; the router variant is ``scoring``/``renormalize`` (see ``route``)."""
     num_tokens = x_TD.shape[0]
@@ -175,6 +186,6 @@ def moe_layer(params: dict, x_TD: jax.Array, *, top_k: int,
     plan = assign_slots(r.topi_Tk, num_experts, cap)
     slots = buffer_slots(num_tokens, num_experts, top_k, capacity_factor)
     buf_ECD = dispatch(x_TD, r.topi_Tk, plan, num_experts, slots)
-    out_ECD = apply_experts(params["experts"], buf_ECD)
+    out_ECD = apply_experts(params["experts"], buf_ECD, lora_scale)
     y_TD = combine(out_ECD, r.topi_Tk, r.gates_Tk, plan, x_TD.dtype)
     return MoEOut(y_TD, aux_loss(r.probs_TE, r.topi_Tk), z_loss(r.logits_TE), r, plan)

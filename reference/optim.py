@@ -7,6 +7,11 @@ step in docs/design.md, "Semantics" (fp16 loss scaling and per-group lr scales a
 ``train_step(cfg, state, batch) -> (new_state, metrics)`` is pure; jit it with
 ``jax.jit(train_step, static_argnums=0)``. The loss is ``moezero.reference.model.oracle_loss`` over
 ``cfg.world_size`` rank slices, so one call is one optimizer step of a W-rank run.
+
+Frozen parameters (``TrainConfig.freeze``, the ``train.freeze`` patterns of
+``moezero.plan.freeze``) get a zero gradient before clipping (they are in no optimizer group,
+so the global norm leaves them out) and a zero update: they never change. Their Adam moments
+stay zero; the torch side holds none.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from moezero.plan.buffers import is_buffer
+from moezero.plan.freeze import frozen_fqns
 from moezero.plan.rules import weight_decay_applies
 from moezero.reference.model import ModelConfig, oracle_loss
 from moezero.reference.moe import update_expert_bias
@@ -46,6 +52,7 @@ class TrainConfig:
     optim: OptimConfig = OptimConfig()
     world_size: int = 1  # W: the batch is split into W rank slices, each routed on its own
     dtype: str = "float32"  # compute dtype; masters, grads and optimizer state stay fp32
+    freeze: tuple[str, ...] = ()  # ``train.freeze``: FQN patterns never trained
 
 
 class TrainState(NamedTuple):
@@ -83,6 +90,24 @@ def decay_mask(params: dict) -> dict:
             return weight_decay_applies(fqn, leaf.shape) and not is_buffer(fqn)
         return weight_decay_applies(names[0], leaf.shape[1:])
     return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def trained_mask(params: dict, freeze: tuple[str, ...]) -> dict:
+    """1.0 where a parameter trains, 0.0 where ``freeze`` freezes it (buffers count as trained:
+    the optimizer leaves them alone anyway). A stack of experts gets one value per expert,
+    shaped to broadcast over the stack."""
+    names = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names[path] = stacked_fqns(path, leaf) or (fqn_of(path),)
+    every = [n for found in names.values() for n in found if not is_buffer(n)]
+    frozen = frozen_fqns(freeze, every) if freeze else frozenset()
+
+    def mask(path, leaf):
+        if stacked_fqns(path, leaf) is None:
+            return jnp.float32(fqn_of(path) not in frozen)
+        keep = jnp.asarray([n not in frozen for n in names[path]], jnp.float32)
+        return keep.reshape((-1,) + (1,) * (leaf.ndim - 1))
+    return jax.tree_util.tree_map_with_path(mask, params)
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
@@ -144,8 +169,11 @@ def train_step(cfg: TrainConfig, state: TrainState, batch: jax.Array):
     update (buffers: no gradient, no decay, so AdamW leaves them unchanged). Pure."""
     metrics, grads = loss_and_grads(cfg, state.params, batch)
     load_LE = metrics.pop("expert_load", None)
+    keep = trained_mask(state.params, cfg.freeze)
+    grads = jax.tree.map(jnp.multiply, grads, keep)
     grads, norm, coef = clip_by_global_norm(grads, cfg.optim.gradient_clipping)
     updates, opt_state = make_optimizer(cfg.optim).update(grads, state.opt_state, state.params)
+    updates = jax.tree.map(jnp.multiply, updates, keep)
     params = update_buffers(cfg, optax.apply_updates(state.params, updates), load_LE)
     metrics = {**metrics, "grad_norm": norm, "clip_coef": coef,
                "lr": lr_at(cfg.optim, state.step)}

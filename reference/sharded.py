@@ -64,7 +64,7 @@ def _exchange(buf_PNCD: jax.Array) -> jax.Array:
 
 
 def _local_moe(router_ED, experts_local, x_TD, *, ep: int, top_k: int,
-               capacity_factor: float | None):
+               capacity_factor: float | None, lora_scale: float = 1.0):
     """One rank's MoE: route locally, send rows to expert owners, run, send back, combine."""
     num_tokens, dim = x_TD.shape
     num_experts = router_ED.shape[0]
@@ -76,7 +76,7 @@ def _local_moe(router_ED, experts_local, x_TD, *, ep: int, top_k: int,
     buf_ECD = dispatch(x_TD, r.topi_Tk, plan, num_experts, slots)
     recv_PNCD = _exchange(buf_ECD.reshape(ep, n, slots, dim))
     rows_NXD = recv_PNCD.transpose(1, 0, 2, 3).reshape(n, ep * slots, dim)
-    out_NXD = apply_experts(experts_local, rows_NXD)
+    out_NXD = apply_experts(experts_local, rows_NXD, lora_scale)  # adapters: on their EP rank
     back_PNCD = _exchange(out_NXD.reshape(n, ep, slots, dim).transpose(1, 0, 2, 3))
     y_TD = combine(back_PNCD.reshape(num_experts, slots, dim), r.topi_Tk, r.gates_Tk, plan,
                    x_TD.dtype)
@@ -84,7 +84,7 @@ def _local_moe(router_ED, experts_local, x_TD, *, ep: int, top_k: int,
 
 
 def moe_layer_sharded(params: dict, x_TD: jax.Array, *, mesh: Mesh, top_k: int,
-                      capacity_factor: float | None) -> ShardedMoEOut:
+                      capacity_factor: float | None, lora_scale: float = 1.0) -> ShardedMoEOut:
     """The MoE layer over ``mesh``: x_TD holds all ranks' tokens (rank r: the r-th block)."""
     ep = mesh.shape[EP]
     num_experts = params["router"]["weight"].shape[0]
@@ -94,7 +94,8 @@ def moe_layer_sharded(params: dict, x_TD: jax.Array, *, mesh: Mesh, top_k: int,
     expert_specs = jax.tree.map(lambda _: P(EP), params["experts"])
     fn = jax.shard_map(
         lambda router, experts, x: _local_moe(router, experts, x, ep=ep, top_k=top_k,
-                                              capacity_factor=capacity_factor),
+                                              capacity_factor=capacity_factor,
+                                              lora_scale=lora_scale),
         mesh=mesh,
         in_specs=(P(), expert_specs, RANKS),
         out_specs=(RANKS, RANKS, RANKS),
@@ -105,9 +106,9 @@ def moe_layer_sharded(params: dict, x_TD: jax.Array, *, mesh: Mesh, top_k: int,
 
 
 def moe_layer_per_slice(params: dict, x_TD: jax.Array, *, world_size: int, top_k: int,
-                        capacity_factor: float | None) -> ShardedMoEOut:
+                        capacity_factor: float | None, lora_scale: float = 1.0) -> ShardedMoEOut:
     """Unsharded twin: ``moe_layer`` on each of the W equal token slices, all experts local."""
     x_WTD = x_TD.reshape(world_size, x_TD.shape[0] // world_size, x_TD.shape[1])
-    out = jax.vmap(lambda x: moe_layer(params, x, top_k=top_k,
-                                       capacity_factor=capacity_factor))(x_WTD)
+    out = jax.vmap(lambda x: moe_layer(params, x, top_k=top_k, capacity_factor=capacity_factor,
+                                       lora_scale=lora_scale))(x_WTD)
     return ShardedMoEOut(out.y_TD.reshape(x_TD.shape), out.aux, out.z)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moezero.checkpoint import base as adapter_ckpt
 from moezero.checkpoint.buffers import buffer_shapes, buffer_targets, buffer_values
 from moezero.checkpoint.core import Checkpointer, model_shapes
 from moezero.checkpoint.hooks import SaveHooks
@@ -42,7 +43,7 @@ from moezero.model.router import update_expert_biases
 from moezero.offload import state as offload_state
 from moezero.offload.malloc import map_large_blocks
 from moezero.offload.options import IOOptions
-from moezero.plan import plan_layout
+from moezero.plan import plan_layout, store
 from moezero.plan.records import EngineRecord, TopologyRecord
 from moezero.zero.adamw import LossScaler, lr_at
 from moezero.zero.build import build_optimizer
@@ -99,8 +100,8 @@ class Engine:
             {fqn: p.shape for fqn, p in self.params.items()}, self.dtype, device)
         self.optimizer = build_optimizer(
             self.params, self.groups, topology, zero, model=self.model, initial=initial,
-            swap_factory=lambda slots, meter: offload_state.build(
-                zero, slots, topology.rank, self.dtype, meter, self.io))
+            swap_factory=lambda slots, meter, frozen=(): offload_state.build(
+                zero, slots, topology.rank, self.dtype, meter, self.io, frozen=frozen))
         self.scaler = LossScaler.from_config(cfg.precision)
         self.step_count = 0  # optimizer steps taken (skipped steps excluded)
         self.global_steps = 0  # optimizer_step calls, skipped ones included (checkpoint names)
@@ -109,6 +110,8 @@ class Engine:
                                          CheckpointOptions.from_config(cfg.checkpoint, self.io),
                                          hooks)
         self.shapes = model_shapes(self.model)  # of the global model (every expert)
+        self.lora = cfg.peft.method == "lora"
+        self.base: dict | None = None  # LoRA: the checkpoint holding the frozen base weights
 
     @property
     def meter(self):
@@ -247,11 +250,14 @@ class Engine:
         step = self.global_steps if step is None else step
         meta = {"config": self.cfg.model_dump(by_alias=True, mode="json"),
                 "topology": self.topology_record().to_json()}
-        layout = plan_layout(self.groups.plan, self.shapes, step=step,
-                             buffers=buffer_shapes(self.model))
+        groups, shapes = self.groups.plan, self.shapes
+        if self.base is not None:  # the adapters only, and where the base weights are
+            split = adapter_ckpt.AdapterPlan.of(groups, shapes)
+            groups, shapes, meta["base"] = split.groups, split.trained, self.base
+        layout = plan_layout(groups, shapes, step=step, buffers=buffer_shapes(self.model))
         values = buffer_values(self.model) if self.topology.rank == 0 else {}
         return self.checkpointer.save(
-            root, step=step, layout=layout, shards=self.optimizer.shards(),
+            root, step=step, layout=layout, shards=self.optimizer.shards(frozen=self.base is None),
             state={**self.state_dict(), "client": state or {}}, meta=meta, buffers=values,
             background=background)
 
@@ -264,12 +270,37 @@ class Engine:
         fp32 master and moments of this rank's state, the params derived from the master,
         the counters, loss scaler and RNG. A weights-only checkpoint (``moezero
         import-hf``) sets the masters only: zero moments, counters at 0, RNG and loss scaler
-        as they are (a fine-tune from step 0). Returns the caller state given at save."""
-        state = self.checkpointer.load(path, self.optimizer.load_targets(), self.shapes,
-                                       buffers=buffer_targets(self.model))
+        as they are (a fine-tune from step 0). Returns the caller state given at save.
+        LoRA: see ``_load_lora``."""
+        if self.lora:
+            state = self._load_lora(path, buffer_targets(self.model))
+        else:
+            state = self.checkpointer.load(path, self.optimizer.load_targets(), self.shapes,
+                                           buffers=buffer_targets(self.model))
         self.optimizer.after_load()
         self.load_state_dict(state)
         return state.get("client", {})
+
+    def _load_lora(self, path, buffers: dict) -> dict:
+        """An adapter checkpoint: the frozen params from its base (checked unchanged), the
+        rest from it. Any other checkpoint becomes the base of this run's saves; the adapters
+        come from it too, or keep their initial values where it has none (a fine-tune from
+        step 0: returns {})."""
+        where = store.find_checkpoint(path)
+        manifest = store.read_manifest(where)
+        split, load = adapter_ckpt.AdapterPlan.of(self.groups.plan, self.shapes), \
+            self.checkpointer.load
+        frozen, trained = (self.optimizer.load_targets(trained=False),
+                           self.optimizer.load_targets(frozen=False))
+        if manifest.base:
+            load(adapter_ckpt.check(manifest.base, where), frozen, split.frozen, exact=False)
+            self.base = manifest.base
+            return load(where, trained, split.trained, buffers=buffers)
+        self.base = adapter_ckpt.record(where)
+        if split.lacks_adapters(dict(manifest.layout.shapes)):
+            load(where, frozen, split.frozen, buffers=buffers, exact=False)
+            return {}
+        return load(where, self.optimizer.load_targets(), self.shapes, buffers=buffers)
 
     def close(self) -> None:
         """Finish an async save and release offload resources (swap files are removed)."""

@@ -20,7 +20,7 @@ def param_groups_table(groups: OptimizerGroups) -> list[dict]:
                      "expert": g.expert, "numel": g.numel, "padded_numel": part.padded_numel,
                      "members": [{"fqn": m.fqn, "start": m.start, "stop": m.stop}
                                  for m in g.members],
-                     "rank_ranges": ranges})
+                     "rank_ranges": ranges, **({"frozen": True} if g.frozen else {})})
     return rows
 
 
@@ -29,7 +29,7 @@ def print_group_table(groups: OptimizerGroups, out=sys.stdout) -> None:
     print(f"{'optimizer group':<44} {'params':>6} {'elements':>10} {'fp32 state':>11}", file=out)
     total = 0
     for g in groups.plan:
-        state = g.numel * 12  # master + exp_avg + exp_avg_sq
+        state = 0 if g.frozen else g.numel * 12  # master + exp_avg + exp_avg_sq
         total += state
         print(f"{g.name:<44} {len(g.members):>6} {g.numel:>10,} {_mib(state):>11}", file=out)
     print(f"{len(groups.plan)} groups, {_mib(total)} of fp32 optimizer state in all", file=out)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from pydantic import ValidationError
 from tqdm import tqdm
 
+from moezero.checkpoint import base as adapter_ckpt
 from moezero.checkpoint.core import CheckpointError, check_shapes, model_shapes, resolve_load
 from moezero.checkpoint.hooks import SaveHooks
 from moezero.checkpoint.schedule import SaveClock, agree_step
@@ -43,6 +44,7 @@ from moezero.distributed.topology import Topology, build_topology
 from moezero.engine import Engine, initialize
 from moezero.model.args import model_args
 from moezero.model.decoder import Decoder, init_weights
+from moezero.model.lora import apply_lora, lora_options
 from moezero.model.materialize import KeyedInit, meta_model
 from moezero.model.packing import Batch
 from moezero.offload.aio import OffloadIOError
@@ -85,6 +87,7 @@ def build_model(cfg: Config, topology: Topology) -> Decoder:
     """The decoder with this rank's experts, initialised identically for any W and ep."""
     ep = cfg.moe.ep_size
     model = Decoder(model_args(cfg), ep_rank=topology.ep_rank(ep), ep_group=topology.ep_group(ep))
+    apply_lora(model, lora_options(cfg.peft))
     init_weights(model, cfg.train.seed, cfg.model.init_std)
     return model
 
@@ -94,8 +97,9 @@ def sharded_model(cfg: Config, topology: Topology) -> tuple[Decoder, KeyedInit]:
     only what this rank keeps (sharded construction, docs/scale.md); the same values as
     ``build_model``."""
     ep, args = cfg.moe.ep_size, model_args(cfg)
-    model = meta_model(lambda: Decoder(args, ep_rank=topology.ep_rank(ep),
-                                       ep_group=topology.ep_group(ep)))
+    model = meta_model(lambda: apply_lora(Decoder(args, ep_rank=topology.ep_rank(ep),
+                                                  ep_group=topology.ep_group(ep)),
+                                          lora_options(cfg.peft)))
     return model, KeyedInit(cfg.train.seed, cfg.model.init_std, args)
 
 
@@ -174,7 +178,11 @@ def preflight(cfg: Config, run_dir: str | Path) -> Path | None:
     with torch.device("meta"):  # shapes only: no memory, no init
         shapes = model_shapes(Decoder(model_args(cfg)))
     try:
-        check_shapes(store.read_manifest(ckpt), shapes, ckpt)
+        manifest, where = store.read_manifest(ckpt), ckpt
+        if manifest.base:  # adapters (LoRA): the model's weights are in the base checkpoint
+            where = adapter_ckpt.check(manifest.base, ckpt)
+            manifest = store.read_manifest(where)
+        check_shapes(manifest, shapes, where)
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint.load: {exc}") from None
     return ckpt

@@ -7,6 +7,12 @@ groups; with ``split_by_expert`` it holds one layer's one expert. Each logical g
 cut into chunks of at most ``max_group_size`` elements, slicing parameters by element range
 where a chunk fills up, so the cap is a hard bound (docs/grouping.md, "Grouping").
 
+Frozen parameters (``ParamSpec.frozen``) are grouped by the same rules into *frozen groups*,
+named ``frozen/<name>`` and placed after every trained group, so the trained groups' names and
+indices are those of the same model with the frozen parameters left out. A frozen group is
+partitioned, gathered, offloaded and checkpointed (weights only) like the others but belongs
+to no optimizer group: it is never stepped (docs/grouping.md, "Frozen parameters").
+
 Torch counterpart: ``moezero.zero.groups`` (builds the specs from a module, then builds
 torch param groups from this plan).
 """
@@ -38,6 +44,7 @@ class GroupPlan:
         layer: MoE layer FQN when split by expert, else ``None``.
         expert: Global expert index when split by expert, else ``None``.
         members: Element ranges of params, in order; consecutive chunks continue a param.
+        frozen: A frozen group: weights only, never stepped (after every trained group).
     """
 
     name: str
@@ -49,6 +56,7 @@ class GroupPlan:
     layer: str | None
     expert: int | None
     members: tuple[Slice, ...]
+    frozen: bool = False
 
     @property
     def numel(self) -> int:
@@ -70,17 +78,23 @@ class _Key(NamedTuple):
     ep_rank: int = 0
     layer: str | None = None
     expert: int | None = None
+    frozen: bool = False
 
     def order(self) -> tuple:
-        """Dense first by user group; then (moe group, layer, expert, EP rank, user group)."""
+        """Trained before frozen; in each, dense first by user group; then (moe group,
+        layer, expert, EP rank, user group)."""
         if self.moe_group is None:
-            return (0, natural_key(self.user_group))
+            return (self.frozen, 0, natural_key(self.user_group))
         layer = natural_key(self.layer) if self.layer is not None else ()
         expert = -1 if self.expert is None else self.expert
-        return (1, natural_key(self.moe_group), layer, expert, self.ep_rank,
+        return (self.frozen, 1, natural_key(self.moe_group), layer, expert, self.ep_rank,
                 natural_key(self.user_group))
 
     def name(self, chunk: int) -> str:
+        name = self._name(chunk)
+        return f"frozen/{name}" if self.frozen else name
+
+    def _name(self, chunk: int) -> str:
         if self.moe_group is None:
             return f"dense/{self.user_group}/{chunk}"
         if self.layer is None:
@@ -122,19 +136,21 @@ def plan_groups(specs: Sequence[ParamSpec], *, max_group_size: int | None = None
         members = sorted(buckets[key], key=lambda s: natural_key(s.fqn))
         for chunk, slices in enumerate(_chunk(members, max_group_size)):
             groups.append(GroupPlan(key.name(chunk), len(groups), key.user_group, key.moe_group,
-                                    key.ep_size, key.ep_rank, key.layer, key.expert, slices))
+                                    key.ep_size, key.ep_rank, key.layer, key.expert, slices,
+                                    key.frozen))
     return tuple(groups)
 
 
 def _key(spec: ParamSpec, num_experts: dict[str, int], split_by_expert: bool) -> _Key:
     """The logical group a parameter belongs to."""
     if not spec.is_expert:
-        return _Key(spec.user_group)
+        return _Key(spec.user_group, frozen=spec.frozen)
     ep_rank = expert_ep_rank(spec.expert, num_experts=num_experts[spec.layer],
                              ep_size=spec.ep_size)
     if split_by_expert:
-        return _Key(spec.user_group, spec.moe_group, spec.ep_size, ep_rank, spec.layer, spec.expert)
-    return _Key(spec.user_group, spec.moe_group, spec.ep_size, ep_rank)
+        return _Key(spec.user_group, spec.moe_group, spec.ep_size, ep_rank, spec.layer,
+                    spec.expert, spec.frozen)
+    return _Key(spec.user_group, spec.moe_group, spec.ep_size, ep_rank, frozen=spec.frozen)
 
 
 def _chunk(members: Sequence[ParamSpec], cap: int | None) -> list[tuple[Slice, ...]]:
@@ -211,6 +227,16 @@ def locate_params(groups: Iterable[GroupPlan]) -> dict[str, tuple[tuple[int, Sli
         for member in group.members:
             pieces[member.fqn].append((group.index, member))
     return {fqn: tuple(sorted(found, key=lambda p: p[1].start)) for fqn, found in pieces.items()}
+
+
+def trained_groups(groups: Iterable[GroupPlan]) -> tuple[GroupPlan, ...]:
+    """The groups an optimizer steps: every group but the frozen ones (plan order)."""
+    return tuple(g for g in groups if not g.frozen)
+
+
+def frozen_params(groups: Iterable[GroupPlan]) -> tuple[str, ...]:
+    """The FQNs held by frozen groups, in plan order (each once)."""
+    return tuple(dict.fromkeys(m.fqn for g in groups if g.frozen for m in g.members))
 
 
 def group_hparams(groups: Iterable[GroupPlan],

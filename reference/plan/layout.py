@@ -6,7 +6,8 @@ one ``model-{i+1:05d}-of-{G:05d}.safetensors`` file (fp32 master) and one ``opti
 file's data is therefore the group's unpadded flat buffer (one buffer per state), so a
 rank's ZeRO partition is one contiguous byte range per state (``rank_ranges``). Buffers
 (checkpointed, never optimized: ``moezero.plan.buffers``) are in no group; they lie whole in
-one more file, ``buffers.safetensors``, when the model has any.
+one more file, ``buffers.safetensors``, when the model has any. A frozen group
+(``GroupPlan.frozen``) has its model file only: its weights, no moments.
 
 Keys: a member that is a whole parameter is stored under its name (``fqn``,
 ``fqn.exp_avg``, ``fqn.exp_avg_sq``) with its shape. A member the group cap cut is stored
@@ -174,8 +175,20 @@ class Layout:
         if state != MASTER and self.weights_only:
             raise KeyError(f"a weights-only checkpoint has no {state} of {fqn!r}")
         if (fqn, state) not in self._pieces:
+            if fqn in self.frozen:  # saved frozen: weights only, its moments read as zeros
+                return ()
             raise KeyError(f"parameter {fqn!r} is not in the checkpoint")
         return self._pieces[(fqn, state)]
+
+    @cached_property
+    def frozen(self) -> frozenset[str]:
+        """The FQNs saved in frozen groups (weights only)."""
+        return frozenset(m.fqn for g in self.groups if g.frozen for m in g.members)
+
+    def optim_file(self, index: int) -> FileLayout | None:
+        """The optim file of group ``index``; None for a frozen group or weights only."""
+        name = self.groups[index].name
+        return next((f for f in self.optim_files if f.group == name), None)
 
     def group_index(self, name: str) -> int:
         """Index of the group called ``name``; KeyError if absent."""
@@ -230,7 +243,8 @@ def plan_layout(groups: Sequence[GroupPlan], shapes: Mapping[str, Sequence[int]]
     _check_coverage(groups, shapes)
     num = len(groups)
     model = tuple(_file("model", g, num, shapes, step) for g in groups)
-    optim = () if weights_only else tuple(_file("optim", g, num, shapes, step) for g in groups)
+    optim = () if weights_only else tuple(_file("optim", g, num, shapes, step)
+                                          for g in groups if not g.frozen)
     order = [m.fqn for g in groups for m in g.members if m.start == 0]
     kept = _buffer_shapes(buffers or {}, shapes)
     return Layout(step, tuple(groups), tuple((f, shapes[f]) for f in order), model, optim,
@@ -330,9 +344,9 @@ def rank_ranges(layout: Layout, partition: Partition, dp_rank: int) -> RankRange
     lo, hi = min(lo, partition.numel), min(hi, partition.numel)
     model, length = layout.model_files[index], (hi - lo) * ITEMSIZE
     master = ByteRange(model.name, model.data_start + lo * ITEMSIZE, length)
-    if layout.weights_only:
+    optim = layout.optim_file(index)
+    if optim is None:  # weights only, or a frozen group
         return RankRanges(master, None, None, hi - lo)
-    optim = layout.optim_files[index]
     avg = optim.data_start + lo * ITEMSIZE
     return RankRanges(master, ByteRange(optim.name, avg, length),
                       ByteRange(optim.name, avg + partition.numel * ITEMSIZE, length), hi - lo)

@@ -12,22 +12,27 @@ from typing import Any
 
 from moezero.plan.grouping import GroupPlan
 from moezero.plan.layout import FORMAT_VERSION, Layout, RangeRecord, plan_layout
-from moezero.plan.specs import Slice
+from moezero.plan.specs import Slice, natural_key
 
 
 def group_to_json(group: GroupPlan) -> dict:
-    """A group as a JSON object (members as ``[fqn, start, stop]``)."""
-    return {"name": group.name, "index": group.index, "user_group": group.user_group,
-            "moe_group": group.moe_group, "ep_size": group.ep_size, "ep_rank": group.ep_rank,
-            "layer": group.layer, "expert": group.expert,
-            "members": [[m.fqn, m.start, m.stop] for m in group.members]}
+    """A group as a JSON object (members as ``[fqn, start, stop]``; ``"frozen": true`` for a
+    frozen group only, so manifests without frozen groups are unchanged)."""
+    obj = {"name": group.name, "index": group.index, "user_group": group.user_group,
+           "moe_group": group.moe_group, "ep_size": group.ep_size, "ep_rank": group.ep_rank,
+           "layer": group.layer, "expert": group.expert,
+           "members": [[m.fqn, m.start, m.stop] for m in group.members]}
+    if group.frozen:
+        obj["frozen"] = True
+    return obj
 
 
 def group_from_json(obj: Mapping) -> GroupPlan:
     """Inverse of ``group_to_json``."""
     members = tuple(Slice(fqn, start, stop) for fqn, start, stop in obj["members"])
     return GroupPlan(obj["name"], obj["index"], obj["user_group"], obj["moe_group"],
-                     obj["ep_size"], obj["ep_rank"], obj["layer"], obj["expert"], members)
+                     obj["ep_size"], obj["ep_rank"], obj["layer"], obj["expert"], members,
+                     obj.get("frozen") is True)
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,9 @@ class Manifest:
 
     ``config``, ``topology`` and ``state`` are opaque JSON objects owned by the caller
     (resolved config; world size, ep sizes, stage at save; RNG, data position, loss
-    scaler, lr step).
+    scaler, lr step). ``base`` (``{"path", "sha256"}``, else empty): a checkpoint of the
+    trained params only, whose frozen params are those of the base checkpoint at ``path``
+    whose ``manifest.json`` had that sha256 (LoRA, docs/checkpoint.md).
     """
 
     layout: Layout
@@ -44,6 +51,7 @@ class Manifest:
     config: dict = field(default_factory=dict)
     topology: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)
+    base: dict = field(default_factory=dict)
 
     @property
     def step(self) -> int:
@@ -66,6 +74,10 @@ def manifest_to_json(manifest: Manifest) -> dict:
         obj["weights_only"] = True
     if layout.buffers:  # likewise
         obj["buffers"] = {fqn: list(shape) for fqn, shape in layout.buffers}
+    if manifest.base:  # likewise
+        obj["base"] = manifest.base
+    if layout.frozen:  # likewise; the groups say it too ("frozen": true)
+        obj["frozen_params"] = sorted(layout.frozen, key=natural_key)
     return obj
 
 
@@ -83,7 +95,7 @@ def manifest_from_json(obj: Any) -> Manifest:
         files = [(f["name"], f["kind"], f["group"], f["size"]) for f in obj["files"]]
         checksums = tuple(RangeRecord(str(f), int(o), int(n), int(c))
                           for f, o, n, c in obj["checksums"])
-        extra = {k: obj.get(k, {}) for k in ("config", "topology", "state")}
+        extra = {k: obj.get(k, {}) for k in ("config", "topology", "state", "base")}
     except (AttributeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"malformed manifest: {type(err).__name__}: {err}") from None
     if files != [(f.name, f.kind, f.group, f.size) for f in layout.files]:

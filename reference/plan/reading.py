@@ -96,6 +96,8 @@ def read_param(ckpt_dir: str | os.PathLike, manifest: Manifest, fqn: str, start:
     if not 0 <= start <= stop <= numel:
         raise ValueError(f"param {fqn!r}: range [{start}, {stop}) is outside [0, {numel})")
     out = _output(out, stop - start)
+    if not pieces:  # a moment of a param saved frozen
+        out[:] = 0
     for f, t in pieces:
         lo, hi = max(start, t.start), min(stop, t.stop)
         if lo < hi:
@@ -215,8 +217,10 @@ def _crc_range(path: Path, offset: int, length: int, chunk: int = CHUNK) -> int:
     return crc
 
 
-def check_shapes(manifest, shapes: dict[str, tuple[int, ...]], where: Path) -> None:
-    """CheckpointError (one line) unless the checkpoint holds exactly the model's params."""
+def check_shapes(manifest, shapes: dict[str, tuple[int, ...]], where: Path, *,
+                 exact: bool = True) -> None:
+    """CheckpointError (one line) unless the checkpoint holds exactly the model's params (with
+    ``exact=False``: at least ``shapes``, as a base checkpoint holds the frozen ones)."""
     saved = dict(manifest.layout.shapes)
     for fqn, shape in shapes.items():
         if fqn not in saved:
@@ -225,6 +229,6 @@ def check_shapes(manifest, shapes: dict[str, tuple[int, ...]], where: Path) -> N
             raise CheckpointError(f"{where}: parameter {fqn} has shape {tuple(saved[fqn])} in "
                                   f"the checkpoint, {tuple(shape)} in the model")
     extra = sorted(set(saved) - set(shapes))
-    if extra:
+    if extra and exact:
         raise CheckpointError(f"{where}: the checkpoint has parameter {extra[0]} that the "
                               "model does not")

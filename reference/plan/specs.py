@@ -74,6 +74,8 @@ class ParamSpec:
         ep_size: Expert-parallel size of that moe group (1 for dense params).
         layer: FQN of the MoE layer the expert belongs to (``layers.3.moe``).
         expert: Global expert index inside that layer.
+        frozen: Never trained (``train.freeze``): in a frozen group of the plan, which is
+            partitioned and checkpointed (weights only) but never stepped.
     """
 
     fqn: str
@@ -84,6 +86,7 @@ class ParamSpec:
     ep_size: int = 1
     layer: str | None = None
     expert: int | None = None
+    frozen: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.fqn, str) or not self.fqn:

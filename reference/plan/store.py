@@ -131,8 +131,8 @@ def _create(path: Path, size: int, header: bytes = b"") -> int:
 
 
 def write_partition(ckpt_dir: str | os.PathLike, layout: Layout, partition: Partition,
-                    dp_rank: int, *, master: np.ndarray, exp_avg: np.ndarray,
-                    exp_avg_sq: np.ndarray, fsync: bool = True,
+                    dp_rank: int, *, master: np.ndarray, exp_avg: np.ndarray | None = None,
+                    exp_avg_sq: np.ndarray | None = None, fsync: bool = True,
                     writer: Callable[[Path, int, np.ndarray], int] | None = None,
                     ) -> list[RangeRecord]:
     """Write one DP rank's shard of one group (every state) at its ranges from the layout.
@@ -143,7 +143,8 @@ def write_partition(ckpt_dir: str | os.PathLike, layout: Layout, partition: Part
         partition: The group's partition in the current plan (same members as saved).
         dp_rank: This rank's DP rank in the group.
         master, exp_avg, exp_avg_sq: The rank's fp32 shards (``shard_numel`` elements,
-            padding included, or at least the real elements; only those are written).
+            padding included, or at least the real elements; only those are written). The
+            moments are None for a frozen group (its layout has no optim file).
         fsync: Flush the written files before returning (do it on the writing host).
         writer: ``writer(path, offset, array) -> crc32`` writes one range into the existing
             file and returns the crc32 of its bytes (default ``write_range``; the torch side
@@ -229,7 +230,8 @@ def _real_elements(shard: np.ndarray, numel: int, what: str) -> np.ndarray:
 
 def write_manifest(ckpt_dir: str | os.PathLike, layout: Layout, *,
                    checksums: Iterable[RangeRecord], config: dict | None = None,
-                   topology: dict | None = None, state: dict | None = None) -> Path:
+                   topology: dict | None = None, state: dict | None = None,
+                   base: dict | None = None) -> Path:
     """Write ``manifest.json`` atomically once every rank's ranges are on disk (rank 0).
 
     Args:
@@ -237,10 +239,11 @@ def write_manifest(ckpt_dir: str | os.PathLike, layout: Layout, *,
             must tile every file exactly (checked, ValueError naming the first gap).
         config, topology, state: Opaque JSON objects (resolved config; world size, ep
             sizes, stage at save; RNG, data position, loss scaler, lr step).
+        base: ``{"path", "sha256"}`` of the base checkpoint holding the frozen params.
     """
     records = tuple(sorted(RangeRecord(*r) for r in checksums))
     check_tiling(layout, records)
-    manifest = Manifest(layout, records, config or {}, topology or {}, state or {})
+    manifest = Manifest(layout, records, config or {}, topology or {}, state or {}, base or {})
     path = Path(ckpt_dir) / MANIFEST_NAME
     write_json(path, manifest_to_json(manifest))
     return path

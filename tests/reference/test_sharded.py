@@ -89,3 +89,26 @@ def test_experts_are_split_and_dispatch_uses_all_to_all():
     assert f"f32[2,{CFG.ffn_dim},{CFG.dim}]" in jaxpr
     out = jax.jit(fn)(params, x_TD)
     assert out.y_TD.sharding.spec[0] == ("edp", "ep")  # tokens stay split over all ranks
+
+
+def test_sharded_moe_with_expert_lora_adapters_equals_its_twin(tol):
+    """Routed-expert LoRA adapters are sharded with their experts (each on its EP rank) and
+    scaled alike on both paths."""
+    cfg = ModelConfig(dim=8, n_heads=2, ffn_dim=8, num_experts=8, top_k=2, n_layers=1,
+                      lora_r=2, lora_scale=2.0, lora_targets=("experts",))
+    rng = np.random.default_rng(1)
+    shapes = jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
+    params = jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), jnp.float32),
+                          shapes["layers"][0]["moe"])
+    assert params["experts"]["w2"]["lora_B"].shape == (8, 8, 2)
+    x, cot = (jnp.asarray(rng.standard_normal((NUM_TOKENS, 8)), jnp.float32) for _ in range(2))
+    loss = lambda fn, p: jnp.sum(fn(p, x).y_TD * cot)  # noqa: E731
+    kw = {"top_k": 2, "capacity_factor": None, "lora_scale": 2.0}
+    got = jax.jit(jax.value_and_grad(functools.partial(
+        loss, functools.partial(moe_layer_sharded, mesh=make_mesh(2, 2), **kw))))(params)
+    want = jax.jit(jax.value_and_grad(functools.partial(
+        loss, functools.partial(moe_layer_per_slice, world_size=2, **kw))))(params)
+    plain = loss(functools.partial(moe_layer_per_slice, world_size=2, top_k=2,
+                                   capacity_factor=None), params)
+    assert abs(float(want[0]) - float(plain)) > 1e-3  # the scale matters
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **tol("float32")), got, want)

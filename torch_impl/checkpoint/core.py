@@ -117,13 +117,15 @@ class Checkpointer:
         return result
 
     def load(self, path: str | os.PathLike, targets: Iterable[StateShard],
-             shapes: dict[str, tuple[int, ...]], buffers: dict | None = None) -> dict:
+             shapes: dict[str, tuple[int, ...]], buffers: dict | None = None, *,
+             exact: bool = True) -> dict:
         """Fill ``targets`` from a step directory or a root's newest complete checkpoint
         (collective); any world size, ``ep``, ZeRO stage or group cap may have saved it.
 
         ``buffers``: ``{fqn: tensor}`` of the checkpointed buffers to fill
         (``checkpoint.buffers.buffer_targets``). Returns this rank's saved state
-        (``load.read_checkpoint``; {} when weights only).
+        (``load.read_checkpoint``; {} when weights only). ``exact=False``: the checkpoint may
+        hold more params than ``shapes`` (a base checkpoint read for the frozen ones).
         A read that fails after the checks (a damaged file) leaves the targets partly
         filled: load again or start afresh.
 
@@ -135,7 +137,7 @@ class Checkpointer:
         try:
             state = read_checkpoint(path, targets, shapes, self.rank, buffers or {},
                                     verify=self.options.verify_on_load,
-                                    chunk=self.options.io.chunk_bytes)
+                                    chunk=self.options.io.chunk_bytes, exact=exact)
         except (CheckpointError, OSError, ValueError) as exc:
             error = f"rank {self.rank}: {one_line(exc)}"
         self.group.agree(error, f"checkpoint load from {path}")

@@ -62,7 +62,7 @@ def resolve_load(value: str, root: str | os.PathLike) -> Path:
 def read_checkpoint(path: str | os.PathLike, targets: Iterable[StateShard],
                     shapes: dict[str, tuple[int, ...]], rank: int,
                     buffers: dict | None = None, *, verify: bool = True,
-                    chunk: int = CHUNK) -> dict:
+                    chunk: int = CHUNK, exact: bool = True) -> dict:
     """Fill ``targets`` from the checkpoint at ``path`` (a step directory or a root: its
     newest complete checkpoint) and return ``rank``'s state: the saved JSON state with each
     per-rank entry (``save.RANK_KEYS``) replaced by this rank's (``rank % saved world``: a rank
@@ -72,7 +72,7 @@ def read_checkpoint(path: str | os.PathLike, targets: Iterable[StateShard],
     bytes per read). Raises CheckpointError, OSError or ValueError (one line)."""
     where = find_checkpoint(path)
     manifest = store.read_manifest(where)
-    store.check_shapes(manifest, shapes, where)
+    store.check_shapes(manifest, shapes, where, exact=exact)
     buffers = buffers or {}
     check_buffers(manifest, {k: tuple(t.shape) for k, t in buffers.items()}, where)
     saved = ("master",) if manifest.layout.weights_only else STATES

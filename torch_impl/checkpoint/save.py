@@ -221,7 +221,7 @@ def _finish(job: SaveJob, partial: Path, headers: list, gathered: list[dict],
                                for k in RANK_KEYS if k in job.rank_state})
     hooks.pause()
     store.write_manifest(partial, job.layout, checksums=records, config=job.meta["config"],
-                         topology=job.meta["topology"], state=state)
+                         topology=job.meta["topology"], state=state, base=job.meta.get("base"))
     hooks.pause()
     final = store.commit(partial, flushed=True, layout=job.layout)  # every rank flushed
     store.apply_retention(job.root, options.keep_last, committed=final)

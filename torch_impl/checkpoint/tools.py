@@ -39,7 +39,9 @@ def describe(ckpt: Path) -> str:
     on_disk = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file())
     headers = sum(f.data_start for f in layout.files)
     per = 4 if layout.weights_only else 12  # master (+ exp_avg + exp_avg_sq)
+    frozen = sum(g.numel for g in layout.groups if g.frozen)  # weights only (4 B)
     what = "fp32 weights only (no optimizer state)" if layout.weights_only else "fp32 state"
+    state = per * numel - (per - 4) * frozen
     lines = [f"checkpoint {ckpt}  step {m.step}  format version {FORMAT_VERSION}",
              f"saved by: world size {topo.get('world_size', '?')}, ep {topo.get('ep_sizes', '?')}, "
              f"ZeRO stage {topo.get('zero_stage', '?')}, {topo.get('dtype', '?')} compute"
@@ -47,11 +49,16 @@ def describe(ckpt: Path) -> str:
              f"written by moezero import-hf from {topo.get('dtype', '?')} Hugging Face weights",
              f"{len(layout.groups)} groups, {len(layout.shapes)} parameters ({numel:,} elements), "
              f"{sum(len(f.tensors) for f in layout.files)} tensors in {len(files)} safetensors files",
-             f"bytes on disk {on_disk:,}: {what} {per * numel:,} ({per} B x {numel:,}), "
-             f"headers {headers:,}, JSON {on_disk - per * numel - headers:,}",
+             f"bytes on disk {on_disk:,}: {what} {state:,} ({per} B x {numel - frozen:,}"
+             + (f" + 4 B x {frozen:,} frozen" if frozen else "")
+             + f"), headers {headers:,}, JSON {on_disk - state - headers:,}",
              f"{'group':<44} {'members':>7} {'elements':>12} {'bytes':>14}"]
+    if m.base:
+        lines.insert(2, f"adapters only: the frozen weights are in the base checkpoint "
+                        f"{m.base['path']} (manifest sha256 {m.base['sha256'][:16]})")
     for g in layout.groups:
-        lines.append(f"{g.name:<44} {len(g.members):>7} {g.numel:>12,} {per * g.numel:>14,}")
+        size = (4 if g.frozen else per) * g.numel
+        lines.append(f"{g.name:<44} {len(g.members):>7} {g.numel:>12,} {size:>14,}")
     return "\n".join(lines)
 
 

@@ -14,30 +14,12 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from moezero.config.errors import FieldError
+from moezero.config.peft import PeftConfig
+from moezero.config.section import Section as _Section
 from moezero.plan import rules
-
-
-class _Section(BaseModel):
-    """Base of every section: unknown keys rejected, assignments validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # pydantic keeps a value that failed an after-validator on assignment; undo it.
-        old = self.__dict__.get(name, _MISSING)
-        try:
-            super().__setattr__(name, value)
-        except ValidationError:
-            if old is not _MISSING:
-                self.__dict__[name] = old
-            raise
-
-
-_MISSING = object()
-
 
 _ARCH = {"architecture": True}
 
@@ -64,6 +46,10 @@ class TrainConfig(_Section):
     deterministic: bool = Field(
         False, description="CUDA: deterministic kernels (torch.use_deterministic_algorithms, "
                            "cuDNN, cuBLAS workspace); slower. No effect on CPU (docs/model.md).")
+    freeze: list[str] = Field(
+        [], description="FQN glob patterns of parameters never trained, in order; '!' unfreezes "
+                        "(['*', '!*.experts.*'] trains the experts only). Frozen parameters get "
+                        "no gradient and no optimizer state (docs/finetune.md).")
     preempt_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU"]] = Field(
         ["SIGTERM", "SIGUSR1"],
         description="Signals that make every rank finish its step, save and exit (code 75); "
@@ -381,6 +367,7 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
     dist: DistConfig = Field(default_factory=DistConfig, description="torch.distributed.")
+    peft: PeftConfig = Field(default_factory=PeftConfig, description="LoRA fine-tuning.")
 
     @model_validator(mode="after")
     def _across_sections(self) -> Config:
@@ -388,6 +375,10 @@ class Config(_Section):
             raise FieldError("data.synthetic_vocab",
                               f"must be <= model.vocab_size ({self.model.vocab_size}), "
                               f"got {self.data.synthetic_vocab}")
+        if self.peft.method == "lora" and not self.moe.shared_ffn_dim \
+                and any(t.startswith("shared") for t in self.peft.targets):
+            raise FieldError("peft.targets", "names the shared expert, but the model has none "
+                                             "(moe.shared_ffn_dim is 0)")
         if (self.tokenizer.vocab_size or 0) > self.model.vocab_size:
             raise FieldError("tokenizer.vocab_size",
                              f"must be <= model.vocab_size ({self.model.vocab_size}), "

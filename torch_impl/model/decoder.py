@@ -101,17 +101,21 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Deterministic init keyed by FQN: the same weights for any world size or EP layout.
 
     Norm gains are 1, biases 0; output projections (``wo``, ``w2``) get std/sqrt(2L)
-    (docs/model.md).
+    (docs/model.md). LoRA adapters (``moezero.model.lora``): ``lora_B`` 0, ``lora_A``
+    uniform in ±1/sqrt(in) (PEFT's default, kaiming-uniform with a = sqrt(5)).
     """
     n_layers = getattr(getattr(model, "args", None), "n_layers", 1)
     with torch.no_grad():
         for fqn, param in model.named_parameters():
-            if fqn.endswith(".bias"):
+            if fqn.endswith((".bias", ".lora_B")):
                 param.zero_()
                 continue
             if param.ndim == 1:
                 param.fill_(1.0)
                 continue
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(fqn.encode()))
+            if fqn.endswith(".lora_A"):
+                param.copy_((torch.rand(param.shape, generator=gen) * 2 - 1) / math.sqrt(param.shape[1]))
+                continue
             scale = std / math.sqrt(2 * n_layers) if fqn.endswith(("wo.weight", "w2.weight")) else std
             param.copy_(torch.randn(param.shape, generator=gen) * scale)

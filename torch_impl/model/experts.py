@@ -15,6 +15,11 @@ they are copied by ``torch.stack``. The autograd function saves the per-expert p
 the stack, so a copy lives only during the forward and is made again in the backward (stage 3
 keeps releasing the gathered weights); the weight gradients come back per expert.
 
+**LoRA** (``moezero.model.lora``): when the experts' projections carry adapters
+(``lora_A`` [R, I], ``lora_B`` [O, R] per expert), each projection is three grouped GEMMs
+(``GroupedLinear``: base, A, B over the same row groups), the SwiGLU in between left to
+autograd; the frozen base weights get no weight gradient computed.
+
 Rows past ``offs[-1]`` (dropped assignments at ep = 1) are not computed: their outputs and
 input gradients are undefined and must be masked by the caller (``moezero.model.dispatch``).
 Legend: N rows, D model dim, F expert hidden dim, L local experts.
@@ -161,8 +166,62 @@ class _GroupedSwiGLU(torch.autograd.Function):
         return dx_ND, None, None, *dw1.unbind(0), *dw3.unbind(0), *dw2.unbind(0)
 
 
+class GroupedLinear(torch.autograd.Function):
+    """``x W_l^T`` on row group l; inputs (x [N, I], offs, W_0 .. W_{L-1} [O, I]). Saves the
+    per-expert weights (not a stack), like ``_GroupedSwiGLU``; weight gradients only for the
+    weights that need them (frozen base weights: none). Dims whose rows would not be
+    ``ALIGN_BYTES`` apart (a LoRA rank of 4 in bf16) are zero-padded for the kernels."""
+
+    @staticmethod
+    def forward(ctx, x_NI, offs_L, *weights):
+        ctx.save_for_backward(x_NI, offs_L, *weights)
+        w_LOI = _aligned(_aligned(stack_weights(weights), -1), -2)
+        y_NO = F.grouped_mm(_aligned(x_NI, -1), w_LOI.transpose(-2, -1), offs=offs_L)
+        return y_NO[:, :weights[0].shape[0]]
+
+    @staticmethod
+    def backward(ctx, dy_NO):
+        x_NI, offs_L, *weights = ctx.saved_tensors
+        (o, i), dx_NI = weights[0].shape, None
+        dy_NO = _aligned(dy_NO.contiguous(), -1)  # grouped_mm rejects stride-0 gradients
+        if ctx.needs_input_grad[0]:
+            w_LOI = _aligned(_aligned(stack_weights(weights), -1), -2)
+            dx_NI = F.grouped_mm(dy_NO, w_LOI, offs=offs_L)[:, :i]
+        dws = [None] * len(weights)
+        if any(ctx.needs_input_grad[2:]):
+            dw_LOI = F.grouped_mm(dy_NO.t(), _aligned(x_NI, -1), offs=offs_L)
+            dws = list(dw_LOI[:, :o, :i].unbind(0))
+        return dx_NI, None, *dws
+
+
+def _aligned(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` zero-padded along ``dim`` to a multiple of ``ALIGN_BYTES`` (itself if it is)."""
+    step = ALIGN_BYTES // t.element_size()
+    extra = -t.shape[dim] % step
+    if not extra:
+        return t
+    pad = [0, 0] * (-dim - 1) + [0, extra]
+    return F.pad(t, pad)
+
+
+def _grouped_projection(x_NI: torch.Tensor, offs_L: torch.Tensor,
+                        linears: Sequence[nn.Linear]) -> torch.Tensor:
+    """One projection of every local expert, with its LoRA adapters if it has them."""
+    y_NO = GroupedLinear.apply(x_NI, offs_L, *(m.weight for m in linears))
+    first = linears[0]
+    if not hasattr(first, "lora_A"):
+        return y_NO
+    h_NR = GroupedLinear.apply(first.lora_dropout(x_NI), offs_L, *(m.lora_A for m in linears))
+    return y_NO + first.scale * GroupedLinear.apply(h_NR, offs_L, *(m.lora_B for m in linears))
+
+
 def grouped_swiglu(x_ND: torch.Tensor, offs_L: torch.Tensor,
                    modules: Sequence[SwiGLU]) -> torch.Tensor:
     """Run expert i of ``modules`` on rows [offs[i-1], offs[i]) of ``x_ND`` (int32 ends)."""
+    first = modules[0]
+    if any(hasattr(getattr(first, n), "lora_A") for n in ("w1", "w3", "w2")):
+        h1_NF, h3_NF = (_grouped_projection(x_ND, offs_L, [getattr(m, n) for m in modules])
+                        for n in ("w1", "w3"))
+        return _grouped_projection(F.silu(h1_NF) * h3_NF, offs_L, [m.w2 for m in modules])
     w1s, w3s, w2s = _projections(modules)
     return _GroupedSwiGLU.apply(x_ND, offs_L, len(modules), *w1s, *w3s, *w2s)

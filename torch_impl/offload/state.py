@@ -179,14 +179,17 @@ class SwapState:
 
 
 def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
-          options: IOOptions | None = None, *, pin: bool | None = None) -> tuple:
+          options: IOOptions | None = None, *, pin: bool | None = None,
+          frozen: Sequence = ()) -> tuple:
     """(optimizer, param, grad: a SwapState or None each) for the configured tiers: each
     folder held by this job (``SwapDir.acquire``), checked for space (nothing is written to
     it before that passes), cleared of a dead job's other swap files, then allocated. The
     grad files (stage 3, optimizer on NVMe: ``moezero.zero.gradtier``) share the optimizer's
     folder and have no meter (the tier counts its buffers). In fp32 with both tiers in one
     folder the params are read from the master files (``params_read_master``).
-    ``pin``: pin the host buffers (default: where CUDA is available)."""
+    ``pin``: pin the host buffers (default: where CUDA is available). ``frozen``: the frozen
+    groups' slots (``train.freeze``): param files only (stage 3), so then the params never
+    read the master's files."""
     optim = param = grad = io = None
     pin = torch.cuda.is_available() if pin is None else pin
     options = options or IOOptions()
@@ -202,8 +205,10 @@ def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
             grad = SwapState(where, io, slots, ("grad",), dtype, key=OPTIMIZER_KEY, pin=pin)
     if cfg_zero.stage == 3 and cfg_zero.offload_param.device == "nvme":
         io = io or new_io()
-        alias = "master" if params_read_master(cfg_zero, fp32=dtype == torch.float32) else None
-        param = SwapState(folder(cfg_zero.offload_param.nvme_path), io, slots, ("param",), dtype,
+        alias = "master" if params_read_master(cfg_zero, fp32=dtype == torch.float32) \
+            and not frozen else None
+        param = SwapState(folder(cfg_zero.offload_param.nvme_path), io, [*slots, *frozen],
+                          ("param",), dtype,
                           key=PARAM_KEY, meter=meter, pin=pin, alias=alias)
         if param.alias is not None:
             optim.readers.append(param)  # the step's master writes forget its reads ahead

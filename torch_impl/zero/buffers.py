@@ -7,7 +7,9 @@ rank's EP rank (its EDP group). A kind's buffer holds its optimizer groups back 
 order, each group's members contiguous in member order (``Partition.offsets``) and *without*
 partition padding. The chunks of one logical group are consecutive in plan order and of one
 kind, so a parameter that ``moe.max_group_size`` slices across groups stays one contiguous
-view. Padding lives only in the communication buffers and in the partitions.
+view. Padding lives only in the communication buffers and in the partitions. Frozen groups
+(``train.freeze``) form kinds of their own (``frozen/dense``, ``frozen/moe/...``) that have no
+gradient buffer.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ def build_kinds(local: Sequence[LocalGroup], topology: Topology,
     for g in local:
         plan, part = g.plan, g.partition
         name = "dense" if not plan.is_expert else f"moe/{plan.moe_group}/ep{plan.ep_rank}"
+        name = f"frozen/{name}" if plan.frozen else name
         if name not in kinds:
             group = topology.edp_group(plan.ep_size) if plan.is_expert else None
             channel = f"edp{plan.ep_size}" if plan.is_expert else "world"
-            kinds[name] = Kind(name, part.dp_size, group, channel, [])
+            kinds[name] = Kind(name, part.dp_size, group, channel, [], frozen=plan.frozen)
         kinds[name].slots.append(Slot(g, cursor[name], part.dp_rank(topology.rank),
                                       columns(part), channel=kinds[name].channel))
         cursor[name] += part.numel
@@ -77,7 +80,7 @@ def flatten_params(kinds: Sequence[Kind], params: dict[str, nn.Parameter], where
                 view = kind.params[pos:pos + p.numel()].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
-        if full_grads:
+        if full_grads and not kind.frozen:
             kind.grads = torch.zeros_like(kind.params)
             meter.add_persistent(kind.grads)
 
@@ -85,8 +88,8 @@ def flatten_params(kinds: Sequence[Kind], params: dict[str, nn.Parameter], where
 def attach_grad_views(params: dict[str, nn.Parameter], kinds: Sequence[Kind],
                       where: Where) -> None:
     """Point every gradient-less ``param.grad`` at its range of its kind's flat gradients, so
-    autograd accumulates micro-batches there in place."""
+    autograd accumulates micro-batches there in place (frozen parameters have none)."""
     for fqn, p in params.items():
-        if p.grad is None:
+        if p.grad is None and p.requires_grad:
             k, pos = where[fqn]
             p.grad = kinds[k].grads[pos:pos + p.numel()].view_as(p)

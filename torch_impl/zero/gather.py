@@ -19,7 +19,7 @@ so one all-gather per unit and pass rather than one per group; each bucket's rec
 copied into the params' own storage, which is re-allocated for the purpose) and starts the
 next unit's gathers asynchronously (prefetch); its forward hook
 releases them (``untyped_storage().resize_(0)``: the params keep their shape, autograd keeps
-its references) and, when grad is enabled, routes the outputs through ``_Regather``, whose
+its references) and, when grad is enabled, routes the outputs through ``Regather``, whose
 backward gathers the unit again before the unit's own backward runs (and prefetches the unit
 before it). A unit is released in backward once every param it owns has accumulated its
 gradient; whatever is still held (e.g. a param that got no gradient) is released by
@@ -31,7 +31,7 @@ updated shard). Groups are reference-counted, so a group two active units share 
 again inside its backward: the hooks of the units inside it fire again, so such a unit is
 gathered for the recomputation and released after it, as in forward. While ``recomputing()``
 the pre-hook does not prefetch the next unit (backward already prefetches the one before) and
-the hook does not wrap the outputs in ``_Regather`` (the recomputed graph is never
+the hook does not wrap the outputs in ``Regather`` (the recomputed graph is never
 back-propagated: torch keeps only its saved tensors).
 
 **Read-ahead** (NVMe params). With ``read_ahead`` > 0 the gatherer also receives a ``hint``
@@ -68,6 +68,7 @@ from moezero.model.moe import MoE, expert_tag
 from moezero.model.recompute import recomputing
 from moezero.zero.allgather import Launched, launch
 from moezero.zero.buckets import GatherBucket, plan_gathers
+from moezero.zero.gather_grad import InputsDone, Regather, flatten, rebuild
 from moezero.zero.shards import Slot
 
 
@@ -174,18 +175,40 @@ class ParamGatherer:
         self.owner = {fqn: u for u, unit in enumerate(self.units) for fqn in unit.fqns}
         for name, module in modules:
             units = [u for u, unit in enumerate(self.units) if unit.module == name]
-            module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units))
+            module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units, a))
             module.register_forward_hook(lambda m, a, out, units=units, root=module is model:
                                          self._post_forward(units, out, root))
+        # Backward releases a unit once its trained params' gradients arrived and, if it has
+        # frozen params (no gradient to wait for), once its inputs' gradient is computed (the
+        # last use of its params: ``InputsDone``); a unit whose inputs need no gradient is
+        # held until ``after_backward``.
+        self.waits = [sum(params[f].requires_grad for f in unit.fqns)
+                      + any(not params[f].requires_grad for f in unit.fqns) for unit in self.units]
+        self.frozen_in = [w > sum(params[f].requires_grad for f in unit.fqns)
+                          for w, unit in zip(self.waits, self.units, strict=True)]
         for fqn, p in params.items():
-            p.register_post_accumulate_grad_hook(lambda _p, fqn=fqn: self._on_grad(fqn))
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _p, fqn=fqn: self._on_grad(fqn))
         for p in params.values():
             p.data.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------ hooks
-    def _pre_forward(self, units: list[int]) -> None:
+    def _pre_forward(self, units: list[int], args: tuple) -> tuple | None:
         for u in units:
             self._acquire(u)
+        self._prefetch_after(units)
+        if not torch.is_grad_enabled() or recomputing() \
+                or not any(self.frozen_in[u] for u in units):
+            return None
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not tensors:
+            return None
+        wrapped = iter(InputsDone.apply(self, units, *tensors))
+        return tuple(next(wrapped) if isinstance(a, torch.Tensor) and a.requires_grad else a
+                     for a in args)
+
+    def _prefetch_after(self, units: list[int]) -> None:
+        """Start the next unit's gathers (and hint the reads ahead) as ``units`` run."""
         if self.prefetch and not recomputing():
             after = units[-1] + 1 if units else len(self.units)
             for unit in self.units[after:after + 1]:
@@ -198,21 +221,21 @@ class ParamGatherer:
             self._release(u)
         if not torch.is_grad_enabled() or not units or recomputing():
             return out
-        tensors = [t for t in _flatten(out) if t.requires_grad]
+        tensors = [t for t in flatten(out) if t.requires_grad]
         if not tensors:
             return out
         if self.hint is not None:  # read-ahead: remember the order backward will fetch in
             self._post.append(units)
             if root:  # the forward is done: backward fetches next
                 self._read_ahead(self._backward_fetches(0))
-        wrapped = iter(_Regather.apply(self, units, *tensors))
+        wrapped = iter(Regather.apply(self, units, *tensors))
         swap = {id(t): next(wrapped) for t in tensors}
-        return _rebuild(out, swap)
+        return rebuild(out, swap)
 
     def _pre_backward(self, units: list[int]) -> None:
         for u in units:
             self._acquire(u)
-            self.pending[u], self.active[u] = len(self.units[u].fqns), True
+            self.pending[u], self.active[u] = self.waits[u], True
         if self.prefetch and units[0] > 0:
             self._start(self.units[units[0] - 1].slots)
         if self.hint is not None and units in self._post:
@@ -220,7 +243,14 @@ class ParamGatherer:
             self._read_ahead(self._backward_fetches(calls.index(units) + 1))
 
     def _on_grad(self, fqn: str) -> None:
-        u = self.owner[fqn]
+        self._arrived(self.owner[fqn])
+
+    def _on_inputs_done(self, units: list[int]) -> None:
+        for u in units:
+            if self.frozen_in[u]:
+                self._arrived(u)
+
+    def _arrived(self, u: int) -> None:
         if self.active[u]:
             self.pending[u] -= 1
             if self.pending[u] == 0:
@@ -344,33 +374,3 @@ class ParamGatherer:
         """Group elements [lo, hi) into the members' storage."""
         for fqn, start, at, count in columns.members_in(lo, hi):
             self.params[fqn].data.view(-1)[start:start + count].copy_(values[at:at + count])
-
-
-class _Regather(torch.autograd.Function):
-    """Identity on a unit's outputs whose backward gathers the unit's params again."""
-
-    @staticmethod
-    def forward(ctx, gatherer: ParamGatherer, units: list[int], *xs):
-        ctx.gatherer, ctx.units = gatherer, units
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.gatherer._pre_backward(ctx.units)
-        return (None, None, *grads)
-
-
-def _flatten(out) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for item in out for t in _flatten(item)]
-    return []
-
-
-def _rebuild(out, swap: dict[int, torch.Tensor]):
-    if isinstance(out, torch.Tensor):
-        return swap.get(id(out), out)
-    if isinstance(out, (tuple, list)):
-        return type(out)(_rebuild(item, swap) for item in out)
-    return out

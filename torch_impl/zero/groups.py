@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from moezero.config import Config
+from moezero.config import Config, ConfigError
 from moezero.distributed.topology import Topology
 from moezero.model.moe import ExpertTag, MoE, expert_tag
+from moezero.plan.freeze import freeze_patterns, frozen_fqns
 from moezero.plan.grouping import GroupPlan, plan_groups
 from moezero.plan.partition import Partition, plan_partitions
 from moezero.plan.rules import expert_fqn, parse_expert_fqn, weight_decay_applies
@@ -142,8 +143,11 @@ def _meta_param(shape: tuple[int, ...], tag: ExpertTag) -> nn.Parameter:
 
 def build_groups(model: nn.Module, cfg: Config, topology: Topology, *,
                  user_group: UserGroupFn | None = None, align: int = 1) -> OptimizerGroups:
-    """The plan's groups and partitions, and the subset this rank holds."""
+    """The plan's groups and partitions, and the subset this rank holds. Parameters that
+    ``train.freeze`` names are in frozen groups (ConfigError, one line, for a pattern that
+    matches nothing)."""
     specs, user_groups = param_specs(model, user_group or config_user_group(cfg))
+    specs = freeze_specs(specs, freeze_patterns(cfg.train.freeze, lora=cfg.peft.method == "lora"))
     plan = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
                        split_by_expert=cfg.moe.split_groups_by_expert)
     partitions = plan_partitions(plan, world_size=topology.world_size, align=align)
@@ -152,6 +156,15 @@ def build_groups(model: nn.Module, cfg: Config, topology: Topology, *,
     local = tuple(LocalGroup(g, part, hparams[g.user_group]) for g, part in zip(plan, partitions, strict=True)
                   if all(m.fqn in present for m in g.members))
     return OptimizerGroups(plan, partitions, tuple(user_groups), local)
+
+
+def freeze_specs(specs: list[ParamSpec], patterns: list[str]) -> list[ParamSpec]:
+    """``specs`` with ``frozen`` set on those ``patterns`` freeze (``moezero.plan.freeze``)."""
+    try:
+        frozen = frozen_fqns(patterns, [s.fqn for s in specs])
+    except ValueError as exc:
+        raise ConfigError("train.freeze", str(exc), "config") from None
+    return [replace(s, frozen=True) if s.fqn in frozen else s for s in specs]
 
 
 def _dtype(param: nn.Parameter) -> str:

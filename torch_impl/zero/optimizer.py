@@ -21,7 +21,9 @@ the same ops window by window (``buckets.plan_windows``): a window's fp32 gradie
 to the host (``transfer.HostTransfer``: pinned, on a side stream, while the previous window
 steps), stepped by ``adamw.adamw_foreach_`` (one vectorised call per hyperparameter set; on CPU
 bit for bit ``adamw_``) and the masters copied back. Reference counterpart:
-``reference/zero.py`` (the sharded step) and ``reference/optim.py``.
+``reference/zero.py`` (the sharded step) and ``reference/optim.py``. **Frozen groups**
+(``train.freeze``) are slots too (``frozen``): held and gathered like the others, never
+stepped, no gradient or fp32 state; checkpoints get their weights (``zero.frozen``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from moezero.plan.partition import Partition
 from moezero.zero.adamw import adamw_, adamw_foreach_, clip_coef
 from moezero.zero.buckets import GroupColumns, plan_windows
 from moezero.zero.buffers import attach_grad_views, build_kinds, flatten_params, param_positions
+from moezero.zero.frozen import FrozenWeights
 from moezero.zero.gradtier import square_sum
 from moezero.zero.groups import OptimizerGroups
 from moezero.zero.options import ZeroOptions
@@ -49,7 +52,7 @@ from moezero.zero.transfer import HostTransfer, Staged
 ADAMW_TEMPORARIES = 2  # adamw_ allocates m_hat and denom, each the size of its input
 
 
-class Optimizer:
+class Optimizer(FrozenWeights):
     """Gradient reduction, fp32 state and the (tiled) step of the local optimizer groups.
 
     Subclasses build the slots' state and say where this rank's range of a slot lies
@@ -75,15 +78,21 @@ class Optimizer:
         """Kinds and slots (plan order); with ``flat`` the params become views of one flat
         buffer per kind, with ``full_grads`` their gradients too."""
         self.kinds = build_kinds(groups.local, self.topology, columns)
-        self.slots = sorted((s for kind in self.kinds for s in kind.slots),
-                            key=lambda s: s.group.plan.index)
+        ordered = sorted((s for kind in self.kinds for s in kind.slots),
+                         key=lambda s: s.group.plan.index)
+        self.slots = [s for s in ordered if not s.group.plan.frozen]
+        self.frozen = [s for s in ordered if s.group.plan.frozen]
+        frozen = {m.fqn for s in self.frozen for m in s.group.members}
+        for fqn in frozen:
+            self.params[fqn].requires_grad_(False)
+        self.trained = {f: p for f, p in self.params.items() if f not in frozen}
         self.where = param_positions(self.kinds, self.params)
         self.full_grads = full_grads
         if flat:
             flatten_params(self.kinds, self.params, self.where, full_grads=full_grads,
                            meter=self.meter)
         if full_grads:
-            attach_grad_views(self.params, self.kinds, self.where)
+            attach_grad_views(self.trained, self.kinds, self.where)
 
     def _plan_host_step(self, options: ZeroOptions) -> None:
         """With ``options.host_step``: the windows of the offloaded step, in plan order."""
@@ -93,7 +102,7 @@ class Optimizer:
                 for w in plan_windows([s.shard for s in self.slots], options.host_window))
 
     def _build_reduction(self, options: ZeroOptions, *, all_reduce: bool, release: bool) -> None:
-        self.reduction = GradReduction(self.params, self.kinds,
+        self.reduction = GradReduction(self.trained, [k for k in self.kinds if not k.frozen],
                                        bucket_size=options.reduce_bucket_size,
                                        overlap=options.overlap_comm, all_reduce=all_reduce,
                                        release=release, world_size=self.topology.world_size,
@@ -108,7 +117,7 @@ class Optimizer:
         """Called before each micro-batch's backward; ``final`` = the step's last one."""
         self.reduction.before_backward(final=final)
         if self.full_grads:
-            attach_grad_views(self.params, self.kinds, self.where)
+            attach_grad_views(self.trained, self.kinds, self.where)
 
     def after_backward(self) -> None:
         """Called after each micro-batch's backward."""
@@ -270,8 +279,9 @@ class Optimizer:
         return acc[0].item(), acc[1].item() > 0
 
     def _states(self) -> Iterator[tuple[Slot, dict[str, torch.Tensor]]]:
-        """(slot, {"master", "exp_avg", "exp_avg_sq": fp32 tensors}) in plan order: the
-        tensors themselves, or swap files' contents in host buffers that are written back."""
+        """(slot, {"master", "exp_avg", "exp_avg_sq": fp32 tensors}) in plan order, the
+        trained slots only: the tensors themselves, or swap files' contents in host buffers
+        that are written back."""
         if self.optim_swap is not None:
             for slot, (bufs,) in zip(self.slots, self.optim_swap.stepping([[s] for s in self.slots]),
                                      strict=True):
@@ -292,29 +302,34 @@ class Optimizer:
             self.optim_swap.drop(bufs)
 
     # ------------------------------------------------------------------ checkpoints
-    def shards(self) -> list[StateShard]:
+    def shards(self, *, frozen: bool = True) -> list[StateShard]:
         """What this rank saves: its fp32 range of every local group, in plan order (views of
-        the live state, or with NVMe offload the swap files, which hold the same range)."""
-        if self.optim_swap is not None:
-            return [StateShard(slot.partition, slot.dp_rank,
-                               files={s: self.optim_swap.path(slot, s) for s in STATES})
-                    for slot in self.slots]
-        out = []
-        for slot, st in self._states():
+        the live state, or with NVMe offload the swap files, which hold the same range); of a
+        frozen group its weights only."""
+        out = self._swapped_shards() if self.optim_swap is not None else []
+        for slot, st in self._states() if self.optim_swap is None else ():
             lo, hi = self._local(slot)
             out.append(StateShard(slot.partition, slot.dp_rank,
                                   tensors={s: t[lo:hi] for s, t in st.items()}))
-        return out
+        return out + list(self._frozen_shards(load=False) if frozen else ())
 
-    def load_targets(self) -> Iterator[StateShard]:
+    def load_targets(self, *, trained: bool = True, frozen: bool = True) -> Iterator[StateShard]:
         """What this rank fills from a checkpoint: every DP rank's range it holds (views of
-        the live state, or the swap files); call ``after_load`` once they are filled."""
-        if self.optim_swap is not None:
-            yield from self.shards()
-            return
-        for slot, st in self._states():
-            for d, lo, hi in self._load_ranges(slot):
-                yield StateShard(slot.partition, d, tensors={s: t[lo:hi] for s, t in st.items()})
+        the live state, or the swap files), of the trained and/or the frozen groups; call
+        ``after_load`` once they are filled."""
+        if trained and self.optim_swap is not None:
+            yield from self._swapped_shards()
+        elif trained:
+            for slot, st in self._states():
+                for d, lo, hi in self._load_ranges(slot):
+                    yield StateShard(slot.partition, d,
+                                     tensors={s: t[lo:hi] for s, t in st.items()})
+        yield from self._frozen_shards(load=True) if frozen else ()
+
+    def _swapped_shards(self) -> list[StateShard]:
+        return [StateShard(slot.partition, slot.dp_rank,
+                           files={s: self.optim_swap.path(slot, s) for s in STATES})
+                for slot in self.slots]
 
     def after_load(self) -> None:
         """Derive the compute-dtype params from the loaded masters (collective)."""

@@ -41,6 +41,8 @@ class ReplicatedOptimizer(Optimizer):
         flat = {slot: kind for kind in self.kinds for slot in kind.slots}
         for slot in self.slots:
             self._init_state(slot, flat[slot].params, flat[slot].grads)
+        for slot in self.frozen:  # weights only: a view of the flat params, nothing else
+            slot.param = flat[slot].params[slot.offset:slot.offset + slot.numel]
         self._build_reduction(options, all_reduce=True, release=False)
 
     def _init_state(self, slot: Slot, params: torch.Tensor, grads: torch.Tensor) -> None:
@@ -67,7 +69,7 @@ class ReplicatedOptimizer(Optimizer):
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The reduced gradients by FQN (after ``reduce_gradients``)."""
-        return {fqn: p.grad for fqn, p in self.params.items()}
+        return {fqn: p.grad for fqn, p in self.trained.items()}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The parameters by FQN: the params themselves."""

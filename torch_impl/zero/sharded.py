@@ -90,8 +90,7 @@ class ShardedOptimizer(Optimizer):
         # device, or the host for 'cpu'), or swap files (``offload.state.SwapState``).
         self.state_device = state_device or self._device
         self.param_device = param_device or self._device
-        self.optim_swap, self.param_swap, grad_swap = (
-            swap_factory(self.slots, self.meter) if swap_factory else (None, None, None))
+        self.optim_swap, self.param_swap, grad_swap = self._swaps(swap_factory)
         if grad_swap is not None:
             self.grad_tier = GradTier(grad_swap, self.slots, ahead=options.host_window,
                                       meter=self.meter)
@@ -100,18 +99,28 @@ class ShardedOptimizer(Optimizer):
         self._initial = None  # drops the init source's cached param
         self._plan_host_step(options)
         self._build_reduction(options, all_reduce=False, release=stage >= 2)
+        self.bucket_size = options.allgather_bucket_size
         self.gather_plan = plan_gathers([(i, s.channel, s.columns) for i, s in enumerate(self.slots)],
                                         options.allgather_bucket_size)
         self.gatherer = None
         if stage == 3:
             swap = self.param_swap
-            self.gatherer = ParamGatherer(model, params, self.slots, self.param_shard,
+            self.gatherer = ParamGatherer(model, params, self.slots + self.frozen, self.param_shard,
                                           gather_groups(topology), prefetch=prefetch,
                                           bucket_size=options.allgather_bucket_size,
                                           hint=swap.hint if swap is not None else None,
                                           read_ahead=options.param_read_ahead)
 
     # ------------------------------------------------------------------ construction
+    def _swaps(self, swap_factory) -> tuple:
+        """(optimizer, param, grad swap files or None each); frozen slots have param files
+        only (``swap_factory``'s ``frozen``)."""
+        if swap_factory is None:
+            return None, None, None
+        if self.frozen:
+            return swap_factory(self.slots, self.meter, frozen=self.frozen)
+        return swap_factory(self.slots, self.meter)
+
     def _init_state(self) -> None:
         """fp32 master (this rank's shard of the params, zero padding) and zero moments, in
         memory or swap files; at stage 3 also the compute-dtype param shard (in fp32 and on
@@ -130,6 +139,24 @@ class ShardedOptimizer(Optimizer):
                 self._init_master_in_params(slot, flat[slot])
             else:
                 self._init_master_copy(slot, dtype)
+        for slot in self.frozen:
+            if self.stage < 3:  # weights only: the group's range of the flat params
+                slot.param = flat[slot][slot.offset:slot.offset + slot.numel]
+            else:
+                self._init_frozen_shard(slot, dtype)
+
+    def _init_frozen_shard(self, slot: Slot, dtype: torch.dtype) -> None:
+        """Stage 3, a frozen group: this rank's shard of its params in the compute dtype
+        (zero padding) on ``param_device`` or in its param swap file; nothing else."""
+        lo, hi = slot.rank_range(slot.dp_rank)
+        shard = torch.zeros(slot.shard, dtype=dtype, device=self._device)
+        if lo < hi:
+            read_members(slot.columns, lo, hi, shard, self._initial)
+        if self.param_swap is not None:
+            self.param_swap.put(slot, {"param": shard})
+            return
+        slot.param = self._host_or_device(shard, self.param_device)
+        self.meter.add_persistent(slot.param)
 
     def _init_master_in_params(self, slot: Slot, flat: torch.Tensor) -> None:
         """fp32 in memory: the master is this rank's range of the flat params."""
@@ -219,6 +246,22 @@ class ShardedOptimizer(Optimizer):
         else:
             self.gatherer.read_ahead_start()  # the shards are written: read the first units
 
+    def _frozen_param(self, slot: Slot) -> torch.Tensor:
+        if self.stage == 3 and self.param_swap is not None:
+            return self.param_swap.load(slot)["param"]
+        return slot.param
+
+    def _frozen_ranges(self, slot: Slot, *, load: bool) -> list[tuple[int, int, int]]:
+        if self.stage == 3:  # this rank's shard, padding included
+            return [(slot.dp_rank, 0, slot.shard)]
+        return super()._frozen_ranges(slot, load=load)
+
+    def _frozen_stored(self, slot: Slot, param: torch.Tensor, *, changed: bool) -> None:
+        if self.stage == 3 and self.param_swap is not None:
+            if changed:
+                self.param_swap.put(slot, {"param": param})
+            self.param_swap.drop({"param": param})
+
     def param_shard(self, slot: Slot) -> torch.Tensor:
         """Stage 3: ``slot``'s param shard on the compute device (read from its swap file, or
         copied from the host, when offloaded), the source of its all-gather."""
@@ -226,15 +269,22 @@ class ShardedOptimizer(Optimizer):
             return self.transfer.fetch(self.param_swap.load(slot)["param"])
         return self.transfer.fetch(slot.param)
 
-    def _gather(self, shard_of, dest: list[torch.Tensor]) -> None:
+    def _gather(self, shard_of, dest: list[torch.Tensor], slots: list[Slot] | None = None) -> None:
         """All-gather every group's shard (``shard_of(slot)``) into the flat buffers ``dest``,
         bucket by bucket (``gather_plan``: ``allgather_bucket_size`` elements each, two in
-        flight); a bucket that is one whole unpadded group lands in the buffer directly."""
+        flight); a bucket that is one whole unpadded group lands in the buffer directly.
+        ``slots``: those groups (default: the trained ones, whose plan is kept)."""
+        plan = self.gather_plan
+        if slots is None:
+            slots = self.slots
+        else:
+            plan = plan_gathers([(i, s.channel, s.columns) for i, s in enumerate(slots)],
+                                self.bucket_size)
         kind_of = {slot: k for k, kind in enumerate(self.kinds) for slot in kind.slots}
-        regions = [dest[kind_of[s]][s.offset:s.offset + s.numel] for s in self.slots]
+        regions = [dest[kind_of[s]][s.offset:s.offset + s.numel] for s in slots]
         channels = {kind.channel: kind.group for kind in self.kinds}
-        gather_all(self.gather_plan, [s.columns for s in self.slots],
-                   lambda i: shard_of(self.slots[i]), channels.get, regions, meter=self.meter)
+        gather_all(plan, [s.columns for s in slots],
+                   lambda i: shard_of(slots[i]), channels.get, regions, meter=self.meter)
 
     # ------------------------------------------------------------------ inspection
     def full_gradients(self) -> dict[str, torch.Tensor]:
@@ -248,15 +298,19 @@ class ShardedOptimizer(Optimizer):
         all-gathered from the shards (collective)."""
         if self.stage < 3:
             return dict(self.params)
-        return self._full(self.param_shard)
+        return self._full(self.param_shard, self.slots + self.frozen)
 
-    def _full(self, shard_of) -> dict[str, torch.Tensor]:
+    def _full(self, shard_of, slots: list[Slot] | None = None) -> dict[str, torch.Tensor]:
+        """The params of ``slots`` (default: the trained ones) by FQN, gathered from
+        ``shard_of(slot)``."""
         p0 = next(iter(self.params.values()))
         flats = [torch.empty(sum(s.numel for s in k.slots), dtype=p0.dtype, device=p0.device)
                  for k in self.kinds]
-        self._gather(shard_of, flats)
+        self._gather(shard_of, flats, slots)
+        fqns = {m.fqn for s in slots or self.slots for m in s.group.members}
         return {fqn: flats[k][pos:pos + p.numel()].view(p.shape)
-                for fqn, p in self.params.items() for k, pos in [self.where[fqn]]}
+                for fqn, p in self.params.items() if fqn in fqns
+                for k, pos in [self.where[fqn]]}
 
     def layout(self) -> list[dict]:
         """What is stepped, per local group in plan order: members, shard range, state sizes

@@ -94,6 +94,7 @@ class Kind:
     slots: list[Slot]
     params: torch.Tensor | None = None
     grads: torch.Tensor | None = None  # stage 1: full local grads, viewed by param.grad
+    frozen: bool = False  # frozen groups only (``train.freeze``): no gradients, never stepped
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from moezero.checkpoint.hf.families import family_for
 from moezero.checkpoint.hf.names import hf_name
 from moezero.checkpoint.tools import write_weights
 from moezero.plan import store
+from moezero.plan.store import CheckpointError
 
 HF_CONFIG = "config.json"
 
@@ -28,9 +29,15 @@ def export_hf(ckpt: Path, out: Path, dtype: str = "fp32", shard_bytes: int | Non
     ``model_type`` (None: the one that holds the architecture).
 
     Raises:
-        CheckpointError: (one line) the checkpoint's architecture does not fit the family.
+        CheckpointError: (one line) the checkpoint's architecture does not fit the family, or
+            it holds LoRA adapters (merging them is not built yet).
     """
     manifest = store.read_manifest(ckpt)
+    adapters = [f for f, _ in manifest.layout.shapes if f.endswith((".lora_A", ".lora_B"))]
+    if adapters or manifest.base:
+        raise CheckpointError(f"{ckpt}: holds LoRA adapters ({len(adapters)} tensors, e.g. "
+                              f"{adapters[0] if adapters else '?'}); a Hugging Face export "
+                              "needs them merged, which is not built yet (docs/finetune.md)")
     arch = arch_of(manifest)
     family = family_for(arch, model_type)
     tokenizer_files = hf_tokenizer.files_to_export(manifest.config)

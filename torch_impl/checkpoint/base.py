@@ -1,0 +1,72 @@
+"""Adapter checkpoints: the trained params only, beside a base checkpoint holding the frozen
+ones (LoRA, docs/checkpoint.md "Adapter checkpoints").
+
+A LoRA run remembers the checkpoint its base weights came from (``record``: the step
+directory's path and the sha256 of its ``manifest.json``, which lists the crc32 of every byte
+range, so it names the content). Its saves plan the trained groups only (``AdapterPlan``) and
+put the record in the manifest (``base``), so their size is that of the adapters and their
+optimizer state. A load of such a checkpoint first checks the base (``check``: refused in one
+line when it is gone or changed), reads the frozen params from it and the rest from the
+adapter checkpoint. Reference counterpart: ``moezero.plan.manifest.Manifest.base``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from moezero.plan.grouping import GroupPlan, frozen_params, trained_groups
+from moezero.plan.layout import MANIFEST_NAME
+from moezero.plan.store import CheckpointError
+
+ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
+
+
+def record(step_dir: str | os.PathLike) -> dict:
+    """``{"path", "sha256"}`` of a committed step directory (its manifest's digest)."""
+    path = Path(step_dir).resolve()
+    return {"path": str(path), "sha256": _digest(path)}
+
+
+def check(base: dict, where: Path) -> Path:
+    """The base step directory of adapter checkpoint ``where``; CheckpointError (one line)
+    when it is missing or its manifest changed since the save."""
+    path = Path(base["path"])
+    try:
+        found = _digest(path)
+    except OSError as exc:
+        raise CheckpointError(f"{where}: its base checkpoint {path} cannot be read "
+                              f"({exc.strerror or exc})") from None
+    if found != base["sha256"]:
+        raise CheckpointError(f"{where}: its base checkpoint {path} changed since the save "
+                              f"(manifest sha256 {found[:16]}, saved {base['sha256'][:16]})")
+    return path
+
+
+def _digest(step_dir: Path) -> str:
+    return hashlib.sha256((step_dir / MANIFEST_NAME).read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    """The trained groups of a plan and the shapes of their params, and the frozen params'
+    shapes: what an adapter checkpoint holds and what its base must."""
+
+    groups: tuple[GroupPlan, ...]
+    trained: dict[str, tuple[int, ...]]
+    frozen: dict[str, tuple[int, ...]]
+
+    @classmethod
+    def of(cls, plan: tuple[GroupPlan, ...], shapes: dict) -> AdapterPlan:
+        groups, frozen = trained_groups(plan), set(frozen_params(plan))
+        return cls(groups, {f: s for f, s in shapes.items() if f not in frozen},
+                   {f: s for f, s in shapes.items() if f in frozen})
+
+    def lacks_adapters(self, saved: dict) -> bool:
+        """True when a checkpoint with params ``saved`` (FQN -> shape) has none of the
+        adapters (a base for a fresh LoRA run) but every other trained param."""
+        adapters = {f for f in self.trained if f.endswith(ADAPTER_SUFFIXES)}
+        return bool(adapters) and not adapters & saved.keys() \
+            and (self.trained.keys() - adapters) <= saved.keys()

@@ -1,0 +1,29 @@
+"""The ``peft`` section: LoRA adapters beside frozen base weights (docs/finetune.md); the model
+side is ``moezero.model.lora``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from moezero.config.section import Section
+
+LORA_TARGETS = ("attn", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "shared", "shared.w1",
+                "shared.w2", "shared.w3", "experts", "experts.w1", "experts.w2", "experts.w3")
+
+
+class PeftConfig(Section):
+    """Parameter-efficient fine-tuning: LoRA adapters beside frozen base weights
+    (docs/finetune.md)."""
+
+    method: Literal["none", "lora"] = Field(
+        "none", description="'lora': train low-rank adapters only; every other parameter is "
+                            "frozen (train.freeze may unfreeze more with '!' patterns).")
+    r: int = Field(8, ge=1, description="LoRA rank.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scale numerator: the update is alpha/r * B A x.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    targets: list[Literal[LORA_TARGETS]] = Field(  # type: ignore[valid-type]
+        ["attn"], description="Projections with adapters: attn (wq, wk, wv, wo), shared (the "
+                              "shared expert's w1, w2, w3), experts (every routed expert's "
+                              "w1, w2, w3, grouped), or one of them, e.g. attn.wq.")
