@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import zlib
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from moezero.plan.buffers import is_buffer
+from moezero.reference.lora import with_lora as _with_lora
 from moezero.reference.moe import acc_dtype, expert_load, moe_layer
+from moezero.reference.packing import DocumentLayout, document_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,25 +103,6 @@ def _linear(key, out_dim: int, in_dim: int, std: float, bias: bool) -> dict:
     """``{weight: [out, in]}`` (torch Linear layout), with a zero ``bias`` [out] if asked."""
     p = {"weight": _normal(key, (out_dim, in_dim), std)}
     return {**p, "bias": jnp.zeros((out_dim,), jnp.float32)} if bias else p
-
-
-LORA_PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
-
-
-def _with_lora(cfg: ModelConfig, owner: str, params: dict, stack: tuple[int, ...] = ()) -> dict:
-    """``params`` ({proj: {weight: [*stack, out, in], ...}}) with ``lora_A`` [*stack, r, in]
-    (uniform ±1/sqrt(in)) and ``lora_B`` [*stack, out, r] (zeros) on the projections
-    ``cfg`` targets; the torch init differs only in its random stream."""
-    out = dict(params)
-    for proj, p in params.items():
-        if proj in LORA_PROJECTIONS and cfg.wants_lora(owner, proj):
-            *_, o, i = p["weight"].shape
-            key = jax.random.key(zlib.crc32(f"{owner}.{proj}".encode()))
-            bound = 1.0 / math.sqrt(i)
-            out[proj] = {**p, "lora_A": jax.random.uniform(key, (*stack, cfg.lora_r, i),
-                                                           jnp.float32, -bound, bound),
-                         "lora_B": jnp.zeros((*stack, o, cfg.lora_r), jnp.float32)}
-    return out
 
 
 def _init_attention(cfg: ModelConfig, key, std: float, out_std: float) -> dict:
@@ -245,27 +227,6 @@ def _qk_heads(p: dict, x_BSD: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, j
         q_BSHK = rmsnorm(q_BSHK, p["q_norm"]["weight"], cfg.norm_eps)
         k_BSGK = rmsnorm(k_BSGK, p["k_norm"]["weight"], cfg.norm_eps)
     return q_BSHK, k_BSGK
-
-
-class DocumentLayout(NamedTuple):
-    """A packed row's documents: each position's offset in its document (0 at its first token
-    in the row) and which keys each query may read (same document, not later)."""
-
-    positions_BS: jax.Array
-    allowed_BSS: jax.Array
-
-
-def document_layout(documents_BS: jax.Array) -> DocumentLayout:
-    """The layout of rows labelled by document: a new document wherever the label changes.
-    Torch counterpart: ``torch_impl/model/packing.py: document_mask``."""
-    s = documents_BS.shape[1]
-    starts_BS = jnp.concatenate([jnp.ones_like(documents_BS[:, :1], bool),
-                                 documents_BS[:, 1:] != documents_BS[:, :-1]], axis=1)
-    index_S = jnp.arange(s)
-    first_BS = jax.lax.cummax(jnp.where(starts_BS, index_S, 0), axis=1)
-    segment_BS = jnp.cumsum(starts_BS, axis=1)
-    same_BSS = segment_BS[:, :, None] == segment_BS[:, None, :]
-    return DocumentLayout(index_S - first_BS, same_BSS & jnp.tril(jnp.ones((s, s), bool)))
 
 
 def attention(p: dict, x_BSD: jax.Array, cfg: ModelConfig,

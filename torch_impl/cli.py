@@ -95,7 +95,7 @@ def _adopt(cfg, run_dir: Path):
     stdout)."""
     if not cfg.checkpoint.load:
         return cfg
-    from moezero.train import adopt_architecture
+    from moezero.checkpoint.adopt import adopt_architecture
 
     cfg, adopted = adopt_architecture(cfg, run_dir)
     if adopted:

@@ -9,7 +9,7 @@ ranks are started. Rank 0 writes the run directory: ``config.yaml``, ``param_gro
 the end. ``checkpoint.load`` resumes at the saved step with the saved data position (global
 samples for prepared data), so the run continues the same token stream at any W. With
 ``checkpoint.load``, the architecture and tokenizer keys the user did not set
-(``ADOPTED_KEYS``) are taken from the checkpoint's manifest (``adopt_architecture``), so
+(``moezero.checkpoint.adopt``) are taken from the checkpoint's manifest, so
 ``--set checkpoint.load=DIR`` alone fine-tunes an imported Hugging Face model (docs/hf.md); an
 architecture key set to another value is refused unless ``checkpoint.allow_arch_change`` lists
 it.
@@ -25,14 +25,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from pydantic import ValidationError
 from tqdm import tqdm
 
 from moezero.checkpoint import base as adapter_ckpt
 from moezero.checkpoint.core import CheckpointError, check_shapes, model_shapes, resolve_load
 from moezero.checkpoint.hooks import SaveHooks
 from moezero.checkpoint.schedule import SaveClock, agree_step
-from moezero.config import ARCHITECTURE, Config, ConfigError, dump_config
+from moezero.config import Config, ConfigError, dump_config
 from moezero.data import DataError
 from moezero.data.build import DataStream, build_batches
 from moezero.distributed.devices import cuda_device_count, rank_device, resolve_backend
@@ -63,10 +62,6 @@ from moezero.telemetry import StepTelemetry
 from moezero.validation import evaluate
 from moezero.zero.groups import PlanMismatchError
 
-ADOPTED_KEYS = {**ARCHITECTURE, "tokenizer": ("path", "sha256", "vocab_size", "bos_token_id",
-                                           "eos_token_id", "pad_token_id")}
-"""The architecture keys (``moezero.config.ARCHITECTURE``) and the model's tokenizer: what a
-run resuming a checkpoint takes from it."""
 EXPECTED_ERRORS = (CheckpointError, ConfigError, DataError, OffloadIOError, OSError,
                    PlanMismatchError)
 """What a rank reports as one line (docs/reliability.md); anything else is a crash."""
@@ -114,52 +109,6 @@ def setup(cfg: Config, device: torch.device, io: IOOptions | None = None,
                         hooks=hooks)
     batches = build_batches(cfg, dp_rank=topology.rank, dp_size=topology.world_size)
     return engine, batches
-
-
-def adopt_architecture(cfg: Config, run_dir: str | Path) -> tuple[Config, list[str]]:
-    """``cfg`` with each ``ADOPTED_KEYS`` key the user did not set (in a file or with ``--set``)
-    taken from the config in the manifest of the checkpoint ``checkpoint.load`` names.
-
-    Returns:
-        The config and the ``key=value`` items adopted (those that changed).
-
-    Raises:
-        CheckpointError: the checkpoint cannot be found or read (one line).
-        ConfigError: an architecture key set to another value than the checkpoint's and not
-            in ``checkpoint.allow_arch_change``, or adopted values that make an invalid config
-            (one line).
-    """
-    ckpt = resolve_load(cfg.checkpoint.load, cfg.checkpoint.resolve_dir(run_dir))
-    saved = store.read_manifest(ckpt).config
-    data, adopted = cfg.model_dump(by_alias=True), []
-    for section, keys in ADOPTED_KEYS.items():
-        theirs = saved.get(section) if isinstance(saved, dict) else None
-        explicit = getattr(cfg, section).model_fields_set
-        for key in keys:
-            if not isinstance(theirs, dict) or key not in theirs or theirs[key] == data[section][key]:
-                continue
-            if key not in explicit:
-                data[section][key] = theirs[key]
-                adopted.append(f"{section}.{key}={theirs[key]}")
-            elif section in ARCHITECTURE:
-                _refuse_change(cfg, f"{section}.{key}", data[section][key], theirs[key], ckpt)
-    if not adopted:
-        return cfg, []
-    try:
-        return Config.model_validate(data), adopted
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        raise ConfigError(".".join(map(str, err["loc"])), err["msg"],
-                          f"architecture adopted from {ckpt}") from None
-
-
-def _refuse_change(cfg: Config, key: str, ours, theirs, ckpt: Path) -> None:
-    """ConfigError naming ``key`` and both values, unless ``checkpoint.allow_arch_change``
-    lists it."""
-    if key not in cfg.checkpoint.allow_arch_change:
-        raise ConfigError(key, f"{json.dumps(ours)} differs from the checkpoint's "
-                               f"{json.dumps(theirs)}; to change it deliberately, add it to "
-                               "checkpoint.allow_arch_change", f"checkpoint {ckpt}")
 
 
 def preflight(cfg: Config, run_dir: str | Path) -> Path | None:

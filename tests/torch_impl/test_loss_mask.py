@@ -22,7 +22,7 @@ TRAINED = (0.1, 0.4, 0.75, 1.0)  # each row's fraction of trained targets: ranks
 
 
 def config(ep: int = 1) -> Config:
-    """Aux and z losses off: they are per rank and micro-batch by design (DESIGN.md §2)."""
+    """Aux and z losses off: they are per rank and micro-batch by design (docs/design.md "Semantics: topology, gradients, the step")."""
     cfg = Config()
     cfg.model = cfg.model.model_copy(update={"dim": 32, "n_layers": 2, "n_heads": 2, "ffn_dim": 48})
     cfg.train = cfg.train.model_copy(update={"seq_len": SEQ, "steps": STEPS})

@@ -1,5 +1,5 @@
 """Adapter checkpoints: the trained params only, beside a base checkpoint holding the frozen
-ones (LoRA, docs/checkpoint.md "Adapter checkpoints").
+ones (LoRA, docs/checkpoint.md "Files and keys").
 
 A LoRA run remembers the checkpoint its base weights came from (``record``: the step
 directory's path and the sha256 of its ``manifest.json``, which lists the crc32 of every byte

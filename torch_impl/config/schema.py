@@ -148,7 +148,7 @@ ARCHITECTURE: dict[str, tuple[str, ...]] = {
     name: tuple(k for k, f in section.model_fields.items() if f.json_schema_extra == _ARCH)
     for name, section in (("model", ModelConfig), ("moe", MoEConfig))}
 """The keys declared with ``_arch``: what a resume adopts when unset and refuses to change
-unless ``checkpoint.allow_arch_change`` lists it (``moezero.train.adopt_architecture``)."""
+unless ``checkpoint.allow_arch_change`` lists it (``moezero.checkpoint.adopt``)."""
 ARCHITECTURE_KEYS = tuple(f"{section}.{key}" for section, keys in ARCHITECTURE.items()
                           for key in keys)
 

@@ -8,7 +8,7 @@ document computes alone. The mask is a block-diagonal causal boolean [B, 1, S, S
 mask keeps the targets to train (``loss_mask_BS``, True = trained); the mean is over trained
 tokens with a divisor the caller gives (the engine's global count, docs/data.md).
 
-The JAX counterparts are ``reference/model.py: document_layout`` and ``cross_entropy``.
+The JAX counterparts are ``reference/packing.py: document_layout`` and ``reference/model.py: cross_entropy``.
 Legend: B batch, S sequence, V vocab.
 """
 

@@ -1,0 +1,34 @@
+"""LoRA adapters in the reference's parameter tree: ``lora_A``/``lora_B`` beside a targeted
+projection's weight (``reference/model.py: linear`` adds their term). Torch counterpart:
+``torch_impl/model/lora.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from moezero.reference.model import ModelConfig
+
+LORA_PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+def with_lora(cfg: ModelConfig, owner: str, params: dict, stack: tuple[int, ...] = ()) -> dict:
+    """``params`` ({proj: {weight: [*stack, out, in], ...}}) with ``lora_A`` [*stack, r, in]
+    (uniform ±1/sqrt(in)) and ``lora_B`` [*stack, out, r] (zeros) on the projections
+    ``cfg`` targets; the torch init differs only in its random stream."""
+    out = dict(params)
+    for proj, p in params.items():
+        if proj in LORA_PROJECTIONS and cfg.wants_lora(owner, proj):
+            *_, o, i = p["weight"].shape
+            key = jax.random.key(zlib.crc32(f"{owner}.{proj}".encode()))
+            bound = 1.0 / math.sqrt(i)
+            out[proj] = {**p, "lora_A": jax.random.uniform(key, (*stack, cfg.lora_r, i),
+                                                           jnp.float32, -bound, bound),
+                         "lora_B": jnp.zeros((*stack, o, cfg.lora_r), jnp.float32)}
+    return out
