@@ -1,0 +1,104 @@
+// One-pass AdamW on the host: each element's gradient, master and moments are read once and
+// written once (and the compute-dtype parameter written in the same pass). Python side and the
+// semantics: moezero/zero/hostadam.py. Built with -ffp-contract=off and no fast-math, so the
+// vectorised body and the scalar tail round alike: an element's result never depends on where
+// it lies in the tensor (every tier and stage slices the state differently).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+struct Hyper {
+  float grad_mul, beta1, one_minus_beta1, beta2, one_minus_beta2, bias1, bias2, eps, lr, decay;
+};
+
+constexpr int64_t kBlock = 512;  // elements per block: the block's fp32 gradient stays in L1
+
+// The update of n elements; g is the fp32 gradient already multiplied by grad_mul. p, m, v
+// and g never overlap (``adamw_step`` checks): restrict lets the loop vectorise.
+inline void update(float* __restrict p, float* __restrict m, float* __restrict v,
+                   const float* __restrict g, int64_t n, const Hyper& h) {
+  const float b1 = h.beta1, c1 = h.one_minus_beta1, b2 = h.beta2, c2 = h.one_minus_beta2;
+  const float bias1 = h.bias1, bias2 = h.bias2, eps = h.eps, lr = h.lr, decay = h.decay;
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float mi = b1 * m[i] + c1 * gi;
+    const float vi = b2 * v[i] + c2 * (gi * gi);
+    const float u = (mi / bias1) / (std::sqrt(vi / bias2) + eps) + decay * p[i];
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = p[i] - lr * u;
+  }
+}
+
+template <typename G, typename O>
+void run(float* p, float* m, float* v, const G* g, O* out, int64_t numel, const Hyper& h) {
+  at::parallel_for(0, (numel + kBlock - 1) / kBlock, 64, [&](int64_t b0, int64_t b1) {
+    float g32[kBlock];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = b * kBlock;
+      const int64_t n = std::min(kBlock, numel - lo);
+      for (int64_t i = 0; i < n; ++i) g32[i] = static_cast<float>(g[lo + i]) * h.grad_mul;
+      update(p + lo, m + lo, v + lo, g32, n, h);
+      if (out != nullptr) {  // may be the gradient's own storage: read above, written here
+        for (int64_t i = 0; i < n; ++i) out[lo + i] = static_cast<O>(p[lo + i]);
+      }
+    }
+  });
+}
+
+template <typename G>
+void dispatch_out(float* p, float* m, float* v, const G* g, const c10::optional<at::Tensor>& out,
+                  int64_t numel, const Hyper& h) {
+  if (!out.has_value()) {
+    run<G, float>(p, m, v, g, nullptr, numel, h);
+  } else if (out->scalar_type() == at::kBFloat16) {
+    run(p, m, v, g, out->data_ptr<c10::BFloat16>(), numel, h);
+  } else if (out->scalar_type() == at::kHalf) {
+    run(p, m, v, g, out->data_ptr<c10::Half>(), numel, h);
+  } else {
+    run(p, m, v, g, out->data_ptr<float>(), numel, h);
+  }
+}
+
+void check(const at::Tensor& t, const char* what, int64_t numel) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), what, ": a contiguous CPU tensor");
+  TORCH_CHECK(t.numel() == numel, what, ": ", t.numel(), " elements, the master has ", numel);
+}
+
+}  // namespace
+
+void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                c10::optional<at::Tensor> out, double grad_mul, double lr, double beta1,
+                double beta2, double eps, double weight_decay, double bias1, double bias2) {
+  const int64_t numel = param.numel();
+  for (auto [t, what] : {std::pair{param, "param"}, {exp_avg, "exp_avg"},
+                         {exp_avg_sq, "exp_avg_sq"}}) {
+    check(t, what, numel);
+    TORCH_CHECK(t.scalar_type() == at::kFloat, what, ": fp32");
+  }
+  check(grad, "grad", numel);
+  if (out.has_value()) check(*out, "out", numel);
+  const Hyper h{static_cast<float>(grad_mul), static_cast<float>(beta1),
+                static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
+                static_cast<float>(1.0 - beta2), static_cast<float>(bias1),
+                static_cast<float>(bias2), static_cast<float>(eps), static_cast<float>(lr),
+                static_cast<float>(weight_decay)};
+  float* p = param.data_ptr<float>();
+  float* m = exp_avg.data_ptr<float>();
+  float* v = exp_avg_sq.data_ptr<float>();
+  switch (grad.scalar_type()) {
+    case at::kFloat: dispatch_out(p, m, v, grad.data_ptr<float>(), out, numel, h); break;
+    case at::kBFloat16: dispatch_out(p, m, v, grad.data_ptr<c10::BFloat16>(), out, numel, h); break;
+    case at::kHalf: dispatch_out(p, m, v, grad.data_ptr<c10::Half>(), out, numel, h); break;
+    default: TORCH_CHECK(false, "grad: fp32, bf16 or fp16, got ", grad.scalar_type());
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("adamw_step", &adamw_step, "One-pass AdamW on CPU tensors (moezero.zero.hostadam)");
+}
