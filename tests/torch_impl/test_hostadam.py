@@ -140,3 +140,29 @@ def test_overlapping_state_is_refused():
     with pytest.raises(ValueError, match="overlap"):
         adamw_step_(buf[:10], torch.ones(10), buf[5:15], torch.zeros(10), step=1, lr=LR,
                     weight_decay=0.0, **ADAM)
+
+
+def test_the_kernel_lets_other_threads_run_while_it_steps():
+    """The swap files' I/O threads must keep working while a window steps: the kernel runs
+    without the GIL, so this thread counts many turns while another thread is in the kernel."""
+    import threading
+    import time
+
+    compiled_kernel()
+    p, g, m, v = state(1 << 24, 6)
+    started = threading.Event()
+
+    def steps():
+        started.set()
+        for _ in range(3):
+            adamw_step_(p, g, m, v, step=1, lr=LR, weight_decay=0.0, **ADAM)
+
+    worker = threading.Thread(target=steps)
+    worker.start()
+    started.wait()
+    turns = 0
+    while worker.is_alive():
+        time.sleep(0.001)
+        turns += 1
+    worker.join()
+    assert turns > 10, f"{turns} turns while the kernel ran: it holds the GIL"

@@ -100,5 +100,7 @@ void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tenso
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("adamw_step", &adamw_step, "One-pass AdamW on CPU tensors (moezero.zero.hostadam)");
+  // Without the GIL: the swap files' I/O threads keep reading and writing while a window steps.
+  m.def("adamw_step", &adamw_step, "One-pass AdamW on CPU tensors (moezero.zero.hostadam)",
+        py::call_guard<py::gil_scoped_release>());
 }
