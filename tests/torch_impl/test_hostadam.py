@@ -166,3 +166,17 @@ def test_the_kernel_lets_other_threads_run_while_it_steps():
         turns += 1
     worker.join()
     assert turns > 10, f"{turns} turns while the kernel ran: it holds the GIL"
+
+
+def test_a_kernel_that_does_not_build_leaves_the_torch_ops_and_one_warning(tmp_path, caplog):
+    """No compiler, no ninja or a failing build: ``load_compiled`` says why (logged once) and
+    ``adamw_step_`` runs the same formula in torch ops."""
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    with caplog.at_level("WARNING", logger="moezero.zero.hostadam"):
+        module, why = load_compiled(broken)
+        assert load_compiled(broken) == (None, why)  # cached: built and logged once
+    assert module is None and why
+    assert [r.getMessage() for r in caplog.records if "not available" in r.getMessage()] \
+        == [f"the compiled AdamW kernel ({broken}) is not available, the step runs torch ops "
+            f"(slower): {why}"]

@@ -28,7 +28,7 @@ Semantics (optax ``adamw``, ``reference/optim.py``), per element, in fp32::
     g = grad * grad_mul
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * (g * g)
-    u = (m / bc1) / (sqrt(v / bc2) + eps) + weight_decay * p      (bc_i = 1 - beta_i ** step)
+    u = (m * ib1) / (sqrt(v * ib2) + eps) + weight_decay * p    (ib_i = 1 / (1 - beta_i ** step))
     p = p - lr * u
 
 Equal to ``adamw.adamw_`` to fp32 rounding (tests/torch_impl/test_hostadam.py).
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import platform
 from pathlib import Path
 
@@ -45,20 +46,27 @@ import torch
 
 __all__ = ["adamw_step_", "load_compiled"]
 
+log = logging.getLogger(__name__)
+
 SOURCE = Path(__file__).parent / "csrc" / "adamw_host.cpp"
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
 CHUNK = 1 << 20  # elements per chunk of the torch implementation (its temporaries: ~5 of these)
 
 
 @functools.cache
-def load_compiled() -> tuple[object | None, str]:
-    """(the built extension module, "") or (None, why it could not be built or loaded)."""
+def load_compiled(source: Path = SOURCE) -> tuple[object | None, str]:
+    """(the built extension module, "") or (None, why it could not be built or loaded: logged
+    once as a warning, and every step runs the torch ops)."""
     try:
         from torch.utils.cpp_extension import load
-        return load(name=f"moezero_adamw_host_{_cpu_tag()}", sources=[str(SOURCE)],
+        return load(name=f"moezero_{source.stem}_{_cpu_tag()}", sources=[str(source)],
                     extra_cflags=CFLAGS, verbose=False), ""
     except Exception as e:  # noqa: BLE001 - any build failure falls back to torch ops
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        why = f"{type(e).__name__}: {lines[-1] if lines else ''}"
+        log.warning("the compiled AdamW kernel (%s) is not available, the step runs torch ops "
+                    "(slower): %s", source, why)
+        return None, why
 
 
 def _cpu_tag() -> str:
@@ -83,7 +91,7 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     storage (each element's gradient is read before its ``out`` is written). ``compiled``:
     the compiled kernel for CPU tensors where it builds (else, and on CUDA, torch ops)."""
     hyper = (float(grad_mul), float(lr), float(beta1), float(beta2), float(eps),
-             float(weight_decay), 1.0 - beta1 ** step, 1.0 - beta2 ** step)
+             float(weight_decay), 1.0 / (1.0 - beta1 ** step), 1.0 / (1.0 - beta2 ** step))
     module = load_compiled()[0] if compiled and not param.is_cuda else None
     if module is not None:
         _check_disjoint(param, exp_avg, exp_avg_sq)
@@ -95,14 +103,14 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                     None if out is None else out[sl], *hyper)
 
 
-def _torch_step(p, g, m, v, out, grad_mul, lr, beta1, beta2, eps, weight_decay, bc1, bc2) -> None:
+def _torch_step(p, g, m, v, out, grad_mul, lr, beta1, beta2, eps, weight_decay, ib1, ib2) -> None:
     """The kernel's operations as torch ops (no fused multiply-adds: the same roundings)."""
     g = g.float()
     if grad_mul != 1.0:
         g = g * grad_mul
     m.mul_(beta1).add_(g * (1.0 - beta1))
     v.mul_(beta2).add_((g * g).mul_(1.0 - beta2))
-    u = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+    u = (m * ib1).div_((v * ib2).sqrt_().add_(eps))
     if weight_decay:
         u.add_(p * weight_decay)
     p.sub_(u.mul_(lr))

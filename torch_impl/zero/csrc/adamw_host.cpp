@@ -13,7 +13,9 @@
 namespace {
 
 struct Hyper {
-  float grad_mul, beta1, one_minus_beta1, beta2, one_minus_beta2, bias1, bias2, eps, lr, decay;
+  // inv_bias_i = 1 / (1 - beta_i ** step): one division and one square root per element.
+  float grad_mul, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bias1, inv_bias2, eps, lr,
+      decay;
 };
 
 constexpr int64_t kBlock = 512;  // elements per block: the block's fp32 gradient stays in L1
@@ -23,12 +25,12 @@ constexpr int64_t kBlock = 512;  // elements per block: the block's fp32 gradien
 inline void update(float* __restrict p, float* __restrict m, float* __restrict v,
                    const float* __restrict g, int64_t n, const Hyper& h) {
   const float b1 = h.beta1, c1 = h.one_minus_beta1, b2 = h.beta2, c2 = h.one_minus_beta2;
-  const float bias1 = h.bias1, bias2 = h.bias2, eps = h.eps, lr = h.lr, decay = h.decay;
+  const float inv1 = h.inv_bias1, inv2 = h.inv_bias2, eps = h.eps, lr = h.lr, decay = h.decay;
   for (int64_t i = 0; i < n; ++i) {
     const float gi = g[i];
     const float mi = b1 * m[i] + c1 * gi;
     const float vi = b2 * v[i] + c2 * (gi * gi);
-    const float u = (mi / bias1) / (std::sqrt(vi / bias2) + eps) + decay * p[i];
+    const float u = (mi * inv1) / (std::sqrt(vi * inv2) + eps) + decay * p[i];
     m[i] = mi;
     v[i] = vi;
     p[i] = p[i] - lr * u;
@@ -74,7 +76,8 @@ void check(const at::Tensor& t, const char* what, int64_t numel) {
 
 void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                 c10::optional<at::Tensor> out, double grad_mul, double lr, double beta1,
-                double beta2, double eps, double weight_decay, double bias1, double bias2) {
+                double beta2, double eps, double weight_decay, double inv_bias1,
+                double inv_bias2) {
   const int64_t numel = param.numel();
   for (auto [t, what] : {std::pair{param, "param"}, {exp_avg, "exp_avg"},
                          {exp_avg_sq, "exp_avg_sq"}}) {
@@ -85,8 +88,8 @@ void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tenso
   if (out.has_value()) check(*out, "out", numel);
   const Hyper h{static_cast<float>(grad_mul), static_cast<float>(beta1),
                 static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
-                static_cast<float>(1.0 - beta2), static_cast<float>(bias1),
-                static_cast<float>(bias2), static_cast<float>(eps), static_cast<float>(lr),
+                static_cast<float>(1.0 - beta2), static_cast<float>(inv_bias1),
+                static_cast<float>(inv_bias2), static_cast<float>(eps), static_cast<float>(lr),
                 static_cast<float>(weight_decay)};
   float* p = param.data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
