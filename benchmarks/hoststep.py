@@ -155,11 +155,13 @@ def optimizer_step_ms(size: dict) -> dict:
 def legacy_step(opt, *, lr: float, scale: float, max_norm: float | None, step: int,
                 betas: tuple[float, float], eps: float) -> None:
     """The offloaded step as it ran before issue 28 (git 3e3b580^: ``Optimizer._step_host``),
-    kept as the benchmark's baseline: per window an fp32 copy of each gradient, unscale and
-    clip as two passes, ``adamw_foreach_`` per hyperparameter set, then the downcast copy."""
+    kept as the benchmark's baseline (W = 1): the norm's terms from an fp32 copy of each
+    gradient (the non-finite count left out), then per window an fp32 copy of each gradient,
+    unscale and clip as two passes, ``adamw_foreach_`` per hyperparameter set, the downcast
+    copy."""
     from moezero.zero.adamw import adamw_foreach_, clip_coef
 
-    sq, _ = opt._square_sum(None)
+    sq = sum(float(s.grad.float().clone().square().sum(dtype=torch.float64)) for s in opt.slots)
     clip = clip_coef(math.sqrt(sq) / scale, max_norm)
     adam = {"step": step, "beta1": betas[0], "beta2": betas[1], "eps": eps}
     for window in opt.host_windows:

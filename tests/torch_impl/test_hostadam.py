@@ -180,3 +180,24 @@ def test_a_kernel_that_does_not_build_leaves_the_torch_ops_and_one_warning(tmp_p
     assert [r.getMessage() for r in caplog.records if "not available" in r.getMessage()] \
         == [f"the compiled AdamW kernel ({broken}) is not available, the step runs torch ops "
             f"(slower): {why}"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_square_sum_is_the_fp64_sum_of_fp32_squares_in_one_pass(dtype):
+    """The global norm's terms: equal to float64 numpy's sum of the fp32 squares, non-finite
+    elements counted; the same bits for a range with the partition's zero padding after it
+    and for the upcast gradient (every tier sums its own range of the same values)."""
+    compiled_kernel()
+    from moezero.zero.hostadam import square_sum
+
+    g = state(100_003, 7)[1].to(dtype)
+    g[[5, 77_777]] = torch.tensor([float("inf"), float("nan")], dtype=dtype)
+    sq, bad = square_sum(g)
+    finite = g.float().numpy()[np.isfinite(g.float().numpy())]
+    want = np.sum(np.square(finite, dtype=np.float32).astype(np.float64))
+    assert bad == 2 and not np.isfinite(sq)
+    g[[5, 77_777]] = 0
+    sq, bad = square_sum(g)
+    assert bad == 0 and sq == pytest.approx(want, rel=1e-12)
+    padded = torch.cat([g, torch.zeros(13, dtype=dtype)])
+    assert square_sum(padded) == (sq, 0) == square_sum(g.float())

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["adamw_step_", "load_compiled"]
+__all__ = ["adamw_step_", "load_compiled", "square_sum"]
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +123,14 @@ def _check_disjoint(*tensors: torch.Tensor) -> None:
     spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors if t.numel())
     if any(a[1] > b[0] for a, b in zip(spans, spans[1:], strict=False)):
         raise ValueError("adamw_step_: master, exp_avg and exp_avg_sq overlap in memory")
+
+
+def square_sum(grad: torch.Tensor):
+    """(fp64 sum of the fp32 squares, count of non-finite elements) of a gradient in any float
+    dtype, in one pass on the CPU (the compiled kernel's eight running sums, the same for the
+    same values wherever they lie) or as torch ops (CUDA, or no build: tensors, no sync)."""
+    module = load_compiled()[0] if not grad.is_cuda else None
+    if module is not None:
+        return module.square_sum(grad.contiguous())
+    g32 = grad.float()
+    return g32.square().sum(dtype=torch.float64), torch.isfinite(g32).logical_not_().sum()

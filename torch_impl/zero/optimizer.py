@@ -269,15 +269,11 @@ class Optimizer:
                 acc[1] += bad
                 continue
             lo, hi = self._local(slot)
-            if upcast is not None:
-                g32, held = upcast[i][0][lo:hi], 0
-            else:
-                g32, held = self._upcast(slot, lo, hi)
-            self.meter.hold(nbytes(g32))  # the square
-            sq, bad = square_sum(g32)
+            # read, never written: the gradient as it is (``square_sum`` upcasts), no copy
+            grad = upcast[i][0][lo:hi] if upcast is not None else slot.grad[lo:hi]
+            sq, bad = square_sum(grad)
             acc[0] += sq
             acc[1] += bad
-            self.meter.drop(nbytes(g32) + held)
         if self.topology.distributed:
             dist.all_reduce(acc)
         return acc[0].item(), acc[1].item() > 0

@@ -102,7 +102,43 @@ void adamw_step(at::Tensor param, at::Tensor grad, at::Tensor exp_avg, at::Tenso
   }
 }
 
+template <typename G>
+std::pair<double, int64_t> square_sum_of(const G* g, int64_t numel) {
+  // Eight running fp64 sums (element i into sum i % 8), added in order at the end: the same
+  // order for the same values wherever they lie, so every tier's norm is the same.
+  double sums[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t bad = 0;
+  int64_t i = 0;
+  for (; i + 8 <= numel; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const float x = static_cast<float>(g[i + j]);
+      sums[j] += static_cast<double>(x * x);
+      bad += !std::isfinite(x);
+    }
+  }
+  for (int j = 0; i < numel; ++i, ++j) {
+    const float x = static_cast<float>(g[i]);
+    sums[j] += static_cast<double>(x * x);
+    bad += !std::isfinite(x);
+  }
+  double total = 0;
+  for (double s : sums) total += s;
+  return {total, bad};
+}
+
+std::pair<double, int64_t> square_sum(at::Tensor grad) {
+  TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous(), "grad: a contiguous CPU tensor");
+  switch (grad.scalar_type()) {
+    case at::kFloat: return square_sum_of(grad.data_ptr<float>(), grad.numel());
+    case at::kBFloat16: return square_sum_of(grad.data_ptr<c10::BFloat16>(), grad.numel());
+    case at::kHalf: return square_sum_of(grad.data_ptr<c10::Half>(), grad.numel());
+    default: TORCH_CHECK(false, "grad: fp32, bf16 or fp16, got ", grad.scalar_type());
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("square_sum", &square_sum, "(fp64 sum of fp32 squares, non-finite count), one pass",
+        py::call_guard<py::gil_scoped_release>());
   // Without the GIL: the swap files' I/O threads keep reading and writing while a window steps.
   m.def("adamw_step", &adamw_step, "One-pass AdamW on CPU tensors (moezero.zero.hostadam)",
         py::call_guard<py::gil_scoped_release>());
