@@ -2,7 +2,8 @@
 
 Runs in the peer venv (``python -m benchmarks.hoststep_peer NUMEL REPEATS``) with one OpenMP
 thread; DeepSpeed builds its ``cpu_adam`` op at first use (JIT, into torch's extension cache)
-when the install did not. Prints one JSON line: ``{"ms": best step ms}`` or ``{"error": line}``.
+when the install did not. Prints one JSON line: ``{"ms": {"cpu": ms, "wall": ms}}`` (best step)
+or ``{"error": line}``.
 """
 
 from __future__ import annotations

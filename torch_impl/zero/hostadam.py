@@ -94,7 +94,7 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
              float(weight_decay), 1.0 / (1.0 - beta1 ** step), 1.0 / (1.0 - beta2 ** step))
     module = load_compiled()[0] if compiled and not param.is_cuda else None
     if module is not None:
-        _check_disjoint(param, exp_avg, exp_avg_sq)
+        _check_disjoint(param, exp_avg, exp_avg_sq, grad)
         module.adamw_step(param, grad, exp_avg, exp_avg_sq, out, *hyper)
         return
     for lo in range(0, param.numel(), CHUNK):
@@ -119,10 +119,11 @@ def _torch_step(p, g, m, v, out, grad_mul, lr, beta1, beta2, eps, weight_decay, 
 
 
 def _check_disjoint(*tensors: torch.Tensor) -> None:
-    """The compiled kernel's master and moments must not share memory (it vectorises on that)."""
+    """The compiled kernel's master, moments and gradient must not share memory (it vectorises
+    on that; ``out`` may be the gradient's storage)."""
     spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors if t.numel())
     if any(a[1] > b[0] for a, b in zip(spans, spans[1:], strict=False)):
-        raise ValueError("adamw_step_: master, exp_avg and exp_avg_sq overlap in memory")
+        raise ValueError("adamw_step_: master, exp_avg, exp_avg_sq and grad overlap in memory")
 
 
 def square_sum(grad: torch.Tensor):

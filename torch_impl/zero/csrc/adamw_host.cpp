@@ -9,6 +9,7 @@
 #include <c10/util/Half.h>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace {
 
@@ -18,16 +19,18 @@ struct Hyper {
       decay;
 };
 
-constexpr int64_t kBlock = 512;  // elements per block: the block's fp32 gradient stays in L1
+constexpr int64_t kBlock = 2048;  // elements per block: a bf16/fp16 block's upcast stays in L1
 
-// The update of n elements; g is the fp32 gradient already multiplied by grad_mul. p, m, v
-// and g never overlap (``adamw_step`` checks): restrict lets the loop vectorise.
+// The update of n elements from g[i] * grad_mul (g: fp32, read in this loop, or a block's
+// upcast copy). p, m, v and g never overlap (``adamw_step_`` checks): restrict lets the loop
+// vectorise.
 inline void update(float* __restrict p, float* __restrict m, float* __restrict v,
                    const float* __restrict g, int64_t n, const Hyper& h) {
   const float b1 = h.beta1, c1 = h.one_minus_beta1, b2 = h.beta2, c2 = h.one_minus_beta2;
   const float inv1 = h.inv_bias1, inv2 = h.inv_bias2, eps = h.eps, lr = h.lr, decay = h.decay;
+  const float mul = h.grad_mul;
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i];
+    const float gi = g[i] * mul;
     const float mi = b1 * m[i] + c1 * gi;
     const float vi = b2 * v[i] + c2 * (gi * gi);
     const float u = (mi * inv1) / (std::sqrt(vi * inv2) + eps) + decay * p[i];
@@ -44,8 +47,12 @@ void run(float* p, float* m, float* v, const G* g, O* out, int64_t numel, const 
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * kBlock;
       const int64_t n = std::min(kBlock, numel - lo);
-      for (int64_t i = 0; i < n; ++i) g32[i] = static_cast<float>(g[lo + i]) * h.grad_mul;
-      update(p + lo, m + lo, v + lo, g32, n, h);
+      if constexpr (std::is_same_v<G, float>) {
+        update(p + lo, m + lo, v + lo, g + lo, n, h);
+      } else {  // bf16/fp16: upcast the block first (exact), then the same loop
+        for (int64_t i = 0; i < n; ++i) g32[i] = static_cast<float>(g[lo + i]);
+        update(p + lo, m + lo, v + lo, g32, n, h);
+      }
       if (out != nullptr) {  // may be the gradient's own storage: read above, written here
         for (int64_t i = 0; i < n; ++i) out[lo + i] = static_cast<O>(p[lo + i]);
       }
