@@ -96,7 +96,9 @@ def _kernels(cfg: dict) -> dict[str, dict | str]:
 
 
 def _deepspeed(cfg: dict, peer_python: str) -> dict | str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    # the peer venv's bin first: DeepSpeed's JIT build of cpu_adam runs its ninja
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "PATH": os.pathsep.join([str(Path(peer_python).parent), os.environ.get("PATH", "")])}
     try:
         done = subprocess.run([peer_python, "-m", "benchmarks.hoststep_peer", str(cfg["numel"]),
                                str(cfg["repeats"])], capture_output=True, text=True, env=env,
