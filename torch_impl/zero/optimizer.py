@@ -44,7 +44,7 @@ from moezero.zero.buckets import GroupColumns, plan_windows
 from moezero.zero.buffers import attach_grad_views, build_kinds, flatten_params, param_positions
 from moezero.zero.gradtier import square_sum
 from moezero.zero.groups import OptimizerGroups
-from moezero.zero.hostadam import adamw_step_
+from moezero.zero.hostadam import adamw_step_, load_compiled
 from moezero.zero.options import ZeroOptions
 from moezero.zero.reduce import GradReduction
 from moezero.zero.shards import MemoryMeter, Slot, StateShard, nbytes
@@ -71,6 +71,10 @@ class Optimizer:
                  options: ZeroOptions) -> None:
         self.params, self.topology = params, topology
         self.compiled_adamw = options.compiled_adamw
+        if self.compiled_adamw and (options.host_step or self._device.type != "cuda"):
+            # Built (first use on a machine: about a minute) or loaded here, where every rank
+            # is at the same point, not inside a step that others wait on in a collective.
+            load_compiled()
         self.meter = MemoryMeter()
         self.state_device = self._device
         self.full_grads = False
