@@ -138,7 +138,8 @@ def bench(session: nox.Session) -> None:
             if not (venv / "bin" / "python").exists():
                 session.run("python", "-m", "venv", str(venv), stdout=log)
             pip = str(venv / "bin" / "pip")
-            session.run(pip, "install", *shlex.split(_torch_requirement()), "wheel",
+            # ninja: DeepSpeedCPUAdam's cpu_adam op is built at first use (hoststep series)
+            session.run(pip, "install", *shlex.split(_torch_requirement()), "wheel", "ninja",
                         external=True, stdout=log)
             session.run(pip, "install", "--no-build-isolation", "deepspeed==0.19.8",
                         env={"DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu"}, external=True,

@@ -21,6 +21,7 @@ from benchmarks import (
     tables_scale,
 )
 from benchmarks.fmt import mbs, mib, ok, splice, table, verdict
+from benchmarks.hoststep import SECTION as HOSTSTEP_HEADING
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
 from benchmarks.stats import by_name, limits, param_count
 
@@ -327,6 +328,9 @@ def write(results: dict, out: Path, plots_dir: Path) -> str:
         text = splice(text, kept) if kept else text
     if out.exists():  # and the last scale series (a run of its own: benchmarks.scale)
         kept = tables_data.existing_section(out.read_text(), tables_scale.HEADING)
+        text = splice(text, kept) if kept else text
+    if out.exists():  # and the last hoststep series (a run of its own: benchmarks.hoststep)
+        kept = tables_data.existing_section(out.read_text(), HOSTSTEP_HEADING)
         text = splice(text, kept) if kept else text
     out.write_text(text)
     return text

@@ -127,6 +127,9 @@ _ESTIMATE = {"estimate_model": {"vocab_size": 256, "dim": 512, "n_layers": 4, "n
                             "ffn_dim": 64, "num_experts": 4, "top_k": 2, "ep_size": 1},
              "estimate_train": {"micro_batch_size": 4, "seq_len": 128, "lr": 3e-3, "seed": 0,
                                 "warmup": 1, "timed": 2}}
+_HOSTSTEP = {"numel": 1 << 25, "repeats": 5, "peer_timeout_s": 1800}
+"""The ``hoststep`` series (``benchmarks.hoststep``): 32 M fp32 elements (384 MiB of master +
+moments); the peer's timeout covers DeepSpeed's first build of its ``cpu_adam`` op."""
 _ESTIMATE_QUICK_MODEL = {"vocab_size": 256, "dim": 256, "n_layers": 2, "n_heads": 4,
                          "ffn_dim": 512, "num_experts": 16, "top_k": 2, "ep_size": 1}
 """The ``estimate`` series' model in quick mode (13 M params: minutes, not a quarter hour)."""
@@ -149,7 +152,8 @@ SIZES = {
               "coll_train": {**_SHORT, "timed": 2}, "coll_caps": (None, 2048, 256),
               **_ESTIMATE, "estimate_model": _ESTIMATE_QUICK_MODEL,
               "grouped": {"dim": 256, "ffn_dim": 512, "top_k": 2, "tokens": 1024,
-                          "experts": (8, 64), "rounds": 3, "steps": 2}},
+                          "experts": (8, 64), "rounds": 3, "steps": 2},
+              "hoststep": {**_HOSTSTEP, "repeats": 3}},
     "full": {"model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
                        "ffn_dim": 512, "num_experts": 8, "top_k": 2, "ep_size": 2},
              "train": {"micro_batch_size": 8, "seq_len": 128, "lr": 3e-3, "seed": 0,
@@ -169,7 +173,8 @@ SIZES = {
              "coll_train": {**_SHORT, "timed": 3}, "coll_caps": (None, 8192, 2048, 512, 256),
              **_ESTIMATE,
              "grouped": {"dim": 256, "ffn_dim": 512, "top_k": 2, "tokens": 2048,
-                         "experts": (8, 64), "rounds": 5, "steps": 3}},
+                         "experts": (8, 64), "rounds": 5, "steps": 3},
+             "hoststep": _HOSTSTEP},
 }
 """Shared model and loop per mode. ``ep_size`` applies to moezero and DeepSpeed (expert
 parallel); FSDP2 shards every parameter instead and runs all experts on each rank.

@@ -1,8 +1,9 @@
 """The offloaded tiers' step (torch_impl/zero/optimizer.py ``_step_host``, transfer.py,
-adamw.py ``adamw_foreach_``, offload/state.py ``stepping``): the vectorised AdamW equals the
-per-tensor ``adamw_`` bit for bit on CPU fp32; the windows tile the groups in order; the
-windowed host step equals the group-by-group step bit for bit whatever the window, stage,
-dtype and tier; without CUDA the transfers are plain copies. The ``gpu``-marked tests check
+hostadam.py ``adamw_step_``, offload/state.py ``stepping``): the vectorised ``adamw_foreach_``
+(kept as the ``hoststep`` benchmark's baseline) equals the per-tensor ``adamw_`` bit for bit
+on CPU fp32; the windows tile the groups in order; the windowed host step equals the
+group-by-group step bit for bit whatever the window, stage, dtype and tier, with the compiled
+kernel and with its torch-ops fallback; without CUDA the transfers are plain copies. The ``gpu``-marked tests check
 pinned buffers, the side stream's ordering and overlap, and the offloaded step on CUDA.
 """
 
@@ -140,6 +141,17 @@ def test_windowed_host_step_equals_the_group_step(stage, dtype, tiled):
         assert_equal(got, want)
         expected = {1: got["groups"], 10**9: 1}.get(window)
         assert got["windows"] == expected or (expected is None and 1 < got["windows"] < got["groups"])
+
+
+@pytest.mark.parametrize("stage,dtype", [(2, "bf16"), (3, "fp32")])
+def test_tiers_stay_bit_identical_on_the_torch_ops_fallback(stage, dtype):
+    """Where the compiled kernel does not build, every tier runs the torch ops: the windowed
+    host step still equals the group step bit for bit."""
+    base = {"compiled_adamw": False}
+    want = train(*make(ZeroOptions(**base), stage=stage, dtype=dtype))
+    got = train(*make(ZeroOptions(host_step=True, host_window=3000, **base), stage=stage,
+                      dtype=dtype))
+    assert_equal(got, want)
 
 
 def test_windowed_host_step_from_nvme_swap_files(tmp_path):

@@ -31,15 +31,17 @@ from concurrent.futures import Future
 
 import torch
 
+from moezero.zero import hostadam
 from moezero.zero.shards import Slot, nbytes
 
 __all__ = ["GradTier", "square_sum"]
 
 
-def square_sum(g32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp64 sum of squares, count of non-finite elements) of an fp32 gradient: the terms of
-    the global grad norm and overflow flag (``Optimizer._square_sum``)."""
-    return g32.square().sum(dtype=torch.float64), torch.isfinite(g32).logical_not_().sum()
+def square_sum(grad: torch.Tensor):
+    """(fp64 sum of fp32 squares, count of non-finite elements) of a gradient in any float
+    dtype: the terms of the global grad norm and overflow flag (``Optimizer._square_sum``);
+    one pass (``hostadam.square_sum``)."""
+    return hostadam.square_sum(grad)
 
 
 class GradTier:
@@ -81,7 +83,7 @@ class GradTier:
             self._finish_landing(slot, entry[0])
 
     def _finish_landing(self, slot: Slot, buf: torch.Tensor) -> None:
-        sums = square_sum(buf.float())
+        sums = square_sum(buf)
         futures = self.swap.write(slot, {"grad": buf})
         with self._lock:
             self._sums[slot] = sums

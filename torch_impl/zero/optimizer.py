@@ -13,14 +13,17 @@ optimizer itself.
 **Step.** The global grad norm is one all-reduce of local sums of squares over each rank's
 *own* range of every group (its shard: each element is counted exactly once, on every stage,
 so stage 0's norm equals the sharded stages' bit for bit) and of a non-finite count (fp16
-overflow: every rank skips). Then, group by group (``tiled``): upcast the gradient to fp32 ->
-unscale -> x clip coefficient -> AdamW on the fp32 master (``adamw.adamw_``) -> downcast, so
-only one group's fp32 gradients are alive. The untiled step upcasts every group first and runs
-the same per-group ops, hence bit-identical results. The offloaded tiers (``host_step``) run
-the same ops window by window (``buckets.plan_windows``): a window's fp32 gradients are copied
-to the host (``transfer.HostTransfer``: pinned, on a side stream, while the previous window
-steps), stepped by ``adamw.adamw_foreach_`` (one vectorised call per hyperparameter set; on CPU
-bit for bit ``adamw_``) and the masters copied back. Reference counterpart:
+overflow: every rank skips). Then, group by group (``tiled``), one pass of
+``hostadam.adamw_step_`` per group: upcast the gradient to fp32, x (unscale x clip
+coefficient), AdamW on the fp32 master and, where the compute-dtype target is in host memory,
+the downcast, each element read and written once. The untiled step upcasts every group first
+and runs the same per-group pass, hence bit-identical results. The offloaded tiers
+(``host_step``) run the same pass window by window (``buckets.plan_windows``): a window's
+gradients, in the compute dtype, are copied to the host (``transfer.HostTransfer``: pinned, on
+a side stream) while the previous window steps there, swap reads run a window ahead
+(``offload.state.SwapState.stepping``, ``zero.gradtier``), and the masters travel back. Every
+tier and stage runs the same kernel on the same elements, so they are bit-identical to each
+other. Reference counterpart:
 ``reference/zero.py`` (the sharded step) and ``reference/optim.py``. **Frozen groups**
 (``train.freeze``) are slots too (``frozen``): held and gathered like the others, never
 stepped, no gradient or fp32 state; checkpoints get their weights (``zero.frozen``).
@@ -38,18 +41,20 @@ from torch import nn
 from moezero.distributed.topology import Topology
 from moezero.plan.layout import STATES
 from moezero.plan.partition import Partition
-from moezero.zero.adamw import adamw_, adamw_foreach_, clip_coef
+from moezero.zero.adamw import clip_coef
 from moezero.zero.buckets import GroupColumns, plan_windows
 from moezero.zero.buffers import attach_grad_views, build_kinds, flatten_params, param_positions
 from moezero.zero.frozen import FrozenWeights
 from moezero.zero.gradtier import square_sum
 from moezero.zero.groups import OptimizerGroups
+from moezero.zero.hostadam import adamw_step_, load_compiled
 from moezero.zero.options import ZeroOptions
 from moezero.zero.reduce import GradReduction
 from moezero.zero.shards import MemoryMeter, Slot, StateShard, nbytes
 from moezero.zero.transfer import HostTransfer, Staged
 
-ADAMW_TEMPORARIES = 2  # adamw_ allocates m_hat and denom, each the size of its input
+ADAMW_TEMPORARIES = 0  # adamw_step_ allocates nothing per element (its torch-ops fallback: a
+# few chunks of ``hostadam.CHUNK`` elements)
 
 
 class Optimizer(FrozenWeights):
@@ -65,8 +70,14 @@ class Optimizer(FrozenWeights):
     param_swap = None  # NVMe at stage 3: the param shards' swap files
     grad_tier = None  # NVMe at stage 3: the reduced gradients' swap files (``zero.gradtier``)
 
-    def __init__(self, params: dict[str, nn.Parameter], topology: Topology) -> None:
+    def __init__(self, params: dict[str, nn.Parameter], topology: Topology,
+                 options: ZeroOptions) -> None:
         self.params, self.topology = params, topology
+        self.compiled_adamw = options.compiled_adamw
+        if self.compiled_adamw and (options.host_step or self._device.type != "cuda"):
+            # Built (first use on a machine: about a minute) or loaded here, where every rank
+            # is at the same point, not inside a step that others wait on in a collective.
+            load_compiled()
         self.meter = MemoryMeter()
         self.state_device = self._device
         self.full_grads = False
@@ -152,59 +163,52 @@ class Optimizer(FrozenWeights):
                 self.meter.drop(held)
             return float("inf"), True
         grad_norm = math.sqrt(sq) / scale
-        clip = clip_coef(grad_norm, max_norm)
+        grad_mul = clip_coef(grad_norm, max_norm) / scale  # applied inside the AdamW pass
         adam = {"step": step, "beta1": betas[0], "beta2": betas[1], "eps": eps}
         if self.host_windows is not None:
-            self._step_host(upcast, 1.0 / scale, clip, lr, adam)
+            self._step_host(upcast, grad_mul, lr, adam)
         else:
-            self._step_groups(upcast, 1.0 / scale, clip, lr, adam)
+            self._step_groups(upcast, grad_mul, lr, adam)
         self._after_step()
         return grad_norm, False
 
-    def _step_groups(self, upcast: list | None, unscale: float, clip: float, lr: float,
-                     adam: dict) -> None:
+    def _step_groups(self, upcast: list | None, grad_mul: float, lr: float, adam: dict) -> None:
         """Group by group where the state lives (the device, without offload)."""
         for i, (slot, st) in enumerate(self._states()):
-            g32, held = upcast[i] if upcast is not None else self._upcast(slot)
+            grad, held = upcast[i] if upcast is not None else self._grad(slot)
             if upcast is not None:
                 upcast[i] = None
-            g32.mul_(unscale).mul_(clip)
-            self._adamw(slot, st, g32, held, lr, adam)
-            del g32
-            self._downcast(slot, st["master"])
+            self._adamw(slot, st, grad, held, grad_mul, lr, adam)
+            del grad
 
-    def _step_host(self, upcast: list | None, unscale: float, clip: float, lr: float,
-                   adam: dict) -> None:
+    def _step_host(self, upcast: list | None, grad_mul: float, lr: float, adam: dict) -> None:
         """The offloaded step, window by window: the next window's gradients travel to the
-        host while this one is stepped there (``adamw_window``) and its masters travel back."""
+        host (and its swapped state is read) while this one is stepped there, and its masters
+        travel back."""
         index = {slot: i for i, slot in enumerate(self.slots)}
         windows = self.host_windows
-        staged = self._stage(windows[0], upcast, index, unscale, clip)
+        staged = self._stage(windows[0], upcast, index)
         for w, pairs in enumerate(self._window_states(windows)):
-            ahead = (self._stage(windows[w + 1], upcast, index, unscale, clip)
+            ahead = (self._stage(windows[w + 1], upcast, index)
                      if w + 1 < len(windows) else None)
             (host, held), staged = staged, ahead
-            grads = host.wait()
-            temporaries = ADAMW_TEMPORARIES * sum(nbytes(g) for g in grads)
-            self.meter.hold(temporaries)
-            adamw_window(pairs, grads, lr, adam)
-            self.meter.drop(temporaries + held)
-            del grads, host
-            for slot, st in pairs:
-                self._downcast(slot, st["master"])
+            for (slot, st), grad in zip(pairs, host.wait(), strict=True):
+                self._adamw(slot, st, grad, 0, grad_mul, lr, adam)
+            self.meter.drop(held)
+            del host
         self.transfer.finish()
 
-    def _stage(self, window: tuple[Slot, ...], upcast: list | None, index: dict,
-               unscale: float, clip: float) -> tuple[Staged, int]:
-        """The window's fp32 gradients, unscaled and clipped on the device, on their way to
-        the host; and the bytes they hold (on the device, and their host copies)."""
+    def _stage(self, window: tuple[Slot, ...], upcast: list | None,
+               index: dict) -> tuple[Staged, int]:
+        """The window's gradients (compute dtype, or fp32 when untiled) on their way to the
+        host; and the bytes they hold (fp32 copies, swap reads, host copies)."""
         grads, held = [], 0
         for slot in window:
             i = index[slot]
-            g32, h = upcast[i] if upcast is not None else self._upcast(slot)
+            grad, h = upcast[i] if upcast is not None else self._grad(slot)
             if upcast is not None:
                 upcast[i] = None
-            grads.append(g32.mul_(unscale).mul_(clip))
+            grads.append(grad)
             held += h
         staged = self.transfer.to_host(grads)
         copies = sum(nbytes(h) for h, g in zip(staged.tensors, grads, strict=True) if h is not g)
@@ -222,17 +226,30 @@ class Optimizer(FrozenWeights):
             yield [(slot, {"master": slot.master, "exp_avg": slot.exp_avg,
                            "exp_avg_sq": slot.exp_avg_sq}) for slot in window]
 
-    def _adamw(self, slot: Slot, st: dict, g32: torch.Tensor, held: int, lr: float,
-               adam: dict) -> None:
-        """AdamW on the state's device (offload: where the state is); frees the gradient."""
-        temporaries = ADAMW_TEMPORARIES * nbytes(g32)
-        g32 = g32.to(self.state_device)
+    def _adamw(self, slot: Slot, st: dict, grad: torch.Tensor, held: int, grad_mul: float,
+               lr: float, adam: dict) -> None:
+        """One pass of AdamW on the state's device (offload: where the state is) from ``grad``
+        (any float dtype) x ``grad_mul``, writing the downcast where ``_downcast_target``
+        allows (else ``_downcast`` follows); drops the ``held`` bytes of the gradient."""
+        grad = grad.to(self.state_device)
         hp = slot.group.hparams
-        self.meter.hold(temporaries)
-        n = st["master"].numel()  # the shard, or its real elements (master = params)
-        adamw_(st["master"], g32[:n], st["exp_avg"][:n], st["exp_avg_sq"][:n],
-               lr=lr * hp.get("lr_scale", 1.0), weight_decay=hp.get("weight_decay", 0.0), **adam)
-        self.meter.drop(temporaries + held)
+        master = st["master"]
+        n = master.numel()  # the shard, or its real elements (master = params)
+        out = self._downcast_target(slot, master)
+        adamw_step_(master, grad[:n], st["exp_avg"][:n], st["exp_avg_sq"][:n], out=out,
+                    grad_mul=grad_mul, lr=lr * hp.get("lr_scale", 1.0),
+                    weight_decay=hp.get("weight_decay", 0.0), compiled=self.compiled_adamw,
+                    **adam)
+        if out is None:
+            self._downcast(slot, master)
+        self.meter.drop(held)
+
+    def _grad(self, slot: Slot) -> tuple[torch.Tensor, int]:
+        """The slot's reduced gradient as it is (compute dtype, no copy; with the gradient
+        tier: read from its swap file into a host buffer) and the bytes that took."""
+        if self.grad_tier is not None:
+            return self.grad_tier.take(slot)
+        return slot.grad, 0
 
     def _upcast(self, slot: Slot, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, int]:
         """Elements [lo, hi) of the slot's reduced gradient in fp32, and the bytes that took
@@ -265,15 +282,11 @@ class Optimizer(FrozenWeights):
                 acc[1] += bad
                 continue
             lo, hi = self._local(slot)
-            if upcast is not None:
-                g32, held = upcast[i][0][lo:hi], 0
-            else:
-                g32, held = self._upcast(slot, lo, hi)
-            self.meter.hold(nbytes(g32))  # the square
-            sq, bad = square_sum(g32)
+            # read, never written: the gradient as it is (``square_sum`` upcasts), no copy
+            grad = upcast[i][0][lo:hi] if upcast is not None else slot.grad[lo:hi]
+            sq, bad = square_sum(grad)
             acc[0] += sq
             acc[1] += bad
-            self.meter.drop(nbytes(g32) + held)
         if self.topology.distributed:
             dist.all_reduce(acc)
         return acc[0].item(), acc[1].item() > 0
@@ -373,6 +386,11 @@ class Optimizer(FrozenWeights):
     def _downcast(self, slot: Slot, master: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def _downcast_target(self, slot: Slot, master: torch.Tensor) -> torch.Tensor | None:
+        """The host tensor the AdamW pass writes the updated master into (what ``_downcast``
+        would fill), or None: ``_downcast`` runs after the pass."""
+        return None
+
     def _after_step(self) -> None:
         """What ends a step once every group is stepped (the sharded all-gather)."""
 
@@ -381,20 +399,3 @@ class Optimizer(FrozenWeights):
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
-
-
-def adamw_window(pairs: list[tuple[Slot, dict[str, torch.Tensor]]], grads: list[torch.Tensor],
-                 lr: float, adam: dict) -> None:
-    """One window of the offloaded step: ``adamw_foreach_`` once per (lr, weight decay) of its
-    groups, on the host, with the same arguments ``Optimizer._adamw`` gives ``adamw_``."""
-    sets: dict[tuple[float, float], tuple[list, list, list, list]] = {}
-    for (slot, st), g32 in zip(pairs, grads, strict=True):
-        hp = slot.group.hparams
-        key = (lr * hp.get("lr_scale", 1.0), hp.get("weight_decay", 0.0))
-        n = st["master"].numel()
-        for into, t in zip(sets.setdefault(key, ([], [], [], [])),
-                           (st["master"], g32[:n], st["exp_avg"][:n], st["exp_avg_sq"][:n]),
-                           strict=True):
-            into.append(t)
-    for (group_lr, weight_decay), tensors in sets.items():
-        adamw_foreach_(*tensors, lr=group_lr, weight_decay=weight_decay, **adam)

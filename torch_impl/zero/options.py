@@ -24,8 +24,10 @@ class ZeroOptions:
             ``nvme`` optimizer offload tiers): gradients copied to the host while the previous
             window steps, one vectorised AdamW per window, masters copied back.
         host_window: Elements of fp32 state in one window of consecutive groups (at least one
-            group). Two windows' fp32 gradients and one window's AdamW temporaries (8 B per
-            element) are alive at a time.
+            group). Two windows' gradients are alive at a time (on the host: copies, or
+            swap reads with the gradient tier); AdamW allocates nothing per element.
+        compiled_adamw: Step CPU state with the compiled one-pass AdamW kernel where it
+            builds (``moezero.zero.hostadam``); False: the same formula in torch ops.
         param_read_ahead: Stage 3 with NVMe params: the units ahead of the one being gathered
             whose param shards are read from the swap files in the background (0: each shard
             is read when its gather starts).
@@ -38,6 +40,7 @@ class ZeroOptions:
     host_step: bool = False
     host_window: int = 1 << 22
     param_read_ahead: int = 2
+    compiled_adamw: bool = True
 
     @classmethod
     def from_config(cls, zero) -> ZeroOptions:

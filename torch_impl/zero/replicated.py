@@ -36,7 +36,7 @@ class ReplicatedOptimizer(Optimizer):
 
     def __init__(self, params: dict[str, nn.Parameter], groups: OptimizerGroups,
                  topology: Topology, options: ZeroOptions):
-        super().__init__(params, topology)
+        super().__init__(params, topology, options)
         self._build_buffers(groups, full_columns, flat=True, full_grads=True)
         flat = {slot: kind for kind in self.kinds for slot in kind.slots}
         for slot in self.slots:
@@ -66,6 +66,12 @@ class ReplicatedOptimizer(Optimizer):
     def _downcast(self, slot: Slot, master: torch.Tensor) -> None:
         if master is not slot.param:
             slot.param.copy_(master)
+
+    def _downcast_target(self, slot: Slot, master: torch.Tensor) -> torch.Tensor | None:
+        """bf16/fp16 on the host: the AdamW pass writes the params' view itself."""
+        if master is slot.param or slot.param.is_cuda:
+            return None
+        return slot.param
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The reduced gradients by FQN (after ``reduce_gradients``)."""

@@ -83,7 +83,7 @@ class ShardedOptimizer(Optimizer):
             raise ValueError(f"zero_optimization.stage: ShardedOptimizer runs 1-3, got {stage}")
         if stage == 3 and model is None:
             raise ValueError("stage 3 needs the model (its modules are the gather units)")
-        super().__init__(params, topology)
+        super().__init__(params, topology, options)
         self.stage = stage
         self._build_buffers(groups, scatter_columns, flat=stage < 3, full_grads=stage == 1)
         # Offload: where the fp32 state and the stage-3 param shards live in memory (the
@@ -238,6 +238,16 @@ class ShardedOptimizer(Optimizer):
         target = slot.param if self.stage == 3 else slot.grad
         if target is not master:  # a host master to the device: non-blocking on CUDA
             self.transfer.copy(target[:master.numel()], master)
+
+    def _downcast_target(self, slot: Slot, master: torch.Tensor) -> torch.Tensor | None:
+        """What ``_downcast`` fills, when it is host memory other than the master: the AdamW
+        pass writes it (None: a swap file, the master itself, or device memory)."""
+        if self.stage == 3 and self.param_swap is not None:
+            return None
+        target = slot.param if self.stage == 3 else slot.grad
+        if target is None or target is master or target.is_cuda or master.is_cuda:
+            return None
+        return target[:master.numel()]
 
     def _after_step(self) -> None:
         self.transfer.finish()  # what follows reads the copied params on the compute stream
