@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
 from pathlib import Path
 
@@ -59,6 +60,7 @@ def load_compiled(source: Path = SOURCE) -> tuple[object | None, str]:
     once as a warning, and every step runs the torch ops)."""
     try:
         from torch.utils.cpp_extension import load
+        _ninja_on_path()
         return load(name=f"moezero_{source.stem}_{_cpu_tag()}", sources=[str(source)],
                     extra_cflags=CFLAGS, verbose=False), ""
     except Exception as e:  # noqa: BLE001 - any build failure falls back to torch ops
@@ -67,6 +69,18 @@ def load_compiled(source: Path = SOURCE) -> tuple[object | None, str]:
         log.warning("the compiled AdamW kernel (%s) is not available, the step runs torch ops "
                     "(slower): %s", source, why)
         return None, why
+
+
+def _ninja_on_path() -> None:
+    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` package moezero depends
+    on puts it in its own folder, which a venv's PATH lacks unless the venv is activated."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    folder = getattr(ninja, "BIN_DIR", None)
+    if folder and folder not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(filter(None, (folder, os.environ.get("PATH"))))
 
 
 def _cpu_tag() -> str:
