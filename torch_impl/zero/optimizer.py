@@ -23,8 +23,7 @@ gradients, in the compute dtype, are copied to the host (``transfer.HostTransfer
 a side stream) while the previous window steps there, swap reads run a window ahead
 (``offload.state.SwapState.stepping``, ``zero.gradtier``), and the masters travel back. Every
 tier and stage runs the same kernel on the same elements, so they are bit-identical to each
-other. Reference counterpart:
-``reference/zero.py`` (the sharded step) and ``reference/optim.py``. **Frozen groups**
+other. Reference: ``reference/zero.py`` (the sharded step), ``reference/optim.py``. **Frozen groups**
 (``train.freeze``) are slots too (``frozen``): held and gathered like the others, never
 stepped, no gradient or fp32 state; checkpoints get their weights (``zero.frozen``).
 """
