@@ -21,17 +21,27 @@ from moezero.checkpoint.deepspeed import import_deepspeed
 from moezero.config import load_config
 from moezero.plan import store
 from moezero.train import setup
-from tests.support.compare import rel_err
+from tests.support.compare import max_abs, rel_err
 from tests.support.world import run_world
 
 FIXTURES = Path(os.environ.get("MOEZERO_DS_FIXTURES")  # nox -s deepspeed_fixtures: made anew
                 or Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed")
 CASES = ("mixtral_z1_w1", "mixtral_z2_w2", "mixtral_z3_w2", "mixtral_z3_w3", "mixtral_z2_w2_cpu",
-         "qwen3_moe_z2_w2", "native_moe_z2_w2_ep2", "native_moe_z2_w4_ep2")
+         "qwen3_moe_z2_w2", "qwen2_moe_z2_w2", "qwen2_moe_z3_w2", "olmoe_z2_w2",
+         "native_moe_z2_w2_ep2", "native_moe_z2_w4_ep2", "native_moe_z0_w2_ep2")
 NVME = "mixtral_z3_w2_nvme"  # ~12 MB, not committed: made by nox -s deepspeed_fixtures
-LOCAL = [*CASES, pytest.param(NVME, marks=pytest.mark.skipif(
-    not (FIXTURES / NVME).is_dir(), reason="NVMe fixture not made here"))]
+NATIVE_Z1 = "native_moe_z1_w2_ep2"  # ZeRO-1: the ZeRO-2 format; made by the nox session only
+MADE = tuple(c for c in (NVME, NATIVE_Z1) if (FIXTURES / c).is_dir())
+LOCAL = [*CASES, *(pytest.param(c, marks=pytest.mark.skipif(
+    c not in MADE, reason="fixture not committed (nox -s deepspeed_fixtures makes it)"))
+    for c in (NVME, NATIVE_Z1))]
 TOL = 1e-6  # the issue's bound: fp32, relative
+# Qwen2-MoE's k-projection bias adds q.b_k to every score of a query: softmax ignores it, so its
+# true gradient is 0 and each framework's is rounding noise (~1e-9) that Adam (eps 1e-8) turns
+# into a step of up to ~lr. The two runs' noise differs, so the bias is held to an absolute
+# bound: its step-(K+1) update agrees to within 1e-3 lr (measured 1.7e-4 lr; the moments
+# dropped, it moves by ~lr). Every other param: TOL.
+NOISE_ONLY = 1e-3
 
 
 def expected_native(case: str) -> dict[str, torch.Tensor]:
@@ -60,7 +70,7 @@ def expected_native(case: str) -> dict[str, torch.Tensor]:
 
 def expected_params(case: str) -> dict[str, torch.Tensor]:
     """DeepSpeed's parameters after step K+1 under moezero's FQNs, mapped here by hand from
-    transformers 5's Mixtral names (fused experts: gate_up_proj [E, 2F, D], down_proj
+    transformers 5's names of the HF families (fused experts: gate_up_proj [E, 2F, D], down_proj
     [E, D, F])."""
     if case.startswith("native"):
         return expected_native(case)
@@ -73,8 +83,13 @@ def expected_params(case: str) -> dict[str, torch.Tensor]:
     block = {"input_layernorm.weight": "attn_norm.weight",
              "post_attention_layernorm.weight": "ffn_norm.weight",
              "mlp.gate.weight": "moe.router.weight",
-             "self_attn.q_norm.weight": "attn.q_norm.weight",  # Qwen3-MoE
+             "self_attn.q_norm.weight": "attn.q_norm.weight",  # Qwen3-MoE, OLMoE
              "self_attn.k_norm.weight": "attn.k_norm.weight",
+             "mlp.shared_expert.gate_proj.weight": "shared.w1.weight",  # Qwen2-MoE
+             "mlp.shared_expert.up_proj.weight": "shared.w3.weight",
+             "mlp.shared_expert.down_proj.weight": "shared.w2.weight",
+             "mlp.shared_expert_gate.weight": "shared.gate.weight",
+             **{f"self_attn.{x}_proj.bias": f"attn.w{x}.bias" for x in "qkv"},
              **{f"self_attn.{x}_proj.weight": f"attn.w{x}.weight" for x in "qkvo"}}
     for key in sorted(after):
         layer, rest = key.removeprefix("model.layers.").split(".", 1)
@@ -118,7 +133,10 @@ def check_continuation(case: str, results: list[dict], tol: float = TOL) -> floa
     got = {k: v for r in results for k, v in r["params"].items()}
     want = expected_params(case)
     assert set(got) == set(want)
-    worst = max(rel_err(got[k], want[k]) for k in want)
+    noise = [k for k in want if k.endswith(".attn.wk.bias")]
+    for k in noise:  # the k bias's gradient is rounding noise: see NOISE_ONLY
+        assert max_abs(got[k], want[k]) <= NOISE_ONLY * ref["lr"], (k, max_abs(got[k], want[k]))
+    worst = max(rel_err(got[k], want[k]) for k in want if k not in noise)
     print(f"{case}: loss rel err {rel_err(results[0]['loss'], ref['loss']):.2e}, "
           f"worst param rel err {worst:.2e}")
     assert worst <= tol, worst
@@ -128,7 +146,7 @@ def check_continuation(case: str, results: list[dict], tol: float = TOL) -> floa
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
-    for case in CASES + (NVME,) * (FIXTURES / NVME).is_dir():
+    for case in CASES + MADE:
         import_deepspeed(FIXTURES / case / "ckpt", root / case)
     return root
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from moezero.checkpoint.deepspeed import patterns, placement, ranks, settings
+from moezero.checkpoint.deepspeed import patterns, placement, ranks, settings, unsharded
 from moezero.checkpoint.deepspeed.source import Source, find_tag, read_source
 from moezero.checkpoint.hf.importer import HF_CONFIG, _layout, import_config, read_hf_config
 from moezero.checkpoint.hf.names import candidates
@@ -198,7 +198,7 @@ def _write(layout, src: Source, writes: list[Write], out: Path, meta: dict) -> P
     commit."""
     partial = store.begin_save(out, layout.step)
     records = store.write_headers(layout, partial)
-    for rank in range(src.world_size):
+    for rank in range(len(src.optim_files)):  # stage 0: one per expert-parallel rank
         records += _write_rank(_read_rank(src, rank), partial,
                                [w for w in writes if w.rank == rank])
     for f in layout.files:
@@ -220,13 +220,17 @@ def _write_rank(state: ranks.RankState, partial: Path, writes: list[Write]) -> l
 def _check_ranks(src: Source, where: placement.Placement) -> None:
     """Every rank's file read (its pickle; tensor data stays on disk) and checked against the
     model states."""
-    for rank in range(src.world_size):
+    for rank in range(len(src.optim_files)):
         _check_rank(_read_rank(src, rank), where, src, rank)
 
 
 def _read_rank(src: Source, rank: int) -> ranks.RankState:
     """Rank ``rank``'s state; NVMe-offloaded state from ``offloaded_tensors/rankNN``, whose
     sub-groups are named by param ids (the params in order)."""
+    if src.stage == 0:  # whole params; file ``rank`` is expert-parallel rank ``rank``'s
+        return unsharded.read_rank(src.optim_files[rank],
+                                   unsharded.masters(src.model_files[0], src.expert_files),
+                                   unsharded.rank_names(src.groups, rank))
     per = [-(-_prod(shape) // src.world_size) for group in src.groups for _, shape in group]
     return ranks.read_rank(src.optim_files[rank], src.folder / "offloaded_tensors" /
                            f"rank{rank:02d}", lambda a, b: sum(per[a:b + 1]))
