@@ -319,14 +319,23 @@ def _group_of_another_size(folder: Path) -> str:
         "params cannot be established"
 
 
-STAGE0_FAULTS = {"two_dense_groups": _two_dense_groups,
+def _bf16_module(folder: Path) -> str:
+    path = folder / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    state["module"] = {k: v.bfloat16() for k, v in state["module"].items()}
+    torch.save(state, path)
+    return "mp_rank_00_model_states.pt: ZeRO stage 0 with a bfloat16 module: only fp32 runs " \
+        "(whose module weights are the masters) are imported"
+
+
+STAGE0_FAULTS = {"two_dense_groups": _two_dense_groups, "bf16_module": _bf16_module,
                  "params_out_of_order": _params_out_of_order,
                  "missing_expp_rank": _missing_expp_rank,
                  "group_of_another_size": _group_of_another_size}
 
 
 @pytest.mark.parametrize("fault", STAGE0_FAULTS)
-def test_a_stage0_order_that_cannot_be_established_is_one_line(tmp_path, capsys, fault):
+def test_a_stage0_checkpoint_that_cannot_be_placed_is_one_line(tmp_path, capsys, fault):
     """Without ZeRO the moments are keyed by param index: the names come from the order of
     ``param_groups``; where that order does not fit the model, refuse."""
     import shutil
