@@ -7,7 +7,8 @@ A tag folder (``global_stepN``) of a ZeRO stage 1/2 run holds ``mp_rank_00_model
 group's flat fp32 master and Adam moments); stage 3 writes one model-states file per rank
 (``zero_pp_rank_{r}_mp_rank_00_model_states.pt``). Only rank 0's model-states file is read
 here (small: at stage 3 its module holds empty tensors); the optimizer files are only listed
-and checked to be there, one per rank, and opened later one at a time.
+and checked to be there, one per rank, and opened later one at a time. Stage 0 (no ZeRO) keeps
+whole params and torch's optimizer state by param index (``unsharded``).
 """
 
 from __future__ import annotations
