@@ -21,17 +21,30 @@ from moezero.checkpoint.deepspeed import import_deepspeed
 from moezero.config import load_config
 from moezero.plan import store
 from moezero.train import setup
-from tests.support.compare import rel_err
+from tests.support.compare import max_abs, rel_err
 from tests.support.world import run_world
 
 FIXTURES = Path(os.environ.get("MOEZERO_DS_FIXTURES")  # nox -s deepspeed_fixtures: made anew
                 or Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed")
 CASES = ("mixtral_z1_w1", "mixtral_z2_w2", "mixtral_z3_w2", "mixtral_z3_w3", "mixtral_z2_w2_cpu",
-         "qwen3_moe_z2_w2", "native_moe_z2_w2_ep2", "native_moe_z2_w4_ep2")
+         "qwen3_moe_z2_w2", "qwen2_moe_z2_w2", "qwen2_moe_z3_w2", "olmoe_z2_w2",
+         "native_moe_z2_w2_ep2", "native_moe_z2_w4_ep2", "native_moe_z0_w2_ep2")
 NVME = "mixtral_z3_w2_nvme"  # ~12 MB, not committed: made by nox -s deepspeed_fixtures
-LOCAL = [*CASES, pytest.param(NVME, marks=pytest.mark.skipif(
-    not (FIXTURES / NVME).is_dir(), reason="NVMe fixture not made here"))]
+# Not committed either (the committed fixtures stay under ~6 MB); made by the nox session:
+# native MoE at ZeRO-1 (the ZeRO-2 format), a dense-group-only run without ZeRO (its optimizer
+# state in the model-states file). Their tests skip visibly without them.
+EXTRA = (NVME, "native_moe_z1_w2_ep2", "mixtral_z0_w1")
+MADE = tuple(c for c in EXTRA if (FIXTURES / c).is_dir())
+LOCAL = [*CASES, *(pytest.param(c, marks=pytest.mark.skipif(
+    c not in MADE, reason="fixture not committed (nox -s deepspeed_fixtures makes it)"))
+    for c in EXTRA)]
 TOL = 1e-6  # the issue's bound: fp32, relative
+# Qwen2-MoE's k-projection bias adds q.b_k to every score of a query: softmax ignores it, so its
+# true gradient is 0 and each framework's is rounding noise (~1e-9) that Adam (eps 1e-8) turns
+# into a step of up to ~lr. The two runs' noise differs, so the bias is held to an absolute
+# bound: its step-(K+1) update agrees to within 1e-3 lr (measured 1.7e-4 lr; the moments
+# dropped, it moves by ~lr). Every other param: TOL.
+NOISE_ONLY = 1e-3
 
 
 def expected_native(case: str) -> dict[str, torch.Tensor]:
@@ -60,7 +73,7 @@ def expected_native(case: str) -> dict[str, torch.Tensor]:
 
 def expected_params(case: str) -> dict[str, torch.Tensor]:
     """DeepSpeed's parameters after step K+1 under moezero's FQNs, mapped here by hand from
-    transformers 5's Mixtral names (fused experts: gate_up_proj [E, 2F, D], down_proj
+    transformers 5's names of the HF families (fused experts: gate_up_proj [E, 2F, D], down_proj
     [E, D, F])."""
     if case.startswith("native"):
         return expected_native(case)
@@ -73,8 +86,13 @@ def expected_params(case: str) -> dict[str, torch.Tensor]:
     block = {"input_layernorm.weight": "attn_norm.weight",
              "post_attention_layernorm.weight": "ffn_norm.weight",
              "mlp.gate.weight": "moe.router.weight",
-             "self_attn.q_norm.weight": "attn.q_norm.weight",  # Qwen3-MoE
+             "self_attn.q_norm.weight": "attn.q_norm.weight",  # Qwen3-MoE, OLMoE
              "self_attn.k_norm.weight": "attn.k_norm.weight",
+             "mlp.shared_expert.gate_proj.weight": "shared.w1.weight",  # Qwen2-MoE
+             "mlp.shared_expert.up_proj.weight": "shared.w3.weight",
+             "mlp.shared_expert.down_proj.weight": "shared.w2.weight",
+             "mlp.shared_expert_gate.weight": "shared.gate.weight",
+             **{f"self_attn.{x}_proj.bias": f"attn.w{x}.bias" for x in "qkv"},
              **{f"self_attn.{x}_proj.weight": f"attn.w{x}.weight" for x in "qkvo"}}
     for key in sorted(after):
         layer, rest = key.removeprefix("model.layers.").split(".", 1)
@@ -118,7 +136,10 @@ def check_continuation(case: str, results: list[dict], tol: float = TOL) -> floa
     got = {k: v for r in results for k, v in r["params"].items()}
     want = expected_params(case)
     assert set(got) == set(want)
-    worst = max(rel_err(got[k], want[k]) for k in want)
+    noise = [k for k in want if k.endswith(".attn.wk.bias")]
+    for k in noise:  # the k bias's gradient is rounding noise: see NOISE_ONLY
+        assert max_abs(got[k], want[k]) <= NOISE_ONLY * ref["lr"], (k, max_abs(got[k], want[k]))
+    worst = max(rel_err(got[k], want[k]) for k in want if k not in noise)
     print(f"{case}: loss rel err {rel_err(results[0]['loss'], ref['loss']):.2e}, "
           f"worst param rel err {worst:.2e}")
     assert worst <= tol, worst
@@ -128,7 +149,7 @@ def check_continuation(case: str, results: list[dict], tol: float = TOL) -> floa
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     root = tmp_path_factory.mktemp("ds")
-    for case in CASES + (NVME,) * (FIXTURES / NVME).is_dir():
+    for case in CASES + MADE:
         import_deepspeed(FIXTURES / case / "ckpt", root / case)
     return root
 
@@ -164,7 +185,11 @@ W2 = {"stage2": ["zero_optimization.stage=2"],
 @pytest.mark.parametrize("case,layout", [("mixtral_z3_w2", "stage2"),
                                          ("mixtral_z2_w2", "stage3_cpu_offload"),
                                          ("native_moe_z2_w2_ep2", "stage2"),
-                                         ("native_moe_z2_w4_ep2", "stage3_cpu_offload")])
+                                         ("native_moe_z2_w4_ep2", "stage3_cpu_offload"),
+                                         *(pytest.param(*c, marks=pytest.mark.slow) for c in (
+                                             ("qwen2_moe_z3_w2", "stage2"),
+                                             ("olmoe_z2_w2", "stage3_cpu_offload"),
+                                             ("native_moe_z0_w2_ep2", "stage2")))])
 def test_w2_ep2_continues_the_deepspeed_run(imported, tmp_path, case, layout):
     results = run_world(continue_one_step, 2, tmp_path, str(imported / case),
                         ["moe.ep_size=2", *W2[layout]], batch(case), timeout_s=180)
@@ -253,6 +278,78 @@ def test_a_bad_checkpoint_is_one_line_and_nothing_written(tmp_path, capsys, faul
     assert err[0].startswith("moezero: error: ") and expected in err[0], err[0]
     assert not (tmp_path / "out").exists()
     assert not (tmp_path / "pwned").exists()
+
+
+def _rewrite(path: Path, edit) -> None:
+    state = torch.load(path, weights_only=True)
+    edit(state["optimizer"]["param_groups"])
+    torch.save(state, path)
+
+
+def _two_dense_groups(folder: Path) -> str:
+    def split(groups):
+        dense = groups[0]
+        groups.insert(1, {**dense, "name": "no_decay", "params": dense["params"][10:]})
+        dense["params"] = dense["params"][:10]
+    _rewrite(folder / "mp_rank_00_model_states.pt", split)
+    return "mp_rank_00_model_states.pt: ZeRO stage 0 with 2 dense and 1 expert param groups: " \
+        "the order of the params is only known for one dense group"
+
+
+def _params_out_of_order(folder: Path) -> str:
+    def swap(groups):  # embed [48, 32] and q_proj [32, 32] trade places on rank 1
+        groups[0]["params"][:2] = groups[0]["params"][1::-1]
+    _rewrite(folder / "expp_rank_1_mp_rank_00_optim_states.pt", swap)
+    return "expp_rank_1_mp_rank_00_optim_states.pt: param 1 exp_avg is torch.float32 [32, 32], " \
+        "model.embed_tokens.weight is float32 [48, 32]: the order of the params cannot be " \
+        "established"
+
+
+def _missing_expp_rank(folder: Path) -> str:
+    (folder / "expp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    return "missing expp_rank_0_mp_rank_00_optim_states.pt (found 1 expert-parallel optimizer " \
+        "files)"
+
+
+def _group_of_another_size(folder: Path) -> str:
+    def drop(groups):
+        groups[1]["params"] = groups[1]["params"][:-1]
+    _rewrite(folder / "mp_rank_00_model_states.pt", drop)
+    return "optimizer group 'ep_size_2' has 11 params, the expert files 12: the order of the " \
+        "params cannot be established"
+
+
+def _bf16_module(folder: Path) -> str:
+    path = folder / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    state["module"] = {k: v.bfloat16() for k, v in state["module"].items()}
+    torch.save(state, path)
+    return "mp_rank_00_model_states.pt: ZeRO stage 0 with a bfloat16 module: only fp32 runs " \
+        "(whose module weights are the masters) are imported"
+
+
+STAGE0_FAULTS = {"two_dense_groups": _two_dense_groups, "bf16_module": _bf16_module,
+                 "params_out_of_order": _params_out_of_order,
+                 "missing_expp_rank": _missing_expp_rank,
+                 "group_of_another_size": _group_of_another_size}
+
+
+@pytest.mark.parametrize("fault", STAGE0_FAULTS)
+def test_a_stage0_checkpoint_that_cannot_be_placed_is_one_line(tmp_path, capsys, fault):
+    """Without ZeRO the moments are keyed by param index: the names come from the order of
+    ``param_groups``; where that order does not fit the model, refuse."""
+    import shutil
+
+    from moezero.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "native_moe_z0_w2_ep2" / "ckpt", ckpt)
+    expected = STAGE0_FAULTS[fault](ckpt / "global_step2")
+    code = main(["import-deepspeed", str(ckpt), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("moezero: error: ") and expected in err[0], err[0]
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------- memory
@@ -374,6 +471,27 @@ def test_the_report_names_the_layout_and_measures_the_expert_files(tmp_path, cap
     held = 8 * 3 * 16 * 32 * 4  # 2 layers x 4 experts, three 16x32 fp32 matrices each
     assert f"expert files: 8, {sum(p.stat().st_size for p in (FIXTURES / 'native_moe_z2_w2_ep2' / 'ckpt' / 'global_step2').glob('layer_*')):,} bytes holding {held:,} bytes" in out  # noqa: E501
     assert "fp32 master, exp_avg, exp_avg_sq, Adam step 2, static loss scale" in out
+
+
+def test_a_pad_token_the_embedding_does_not_train_is_reported(tmp_path, capsys):
+    """OLMoE's config has pad_token_id 1: transformers' embedding leaves that row untrained,
+    moezero's does not (the fixture sets no pad token; with one, embed.weight lands 3.4e-2
+    relative off DeepSpeed's)."""
+    import shutil
+
+    from moezero.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "olmoe_z2_w2" / "ckpt", ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "pad_token_id": 1}))
+    assert main(["import-deepspeed", str(ckpt), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "not carried over: embedding padding_idx 1: transformers gives row 1 of " \
+        "embed_tokens no gradient, moezero trains it" in out, out
+    assert main(["import-deepspeed", str(FIXTURES / "olmoe_z2_w2" / "ckpt"), "--out",
+                 str(tmp_path / "out2")]) == 0
+    assert "padding_idx" not in capsys.readouterr().out
 
 
 def test_train_with_the_imported_config_resumes_with_deepspeeds_settings(imported, tmp_path):

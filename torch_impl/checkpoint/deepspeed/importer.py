@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from moezero.checkpoint.deepspeed import patterns, placement, ranks, settings
+from moezero.checkpoint.deepspeed import patterns, placement, ranks, settings, unsharded
 from moezero.checkpoint.deepspeed.source import Source, find_tag, read_source
 from moezero.checkpoint.hf.importer import HF_CONFIG, _layout, import_config, read_hf_config
 from moezero.checkpoint.hf.names import candidates
@@ -124,11 +124,23 @@ def _config(arch, raw: dict, src: Source, first: ranks.RankState, out: Path):
     data["precision"].update(settings.precision_section(src.ds_config))
     data["train"].update(settings.train_section(src.ds_config))
     try:
-        return Config.model_validate(data), notes
+        return Config.model_validate(data), notes + _padding(raw)
     except ValidationError as exc:
         err = exc.errors()[0]
         raise CheckpointError(f"{where}: maps to {'.'.join(map(str, err['loc']))}: "
                               f"{err['msg']}") from None
+
+
+def _padding(raw: dict) -> list[str]:
+    """transformers builds the embedding with ``padding_idx=pad_token_id``: that row gets no
+    gradient. moezero's embedding has no such row (measured on OLMoE, pad 1, the token in the
+    batch: embed.weight 3.4e-2 relative off DeepSpeed's after one step)."""
+    pad = raw.get("pad_token_id")
+    if not isinstance(pad, int) or isinstance(pad, bool):
+        return []
+    return [f"embedding padding_idx {pad}: transformers gives row {pad} of embed_tokens no "
+            f"gradient, moezero trains it (the same only while token {pad} is not in the "
+            "inputs)"]
 
 
 def _source_range(fqn: str, shape, shapes: dict, mapped: dict, arch, family
@@ -198,7 +210,7 @@ def _write(layout, src: Source, writes: list[Write], out: Path, meta: dict) -> P
     commit."""
     partial = store.begin_save(out, layout.step)
     records = store.write_headers(layout, partial)
-    for rank in range(src.world_size):
+    for rank in range(len(src.optim_files)):  # stage 0: one per expert-parallel rank
         records += _write_rank(_read_rank(src, rank), partial,
                                [w for w in writes if w.rank == rank])
     for f in layout.files:
@@ -220,13 +232,17 @@ def _write_rank(state: ranks.RankState, partial: Path, writes: list[Write]) -> l
 def _check_ranks(src: Source, where: placement.Placement) -> None:
     """Every rank's file read (its pickle; tensor data stays on disk) and checked against the
     model states."""
-    for rank in range(src.world_size):
+    for rank in range(len(src.optim_files)):
         _check_rank(_read_rank(src, rank), where, src, rank)
 
 
 def _read_rank(src: Source, rank: int) -> ranks.RankState:
     """Rank ``rank``'s state; NVMe-offloaded state from ``offloaded_tensors/rankNN``, whose
     sub-groups are named by param ids (the params in order)."""
+    if src.stage == 0:  # whole params; file ``rank`` is expert-parallel rank ``rank``'s
+        return unsharded.read_rank(src.optim_files[rank],
+                                   unsharded.masters(src.model_files[0], src.expert_files),
+                                   unsharded.rank_names(src.groups, rank))
     per = [-(-_prod(shape) // src.world_size) for group in src.groups for _, shape in group]
     return ranks.read_rank(src.optim_files[rank], src.folder / "offloaded_tensors" /
                            f"rank{rank:02d}", lambda a, b: sum(per[a:b + 1]))

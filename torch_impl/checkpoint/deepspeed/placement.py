@@ -9,6 +9,8 @@ partitions of every group, concatenated in group order.
   A dense group is shared by all W ranks; a native-MoE expert group (``ep`` set) exists once
   per expert-parallel rank k, holding that rank's experts (global index ``k * local + i`` for
   local index i), shared by its expert-data-parallel ranks ``k, k + ep, k + 2 ep, ...``.
+- Stage 0 (no ZeRO): every group whole, unpadded; a dense group read from the first file, the
+  expert group of expert-parallel rank k from file k (``unsharded``).
 - Stage 3: every param is split on its own: ``p = ceil(numel / W)`` elements per rank, the last
   rank's tail padded; each rank holds its pieces of the params back to back.
 """
@@ -106,8 +108,10 @@ def plan(stage: int, world_size: int, groups, eps: tuple[int | None, ...] | None
         copies = [(range(world_size), group)] if ep is None else [
             (range(k, world_size, ep), _renamed(group, k, num_local_experts(group)))
             for k in range(ep)]
+        if stage == 0:  # whole params, no padding: read from expert-parallel rank k's file
+            copies = [(range(k, k + 1), members) for k, (_, members) in enumerate(copies)]
         for ranks, members in copies:
-            per = _per_rank(members, len(ranks))
+            per = _per_rank(members, len(ranks)) if stage else sum(_prod_all(members))
             for offset, (name, shape) in zip(_offsets(members), members, strict=True):
                 params[name] = (len(flats), offset, math.prod(shape))
                 shapes[name] = tuple(shape)
@@ -127,6 +131,10 @@ def _offsets(members) -> list[int]:
         out.append(acc)
         acc += math.prod(shape)
     return out
+
+
+def _prod_all(members) -> list[int]:
+    return [math.prod(s) for _, s in members]
 
 
 def _per_rank(members, n: int) -> int:

@@ -7,7 +7,8 @@ A tag folder (``global_stepN``) of a ZeRO stage 1/2 run holds ``mp_rank_00_model
 group's flat fp32 master and Adam moments); stage 3 writes one model-states file per rank
 (``zero_pp_rank_{r}_mp_rank_00_model_states.pt``). Only rank 0's model-states file is read
 here (small: at stage 3 its module holds empty tensors); the optimizer files are only listed
-and checked to be there, one per rank, and opened later one at a time.
+and checked to be there, one per rank, and opened later one at a time. Stage 0 (no ZeRO) keeps
+whole params and torch's optimizer state by param index (``unsharded``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from moezero.checkpoint.deepspeed import pickles
+from moezero.checkpoint.deepspeed import pickles, unsharded
 from moezero.plan.store import CheckpointError
 
 _OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
@@ -73,23 +74,35 @@ def read_source(folder: Path) -> Source:
     if states.get("mp_world_size", 1) != 1:
         raise CheckpointError(f"{model_files[0]}: mp_world_size={states['mp_world_size']}: "
                               "tensor/pipeline-parallel checkpoints are not supported")
-    optim = _optim_files(folder, world)
     stage = int(states.get("ds_config", {}).get("zero_optimization", {}).get("stage", 0))
-    if stage not in (1, 2, 3):
-        raise CheckpointError(f"{model_files[0]}: ZeRO stage {stage}: only stages 1-3 keep "
-                              "the fp32 masters and Adam moments import-deepspeed reads")
+    if stage not in (0, 1, 2, 3):
+        raise CheckpointError(f"{model_files[0]}: ZeRO stage {stage}: not a DeepSpeed stage")
     if stage == 3 and len(model_files) != world:
         raise CheckpointError(f"{folder}: {len(model_files)} model-states files for a stage-3 "
                               f"run of dp_world_size={world}")
-    groups = tuple(tuple((str(n), tuple(int(d) for d in s)) for n, s in g.items())
-                   for g in states["param_shapes"])
     module = states.get("module") or {}
     dtype = str(next(iter(module.values())).dtype).removeprefix("torch.") if module else "?"
+    experts = tuple(sorted(folder.glob("layer_*_expert_*_mp_rank_00_model_states.pt")))
+    if stage == 0:
+        optim, groups = _unsharded(folder, states, model_files[0], dtype, experts)
+    else:
+        optim = _optim_files(folder, world)
+        groups = tuple(tuple((str(n), tuple(int(d) for d in s)) for n, s in g.items())
+                       for g in states["param_shapes"])
     return Source(folder, stage, world, groups, optim, model_files,
                   _int(states, "global_steps", model_files[0]), states.get("global_samples"),
                   states.get("lr_scheduler"), dict(states.get("ds_config") or {}),
-                  str(states.get("ds_version", "?")), dtype,
-                  tuple(sorted(folder.glob("layer_*_expert_*_mp_rank_00_model_states.pt"))))
+                  str(states.get("ds_version", "?")), dtype, experts)
+
+
+def _unsharded(folder: Path, states: dict, model_file: Path, dtype: str, experts):
+    """Stage 0 (``unsharded``): the optimizer files, and the groups' params in index order."""
+    if dtype != "float32":
+        raise CheckpointError(f"{model_file}: ZeRO stage 0 with a {dtype} module: only fp32 "
+                              "runs (whose module weights are the masters) are imported")
+    optim = unsharded.optim_files(folder, model_file)
+    ep = len(optim) if optim[0] != model_file else 1
+    return optim, unsharded.param_groups(states, experts, ep, model_file)
 
 
 def _model_files(folder: Path) -> tuple[Path, ...]:
