@@ -25,6 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from moezero.data.common import DataError
+from moezero.data.tokenizer import read_json
 
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -112,19 +113,9 @@ def _read(path: Path) -> str:
             from None
 
 
-def _config(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: unreadable JSON ({' '.join(str(exc).split())[:200]})") from None
-    return obj if isinstance(obj, dict) else {}
-
-
 def _from_config(path: Path) -> str | None:
     """``tokenizer_config.json``'s ``chat_template``: a string, or named templates' default."""
-    value = _config(path).get("chat_template")
+    value = read_json(path).get("chat_template")
     if isinstance(value, list):
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         value = named.get("default")
@@ -136,7 +127,7 @@ def special_tokens(folder: Path) -> dict:
     ``special_tokens_map.json``), as transformers passes them to the template."""
     out = {}
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        cfg = _config(folder / name)
+        cfg = read_json(folder / name)
         for key in SPECIAL_TOKENS:
             value = cfg.get(key)
             value = value.get("content") if isinstance(value, dict) else value

@@ -72,7 +72,7 @@ def load_tokenizer(path: Path):
                         f"({' '.join(str(exc).split())[:200]})") from None
 
 
-def _json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     """A JSON object from ``path``, or {} when the file is absent."""
     if not path.is_file():
         return {}
@@ -102,14 +102,14 @@ def special_ids(folder: Path, tokenizer) -> dict:
     names first (what the tokenizer itself uses), then the ids of ``generation_config.json``
     and ``config.json``."""
     out: dict[str, int] = {}
-    tok_cfg = _json(folder / "tokenizer_config.json")
+    tok_cfg = read_json(folder / "tokenizer_config.json")
     for key in SPECIAL_KEYS:
         text = _token_text(tok_cfg.get(key.removesuffix("_id")))
         token_id = tokenizer.token_to_id(text) if text is not None else None
         if token_id is not None:
             out[key] = token_id
     for name in ("generation_config.json", "config.json"):
-        cfg = _json(folder / name)
+        cfg = read_json(folder / name)
         for key in SPECIAL_KEYS:
             if key not in out and _first_id(cfg.get(key)) is not None:
                 out[key] = _first_id(cfg.get(key))
@@ -123,7 +123,7 @@ def describe_folder(folder: Path, *, model_vocab: int | None = None,
     if special is None:
         special = special_ids(folder, tokenizer)
     if model_vocab is None:
-        model_vocab = _first_id(_json(folder / "config.json").get("vocab_size"))
+        model_vocab = _first_id(read_json(folder / "config.json").get("vocab_size"))
     return TokenizerInfo(folder / TOKENIZER_JSON, file_sha256(folder / TOKENIZER_JSON),
                          tokenizer.get_vocab_size(with_added_tokens=True),
                          {k: v for k, v in special.items() if v is not None}, model_vocab)
