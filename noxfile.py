@@ -4,8 +4,8 @@ torch: on a machine without an NVIDIA GPU the sessions install the CPU build
 ``torch==2.13.0`` (``MOEZERO_TORCH`` overrides the requirement, e.g. ``torch`` on a GPU box);
 the package itself only asks for ``torch>=2.4``, so users are never pinned.
 
-``wheel`` (the built distribution, installed as users get it) is not among the default
-sessions: ``.ci/run`` calls it after them, as ``python -m nox -s wheel``.
+Plain ``nox`` (the README's test command, what CI runs) also runs ``wheel``: the built
+distribution, installed as users get it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["tests", "slow", "parity", "lint"]
+nox.options.sessions = ["tests", "slow", "parity", "lint", "wheel"]
 nox.options.reuse_existing_virtualenvs = True
 
 
