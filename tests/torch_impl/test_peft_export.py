@@ -40,7 +40,7 @@ TARGETS = {"mixtral": '["attn","experts"]', "qwen2_moe": '["attn","shared","expe
            '"experts.w2"]'}
 
 
-def lora_run(tmp_path: Path, family: str) -> tuple[Path, Path]:
+def lora_run(tmp_path: Path, family: str, *sets: str) -> tuple[Path, Path]:
     """(base step dir, adapter step dir) of 3 LoRA steps on an imported tiny model."""
     save_hf(hf_model(family), tmp_path / "hf")
     res = moezero("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "base"), timeout=120)
@@ -50,7 +50,7 @@ def lora_run(tmp_path: Path, family: str) -> tuple[Path, Path]:
                   "--set", "peft.r=4", "--set", "peft.alpha=12",
                   "--set", f"peft.targets={TARGETS[family]}", "--set", "train.steps=3",
                   "--set", "train.seq_len=12", "--set", "train.micro_batch_size=2",
-                  "--set", "optimizer.lr=3e-2", "--out", str(tmp_path / "run"), timeout=300)
+                  "--set", "optimizer.lr=3e-2", "--out", str(tmp_path / "run"), *sets, timeout=300)
     assert res.returncode == 0, res.stderr
     return (store.find_checkpoint(tmp_path / "base"),
             store.find_checkpoint(tmp_path / "run" / "checkpoints"))
@@ -99,6 +99,20 @@ def test_peft_adapters_and_merged_weights_give_moezeros_logits(tmp_path, family)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     with torch.no_grad():
         assert_logits_close(merged.eval()(TOKENS).logits, ours, f"{family} merged")
+
+
+def test_other_trained_params_are_merged_and_refused_as_peft(tmp_path, capsys):
+    """``train.freeze: ["!*norm.weight"]`` trains the norm gains too: the merge takes them
+    from the adapter checkpoint; a PEFT adapter cannot hold them (one line)."""
+    base, adapters = lora_run(tmp_path, "olmoe", "--set", 'train.freeze=["!*norm.weight"]')
+    ours = lora_logits(base, adapters)
+    line = one_line(capsys, str(adapters), "--format", "peft", "--out", str(tmp_path / "o"))
+    assert "besides the LoRA adapters" in line and "norm.weight" in line
+    assert not (tmp_path / "o").exists()
+    export(str(adapters), "--merge-lora", "--format", "hf", "--out", str(tmp_path / "merged"))
+    merged = hf_class("olmoe").from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        assert_logits_close(merged(TOKENS).logits, ours, "olmoe merged with trained norms")
 
 
 @pytest.fixture(scope="module")
