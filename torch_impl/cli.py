@@ -63,11 +63,15 @@ def _parser() -> argparse.ArgumentParser:
                                                     "(its latest complete checkpoint)")
         if name == "export":
             cmd.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
-            cmd.add_argument("--format", choices=("moezero", "hf", *HF_FORMATS),
+            cmd.add_argument("--format", choices=("moezero", "hf", *HF_FORMATS, "peft"),
                              default="moezero",
                              help="moezero: tensors keyed by moezero FQNs; hf: config.json + "
                                   "Hugging Face names of the family that holds the "
-                                  "architecture; hf-<model_type>: of that family (docs/hf.md)")
+                                  "architecture; hf-<model_type>: of that family (docs/hf.md); "
+                                  "peft: a LoRA checkpoint's adapters for PEFT (docs/finetune.md)")
+            cmd.add_argument("--merge-lora", action="store_true",
+                             help="with --format hf: fold a LoRA checkpoint's adapters into "
+                                  "full weights")
             cmd.add_argument("--out", required=True, metavar="PATH",
                              help="output directory (created)")
     hf = sub.add_parser("import-hf", help="a local Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE "
@@ -218,12 +222,21 @@ def _checkpoint(args: argparse.Namespace) -> int:
         print(checkpoint_tools.describe(ckpt))
         return 0
     if args.action == "export":
+        if args.merge_lora and not args.format.startswith("hf"):
+            raise CheckpointError(f"--merge-lora writes Hugging Face weights: it needs --format "
+                                  f"hf or hf-<model_type>, not --format {args.format}")
         try:
-            if args.format.startswith("hf"):
-                from moezero.checkpoint.hf import export_hf
+            if args.format == "peft":
+                from moezero.checkpoint.hf.peft_export import export_peft
 
-                files = export_hf(ckpt, Path(args.out), args.dtype,
-                                  model_type=args.format.removeprefix("hf").lstrip("-") or None)
+                files = export_peft(ckpt, Path(args.out), args.dtype)
+            elif args.format.startswith("hf"):
+                from moezero.checkpoint.hf import export_hf
+                from moezero.checkpoint.hf.peft_export import export_merged
+
+                model_type = args.format.removeprefix("hf").lstrip("-") or None
+                export = export_merged if args.merge_lora else export_hf
+                files = export(ckpt, Path(args.out), args.dtype, model_type=model_type)
                 args.format = "hf-" + json.loads(files[0].read_text())["model_type"]
             else:
                 files = checkpoint_tools.export(ckpt, Path(args.out), args.dtype)

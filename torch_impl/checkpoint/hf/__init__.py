@@ -12,7 +12,8 @@ read; neither transformers nor a process group is needed.
 Modules: ``arch`` (the architecture in moezero's names, shared config checks), ``family`` and
 one module per family (config reader/writer, names, what it cannot hold), ``families`` (the
 registry and the choice), ``names`` (FQN ↔ key), ``reader`` (the source tensors),
-``importer`` and ``exporter``.
+``importer`` and ``exporter``; ``peft_export``: a LoRA checkpoint as a PEFT adapter
+(``--format peft``) or merged (``--merge-lora``).
 """
 
 from moezero.checkpoint.hf.arch import Arch, arch_of

@@ -30,14 +30,14 @@ def export_hf(ckpt: Path, out: Path, dtype: str = "fp32", shard_bytes: int | Non
 
     Raises:
         CheckpointError: (one line) the checkpoint's architecture does not fit the family, or
-            it holds LoRA adapters (merging them is not built yet).
+            it holds LoRA adapters (``--merge-lora`` folds them in: ``peft_export``).
     """
     manifest = store.read_manifest(ckpt)
     adapters = [f for f, _ in manifest.layout.shapes if f.endswith((".lora_A", ".lora_B"))]
     if adapters or manifest.base:
         raise CheckpointError(f"{ckpt}: holds LoRA adapters ({len(adapters)} tensors, e.g. "
-                              f"{adapters[0] if adapters else '?'}); a Hugging Face export "
-                              "needs them merged, which is not built yet (docs/finetune.md)")
+                              f"{adapters[0] if adapters else '?'}); export them with --format peft, or "
+                              "merged with --merge-lora --format hf (docs/finetune.md)")
     arch = arch_of(manifest)
     family = family_for(arch, model_type)
     tokenizer_files = hf_tokenizer.files_to_export(manifest.config)

@@ -1,0 +1,164 @@
+"""LoRA checkpoints out to Hugging Face (docs/finetune.md, "Export"), against PEFT and
+transformers themselves, no downloads: for each family a tiny random model is imported, LoRA
+trained through the CLI (attention, the shared expert where there is one, the routed experts),
+exported with ``--format peft`` and loaded by ``PeftModel.from_pretrained`` on the
+``--format hf`` export of the base with no missing or unexpected keys, and with
+``--merge-lora --format hf`` loaded by ``from_pretrained``: both give moezero's logits within
+1e-5 (fp32). Then the refusals, one line each.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moezero.cli import main
+from moezero.config import Config
+from moezero.model.args import model_args
+from moezero.model.decoder import Decoder
+from moezero.model.lora import apply_lora, lora_options
+from moezero.plan import store
+from moezero.plan.reading import read_tensors
+from tests.torch_impl.test_cli import moezero
+from tests.torch_impl.test_hf_families import (
+    TOKENS,
+    assert_logits_close,
+    hf_class,
+    hf_model,
+    save_hf,
+)
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+TARGETS = {"mixtral": '["attn","experts"]', "qwen2_moe": '["attn","shared","experts"]',
+           "qwen3_moe": '["attn.wq","attn.wo","experts"]', "olmoe": '["attn","experts.w1",'
+           '"experts.w2"]'}
+
+
+def lora_run(tmp_path: Path, family: str, *sets: str) -> tuple[Path, Path]:
+    """(base step dir, adapter step dir) of 3 LoRA steps on an imported tiny model."""
+    save_hf(hf_model(family), tmp_path / "hf")
+    res = moezero("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "base"), timeout=120)
+    assert res.returncode == 0, res.stderr
+    res = moezero("train", "--nproc", "1", "--config", str(tmp_path / "base" / "config.yaml"),
+                  "--set", "moe.ep_size=1", "--set", "peft.method=lora",
+                  "--set", "peft.r=4", "--set", "peft.alpha=12",
+                  "--set", f"peft.targets={TARGETS[family]}", "--set", "train.steps=3",
+                  "--set", "train.seq_len=12", "--set", "train.micro_batch_size=2",
+                  "--set", "optimizer.lr=3e-2", "--out", str(tmp_path / "run"), *sets, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return (store.find_checkpoint(tmp_path / "base"),
+            store.find_checkpoint(tmp_path / "run" / "checkpoints"))
+
+
+def lora_logits(base: Path, adapters: Path) -> torch.Tensor:
+    """moezero's decoder with the LoRA adapters (all experts local)."""
+    manifest = store.read_manifest(adapters)
+    cfg = Config.model_validate(manifest.config)
+    cfg.moe.ep_size = 1
+    model = apply_lora(Decoder(model_args(cfg)), lora_options(cfg.peft)).eval()
+    state = {**read_tensors(base, store.read_manifest(base)), **read_tensors(adapters, manifest)}
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    with torch.no_grad():
+        return model(TOKENS)[0]
+
+
+def export(*args: str) -> None:
+    res = moezero("checkpoint", "export", *args, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("family", list(TARGETS))
+def test_peft_adapters_and_merged_weights_give_moezeros_logits(tmp_path, family):
+    base, adapters = lora_run(tmp_path, family)
+    ours = lora_logits(base, adapters)
+    export(str(base), "--format", "hf", "--out", str(tmp_path / "hf_base"))
+    export(str(adapters), "--format", "peft", "--out", str(tmp_path / "peft"))
+    hf_base = hf_class(family).from_pretrained(tmp_path / "hf_base").eval()
+    with torch.no_grad():
+        moved = (hf_base(TOKENS).logits - ours).abs().max().item()
+    assert moved > 1e-3, f"{family}: the adapters changed the logits by only {moved:.2e}"
+
+    model = peft.PeftModel.from_pretrained(hf_base, tmp_path / "peft").eval()
+    saved = set(json.loads((tmp_path / "peft" / "adapter_config.json").read_text()))
+    assert {"target_modules", "target_parameters", "r", "lora_alpha"} <= saved
+    ours_keys = set(load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    theirs = {k.replace(".default", "") for k in model.state_dict() if ".lora_" in k}
+    assert ours_keys == theirs, (ours_keys ^ theirs)
+    with torch.no_grad():
+        assert_logits_close(model(TOKENS).logits, ours, f"{family} peft")
+
+    export(str(adapters), "--merge-lora", "--format", "hf", "--out", str(tmp_path / "merged"))
+    merged, info = hf_class(family).from_pretrained(tmp_path / "merged",
+                                                    output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        assert_logits_close(merged.eval()(TOKENS).logits, ours, f"{family} merged")
+
+
+def test_other_trained_params_are_merged_and_refused_as_peft(tmp_path, capsys):
+    """``train.freeze: ["!*norm.weight"]`` trains the norm gains too: the merge takes them
+    from the adapter checkpoint; a PEFT adapter cannot hold them (one line)."""
+    base, adapters = lora_run(tmp_path, "olmoe", "--set", 'train.freeze=["!*norm.weight"]')
+    ours = lora_logits(base, adapters)
+    line = one_line(capsys, str(adapters), "--format", "peft", "--out", str(tmp_path / "o"))
+    assert "besides the LoRA adapters" in line and "norm.weight" in line
+    assert not (tmp_path / "o").exists()
+    export(str(adapters), "--merge-lora", "--format", "hf", "--out", str(tmp_path / "merged"))
+    merged = hf_class("olmoe").from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        assert_logits_close(merged(TOKENS).logits, ours, "olmoe merged with trained norms")
+
+
+@pytest.fixture(scope="module")
+def mixtral_run(tmp_path_factory):
+    return lora_run(tmp_path_factory.mktemp("peft"), "mixtral")
+
+
+def one_line(capsys, *argv: str) -> str:
+    code = main(["checkpoint", "export", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("moezero: error: "), (code, err)
+    return err[0]
+
+
+def test_peft_of_a_checkpoint_without_adapters_is_one_line(mixtral_run, tmp_path, capsys):
+    base, _ = mixtral_run
+    line = one_line(capsys, str(base), "--format", "peft", "--out", str(tmp_path / "o"))
+    assert f"{base}: holds no LoRA adapters" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_merge_lora_needs_format_hf(mixtral_run, tmp_path, capsys):
+    _, adapters = mixtral_run
+    for fmt in ("moezero", "peft"):
+        line = one_line(capsys, str(adapters), "--merge-lora", "--format", fmt,
+                        "--out", str(tmp_path / "o"))
+        assert "--merge-lora writes Hugging Face weights: it needs --format hf" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_unmerged_hf_export_of_adapters_is_one_line(mixtral_run, tmp_path, capsys):
+    _, adapters = mixtral_run
+    line = one_line(capsys, str(adapters), "--format", "hf", "--out", str(tmp_path / "o"))
+    assert "holds LoRA adapters" in line and "--merge-lora" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_changed_base_is_refused_in_one_line(mixtral_run, tmp_path, capsys):
+    base, adapters = mixtral_run
+    manifest = base / "manifest.json"
+    original = manifest.read_bytes()
+    manifest.write_bytes(original + b" ")
+    try:
+        for argv in (("--format", "peft"), ("--merge-lora", "--format", "hf")):
+            line = one_line(capsys, str(adapters), *argv, "--out", str(tmp_path / "o"))
+            assert f"its base checkpoint {base.resolve()} changed since the save" in line
+    finally:
+        manifest.write_bytes(original)
+    assert not (tmp_path / "o").exists()

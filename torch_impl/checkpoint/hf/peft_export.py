@@ -1,0 +1,166 @@
+"""LoRA adapter checkpoints out to Hugging Face (docs/finetune.md, "Export"):
+``--format peft`` (``export_peft``) writes ``adapter_config.json`` +
+``adapter_model.safetensors`` that ``peft.PeftModel.from_pretrained`` (PEFT >= 0.21) loads on
+the ``--format hf`` export of the base; ``--merge-lora --format hf`` (``export_merged``) writes
+full weights with ``W + alpha/r · B A`` folded in.
+
+Attention and shared-expert adapters are PEFT ``target_modules`` (``self_attn.q_proj``,
+``mlp.shared_expert.gate_proj``, ...). Routed experts are transformers 5's fused parameters,
+PEFT ``target_parameters`` ``mlp.experts.gate_up_proj`` [E, 2F, D] and ``mlp.experts.down_proj``
+[E, D, F]: one LoRA per parameter whose ``lora_A`` [E·R, in] stacks the experts' A by rows
+(expert-major) and whose ``lora_B`` [out, R·E] holds expert e's column k at ``k·E + e``.
+gate_up's adapter of expert e is ``[A1; A3]`` with ``B = diag(B1, B3)``, rank 2r; PEFT has one
+rank per config, so every other adapter is zero-padded to that rank, with ``lora_alpha =
+alpha/r · R`` (the same scale). When both expert parameters are targeted PEFT nests them:
+gate_up is ``experts.base_layer``, down_proj is ``experts``. Adapters are small: they are
+read whole; the merge holds the base model in memory (fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from moezero.checkpoint import base as adapter_base
+from moezero.checkpoint import tokenizer as hf_tokenizer
+from moezero.checkpoint.hf.arch import arch_of
+from moezero.checkpoint.hf.exporter import HF_CONFIG
+from moezero.checkpoint.hf.families import family_for
+from moezero.checkpoint.hf.names import hf_name
+from moezero.plan import store
+from moezero.plan.reading import read_tensors
+from moezero.plan.store import CheckpointError
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(w[123])\.lora_([AB])")
+_FUSED = {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}
+
+
+def _adapter_checkpoint(ckpt: Path, what: str):
+    """(manifest, base step dir, trained tensors) of an adapter checkpoint; one-line
+    CheckpointError when it holds no adapters or its base is gone or changed."""
+    manifest = store.read_manifest(ckpt)
+    if not manifest.base:
+        raise CheckpointError(f"{ckpt}: holds no LoRA adapters (not a peft.method: lora "
+                              f"checkpoint); {what} needs them (docs/finetune.md)")
+    base_dir = adapter_base.check(manifest.base, ckpt)
+    trained = {k: torch.from_numpy(v) for k, v in read_tensors(ckpt, manifest).items()}
+    return manifest, base_dir, trained
+
+
+def _lora(trained: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{projection FQN prefix: (A, B)} of every adapted projection."""
+    return {fqn.removesuffix(".lora_A"): (a, trained[fqn.removesuffix("_A") + "_B"])
+            for fqn, a in trained.items() if fqn.endswith(".lora_A")}
+
+
+def _scale(manifest) -> float:
+    peft = manifest.config["peft"]
+    return float(peft["alpha"]) / int(peft["r"])
+
+
+def export_peft(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
+    """``adapter_config.json`` + ``adapter_model.safetensors`` of an adapter checkpoint, for
+    the family that holds its architecture."""
+    manifest, base_dir, trained = _adapter_checkpoint(ckpt, "--format peft")
+    others = sorted(f for f in trained if not f.endswith(adapter_base.ADAPTER_SUFFIXES))
+    if others:
+        raise CheckpointError(f"{ckpt}: trains {others[0]} besides the LoRA adapters "
+                              f"({len(others)} such tensors); a PEFT adapter holds adapters "
+                              "only: export with --merge-lora --format hf")
+    family = family_for(arch_of(store.read_manifest(base_dir)))
+    lora = _lora(trained)
+    experts = {k: v for k, v in lora.items() if _EXPERT.fullmatch(k + ".lora_A")}
+    fused = sorted({_FUSED[k.rsplit(".", 1)[1]] for k in experts})
+    rank = max(a.shape[0] for a, _ in lora.values())
+    rank = 2 * rank if "gate_up_proj" in fused else rank
+    tensors, modules = {}, set()
+    for fqn, (a, b) in lora.items():
+        if fqn in experts:
+            continue
+        key = hf_name(fqn + ".weight", family).removesuffix(".weight")
+        modules.add(key.split(".", 3)[3])  # model.layers.N.<module>
+        _put(tensors, f"base_model.model.{key}", *_pad(a, b, rank))
+    for layer, param, (a, b) in _fused(experts, rank):
+        nested = "experts.base_layer" if param == "gate_up_proj" and len(fused) == 2 else "experts"
+        _put(tensors, f"base_model.model.model.layers.{layer}.mlp.{nested}", a, b)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()},
+              out / ADAPTER_WEIGHTS, metadata={"format": "pt", "moezero.step": str(manifest.step)})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
+              "lora_alpha": _scale(manifest) * rank, "lora_dropout": 0.0, "bias": "none",
+              "use_rslora": False, "fan_in_fan_out": False, "inference_mode": True,
+              "target_modules": sorted(modules) or None,
+              "target_parameters": [f"mlp.experts.{p}" for p in fused] or None,
+              "base_model_name_or_path": None}
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+    return [out / ADAPTER_CONFIG, out / ADAPTER_WEIGHTS]
+
+
+def _put(tensors: dict, prefix: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+
+
+def _pad(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [r, in], B [out, r] zero-padded to rank ``rank`` (the product is unchanged)."""
+    extra = rank - a.shape[0]
+    return (torch.cat([a, a.new_zeros(extra, a.shape[1])]),
+            torch.cat([b, b.new_zeros(b.shape[0], extra)], dim=1))
+
+
+def _fused(experts: dict, rank: int):
+    """(layer, fused parameter, (A [E·R, in], B [out, R·E])) of every routed-expert LoRA."""
+    by_layer: dict[tuple[int, str], dict[int, dict[str, tuple]]] = {}
+    for fqn, ab in experts.items():
+        layer, e, w, _ = _EXPERT.fullmatch(fqn + ".lora_A").groups()
+        by_layer.setdefault((int(layer), _FUSED[w]), {}).setdefault(int(e), {})[w] = ab
+    for (layer, param), per_expert in sorted(by_layer.items()):
+        pairs = [_expert_pair(per_expert[e], param, rank) for e in sorted(per_expert)]
+        a = torch.cat([p[0] for p in pairs])
+        b = torch.stack([p[1] for p in pairs], dim=-1).flatten(1)
+        yield layer, param, (a, b)
+
+
+def _expert_pair(ws: dict, param: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's A [R, in] and B [out, R]: down_proj's own, or gate_up's ``[A1; A3]`` and
+    ``diag(B1, B3)`` (a projection without adapters contributes zeros)."""
+    if param == "down_proj":
+        return _pad(*ws["w2"], rank)
+    a_ref, b_ref = next(iter(ws.values()))
+    r, f = a_ref.shape[0], b_ref.shape[0]
+    a, b = a_ref.new_zeros(2 * r, a_ref.shape[1]), b_ref.new_zeros(2 * f, 2 * r)
+    for i, w in enumerate(("w1", "w3")):
+        if w in ws:
+            a[i * r:(i + 1) * r], b[i * f:(i + 1) * f, i * r:(i + 1) * r] = ws[w]
+    return _pad(a, b, rank)
+
+
+def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
+                  model_type: str | None = None) -> list[Path]:
+    """The adapter checkpoint's full weights, ``W + alpha/r · B A`` per adapted projection
+    (and its other trained params over the base's), as a Hugging Face model directory."""
+    manifest, base_dir, trained = _adapter_checkpoint(ckpt, "--merge-lora")
+    base_manifest = store.read_manifest(base_dir)
+    weights = {k: torch.from_numpy(v) for k, v in read_tensors(base_dir, base_manifest).items()}
+    scale = _scale(manifest)
+    for fqn, (a, b) in _lora(trained).items():
+        weights[fqn + ".weight"] = weights[fqn + ".weight"] + scale * (b @ a)
+    weights.update({k: v for k, v in trained.items()
+                    if not k.endswith(adapter_base.ADAPTER_SUFFIXES)})
+    arch = arch_of(base_manifest)
+    family = family_for(arch, model_type)
+    tensors = {hf_name(fqn, family): weights[fqn].to(DTYPES[dtype]).contiguous()
+               for fqn, _ in base_manifest.layout.shapes}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors",
+              metadata={"format": "pt", "moezero.step": str(manifest.step)})
+    config = {**family.config(arch, dtype), **hf_tokenizer.config_ids(manifest.config)}
+    (out / HF_CONFIG).write_text(json.dumps(config, indent=2))
+    tokenizer_files = hf_tokenizer.files_to_export(manifest.config)
+    return [out / HF_CONFIG, out / "model.safetensors",
+            *hf_tokenizer.copy_export(tokenizer_files, out)]
