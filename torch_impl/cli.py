@@ -52,6 +52,29 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", help="run directory (default runs/<timestamp>)")
     train.add_argument("--data", help="train on this prepared dataset (prepare-data) or text "
                                       "file (byte-level) instead of the synthetic corpus")
+    _checkpoint_parser(sub)
+    hf = sub.add_parser("import-hf", help="a local Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE "
+                                          "or OLMoE directory to a weights-only moezero "
+                                          "checkpoint (docs/hf.md)")
+    hf.add_argument("path", metavar="PATH", help="directory with config.json and safetensors")
+    hf.add_argument("--out", required=True, metavar="DIR",
+                    help="checkpoint root to create (new or empty)")
+    _import_deepspeed_parser(sub)
+    _prepare_parser(sub)
+    est = sub.add_parser("estimate", help="per-rank bytes of params, grads and optimizer state "
+                                          "per tier, from the config alone (docs/scale.md)")
+    est.add_argument("--config", help="YAML or JSON recipe (default: the embedded recipe)")
+    est.add_argument("--set", dest="overrides", action="append", default=[],
+                     metavar="KEY=VALUE", help="override one dotted config key; repeatable")
+    est.add_argument("--nproc", type=int, required=True, help="world size W")
+    est.add_argument("--rank", type=int, default=0, help="the rank to estimate (default 0)")
+    est.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                     help="compute device kind (precision auto resolves by it; default cuda)")
+    return parser
+
+
+def _checkpoint_parser(sub) -> None:
+    """``moezero checkpoint inspect|verify|export``."""
     ckpt = sub.add_parser("checkpoint", help="inspect, verify or export a checkpoint")
     action = ckpt.add_subparsers(dest="action", required=True)
     for name, text in (("inspect", "groups, tensors and bytes of a checkpoint"),
@@ -74,24 +97,6 @@ def _parser() -> argparse.ArgumentParser:
                                   "full weights")
             cmd.add_argument("--out", required=True, metavar="PATH",
                              help="output directory (created)")
-    hf = sub.add_parser("import-hf", help="a local Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE "
-                                          "or OLMoE directory to a weights-only moezero "
-                                          "checkpoint (docs/hf.md)")
-    hf.add_argument("path", metavar="PATH", help="directory with config.json and safetensors")
-    hf.add_argument("--out", required=True, metavar="DIR",
-                    help="checkpoint root to create (new or empty)")
-    _import_deepspeed_parser(sub)
-    _prepare_parser(sub)
-    est = sub.add_parser("estimate", help="per-rank bytes of params, grads and optimizer state "
-                                          "per tier, from the config alone (docs/scale.md)")
-    est.add_argument("--config", help="YAML or JSON recipe (default: the embedded recipe)")
-    est.add_argument("--set", dest="overrides", action="append", default=[],
-                     metavar="KEY=VALUE", help="override one dotted config key; repeatable")
-    est.add_argument("--nproc", type=int, required=True, help="world size W")
-    est.add_argument("--rank", type=int, default=0, help="the rank to estimate (default 0)")
-    est.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                     help="compute device kind (precision auto resolves by it; default cuda)")
-    return parser
 
 
 def _adopt(cfg, run_dir: Path):
