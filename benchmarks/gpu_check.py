@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.fmt import splice, table
-from benchmarks.gpu import REPO, ROWS, SMOKE_MODEL, SMOKE_TRAIN, run_row
-from benchmarks.run import error_line
+from benchmarks.gpu_rows import REPO, ROWS, SMOKE_MODEL, SMOKE_TRAIN, run_row
+from benchmarks.launch import error_line
 
 SECTION = "## GPU check: the first session on a lent device (issue 29)"
 CHECK_MODEL = {"vocab_size": 32000, "dim": 1024, "n_layers": 4, "n_heads": 16, "ffn_dim": 1536,

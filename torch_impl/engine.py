@@ -124,8 +124,11 @@ class Engine:
         ``trained``): a token tensor [B, S+1] or a ``Batch`` with a loss mask and documents
         (``divisor``: the masked cross-entropy's, ``loss_divisor``)."""
         b = Batch.of(batch).apply(lambda t: batch_to_device(t, self.device))
-        return self.model.loss(b.tokens_BS1, loss_mask_BS=b.loss_mask_BS,
-                               documents_BS=b.documents_BS, divisor=divisor)
+        # only what this batch carries: a user's model with ``loss(tokens)`` still trains
+        extra = {k: v for k, v in (("loss_mask_BS", b.loss_mask_BS),
+                                   ("documents_BS", b.documents_BS), ("divisor", divisor))
+                 if v is not None}
+        return self.model.loss(b.tokens_BS1, **extra)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``, averaged over the micro-batches of a step and loss-scaled."""
