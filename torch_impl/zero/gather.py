@@ -19,7 +19,7 @@ so one all-gather per unit and pass rather than one per group; each bucket's rec
 copied into the params' own storage, which is re-allocated for the purpose) and starts the
 next unit's gathers asynchronously (prefetch); its forward hook
 releases them (``untyped_storage().resize_(0)``: the params keep their shape, autograd keeps
-its references) and, when grad is enabled, routes the outputs through ``Regather``, whose
+its references) and, when grad is enabled, routes the outputs through ``UnitHook``, whose
 backward gathers the unit again before the unit's own backward runs (and prefetches the unit
 before it). A unit is released in backward once every param it owns has accumulated its
 gradient; whatever is still held (e.g. a param that got no gradient) is released by
@@ -31,7 +31,7 @@ updated shard). Groups are reference-counted, so a group two active units share 
 again inside its backward: the hooks of the units inside it fire again, so such a unit is
 gathered for the recomputation and released after it, as in forward. While ``recomputing()``
 the pre-hook does not prefetch the next unit (backward already prefetches the one before) and
-the hook does not wrap the outputs in ``Regather`` (the recomputed graph is never
+the hook does not wrap the outputs in ``UnitHook`` (the recomputed graph is never
 back-propagated: torch keeps only its saved tensors).
 
 **Read-ahead** (NVMe params). With ``read_ahead`` > 0 the gatherer also receives a ``hint``
@@ -60,6 +60,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -68,7 +69,7 @@ from moezero.model.moe import MoE, expert_tag
 from moezero.model.recompute import recomputing
 from moezero.zero.allgather import Launched, launch
 from moezero.zero.buckets import GatherBucket, plan_gathers
-from moezero.zero.gather_grad import InputsDone, Regather, flatten, rebuild
+from moezero.zero.gather_grad import UnitHook, flatten, rebuild
 from moezero.zero.shards import Slot
 
 
@@ -180,7 +181,7 @@ class ParamGatherer:
                                          self._post_forward(units, out, root))
         # Backward releases a unit once its trained params' gradients arrived and, if it has
         # frozen params (no gradient to wait for), once its inputs' gradient is computed (the
-        # last use of its params: ``InputsDone``); a unit whose inputs need no gradient is
+        # last use of its params: a ``UnitHook`` on its inputs); a unit whose inputs need no gradient is
         # held until ``after_backward``.
         self.waits = [sum(params[f].requires_grad for f in unit.fqns)
                       + any(not params[f].requires_grad for f in unit.fqns) for unit in self.units]
@@ -203,7 +204,7 @@ class ParamGatherer:
         tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         if not tensors:
             return None
-        wrapped = iter(InputsDone.apply(self, units, *tensors))
+        wrapped = iter(UnitHook.apply(partial(self._on_inputs_done, units), *tensors))
         return tuple(next(wrapped) if isinstance(a, torch.Tensor) and a.requires_grad else a
                      for a in args)
 
@@ -228,7 +229,7 @@ class ParamGatherer:
             self._post.append(units)
             if root:  # the forward is done: backward fetches next
                 self._read_ahead(self._backward_fetches(0))
-        wrapped = iter(Regather.apply(self, units, *tensors))
+        wrapped = iter(UnitHook.apply(partial(self._pre_backward, units), *tensors))
         swap = {id(t): next(wrapped) for t in tensors}
         return rebuild(out, swap)
 

@@ -1,6 +1,6 @@
 """The autograd identities the stage-3 gatherer (``moezero.zero.gather.ParamGatherer``) puts
-around a unit: ``Regather`` on its outputs (their gradient arriving means backward reaches the
-unit: gather its params again) and ``InputsDone`` on its inputs (their gradient computed means
+around a unit: ``UnitHook`` on its outputs (their gradient arriving means backward reaches the
+unit: gather its params again) and on its inputs (their gradient computed means
 the unit's backward is over: its frozen params may go), and the helpers that find and replace
 the tensors of a module's output."""
 
@@ -9,32 +9,20 @@ from __future__ import annotations
 import torch
 
 
-class Regather(torch.autograd.Function):
-    """Identity on a unit's outputs whose backward gathers the unit's params again."""
+class UnitHook(torch.autograd.Function):
+    """Identity on a unit's tensors whose backward calls ``on_backward()`` first: on its outputs
+    the gatherer's ``_pre_backward`` (gather the params again), on its inputs its
+    ``_on_inputs_done`` (the unit's backward is over: its frozen params may go)."""
 
     @staticmethod
-    def forward(ctx, gatherer, units: list[int], *xs):
-        ctx.gatherer, ctx.units = gatherer, units
+    def forward(ctx, on_backward, *xs):
+        ctx.on_backward = on_backward
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.gatherer._pre_backward(ctx.units)
-        return (None, None, *grads)
-
-
-class InputsDone(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward (the unit's last) lets the unit go."""
-
-    @staticmethod
-    def forward(ctx, gatherer, units: list[int], *xs):
-        ctx.gatherer, ctx.units = gatherer, units
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.gatherer._on_inputs_done(ctx.units)
-        return (None, None, *grads)
+        ctx.on_backward()
+        return (None, *grads)
 
 
 def flatten(out) -> list[torch.Tensor]:
