@@ -11,6 +11,9 @@ as two passes. Tier-to-tier bit identity of whole steps: tests/torch_impl/test_h
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -29,6 +32,17 @@ def compiled_kernel() -> None:
     module, why = load_compiled()
     if module is None:  # visible: the fallback is then what every tier runs
         pytest.skip(f"the compiled AdamW kernel did not build here: {why}")
+
+
+def test_the_kernel_builds_wherever_a_cpp_compiler_is():
+    """The kernel tests above skip where the build fails, so a build broken by a change (a
+    syntax error, a flag a compiler refuses) would pass unseen: with a compiler on PATH (CI's
+    machines have one) the build must succeed."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler ({compiler}) on PATH: the torch-ops fallback runs")
+    module, why = load_compiled()
+    assert module is not None, f"the compiled AdamW kernel did not build with {compiler}: {why}"
 
 
 def state(n: int, seed: int) -> list[torch.Tensor]:
