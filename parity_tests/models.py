@@ -24,7 +24,7 @@ from moezero.model.decoder import Decoder, ModelArgs, init_weights
 from moezero.model.lora import LoraOptions, apply_lora
 from moezero.plan.buffers import is_buffer
 from moezero.reference.model import ModelConfig, forward, loss_fn, oracle_loss
-from moezero.reference.optim import OptimConfig
+from moezero.reference.optim import OptimConfig, train_step
 from moezero.reference.weights import from_fqn_dict
 from tests.support.compare import jax_fqns, to_numpy, torch_fqns
 
@@ -213,3 +213,18 @@ def engine_run(cfg: ModelConfig, batch, *, precision: str, seed: int = 1) -> Run
     with torch.no_grad():
         logits, _ = model(tokens_BS1[:, :-1])  # the engine's model: cast in place
     return Run(loss.item(), metrics["ce"].item(), to_numpy(logits), grads)
+
+
+jit_train_step = jax.jit(train_step, static_argnums=0)
+
+
+def train_both(engine, tcfg, state, steps: int) -> tuple[object, list[dict], list[dict]]:
+    """``steps`` steps of the torch engine and the reference on the same corpus batches:
+    (the reference's final state, the engine's per-step metrics, the reference's)."""
+    mine, ref = [], []
+    for i in range(steps):
+        batch = corpus_batch(i, batch=4)
+        state, metrics = jit_train_step(tcfg, state, jnp.asarray(batch, jnp.int32))
+        ref.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+        mine.append(engine.train_step([torch.from_numpy(batch)]))
+    return state, mine, ref

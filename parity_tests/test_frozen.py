@@ -9,17 +9,14 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
 from moezero.reference.checkpoint import load_train_state
-from moezero.reference.optim import OptimConfig, TrainConfig, init_train_state, train_step
-from parity_tests.models import corpus_batch, engine_config, tiny, to_jax, torch_model
+from moezero.reference.optim import OptimConfig, TrainConfig, init_train_state
+from parity_tests.models import engine_config, tiny, to_jax, torch_model, train_both
 from parity_tests.tolerances import FP32
 from tests.support.compare import assert_close_by_fqn, assert_rel, jax_fqns, torch_fqns
 
@@ -41,13 +38,7 @@ def trained(tmp_path_factory):
     engine = initialize(model, ecfg, topology=build_topology([1], num_experts=cfg.num_experts),
                         device="cpu")
     tcfg = TrainConfig(model=cfg, optim=opt, freeze=FREEZE)
-    step = jax.jit(train_step, static_argnums=0)
-    mine, ref = [], []
-    for i in range(STEPS):
-        batch = corpus_batch(i, batch=4)
-        state, metrics = step(tcfg, state, jnp.asarray(batch, jnp.int32))
-        ref.append({k: float(v) for k, v in jax.device_get(metrics).items()})
-        mine.append(engine.train_step([torch.from_numpy(batch)]))
+    state, mine, ref = train_both(engine, tcfg, state, STEPS)
     ckpt = engine.save_checkpoint(tmp_path_factory.mktemp("frozen_ckpt"))
     loaded, _ = load_train_state(ckpt, tcfg)
     return initial, mine, ref, torch_fqns(engine.params), jax_fqns(state.params), \

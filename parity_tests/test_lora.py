@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -19,9 +17,8 @@ import torch
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
 from moezero.plan.freeze import freeze_patterns
-from moezero.reference.optim import OptimConfig, TrainConfig, init_train_state, train_step
+from moezero.reference.optim import OptimConfig, TrainConfig, init_train_state
 from parity_tests.models import (
-    corpus_batch,
     engine_config,
     jax_run,
     tiny,
@@ -29,6 +26,7 @@ from parity_tests.models import (
     tokens,
     torch_model,
     torch_run,
+    train_both,
 )
 from parity_tests.tolerances import FP32
 from tests.support.compare import (
@@ -80,13 +78,7 @@ def trained():
     engine = initialize(model, engine_config(CFG, opt),
                         topology=build_topology([1], num_experts=CFG.num_experts), device="cpu")
     tcfg = TrainConfig(model=CFG, optim=opt, freeze=tuple(freeze_patterns([], lora=True)))
-    step = jax.jit(train_step, static_argnums=0)
-    mine, ref = [], []
-    for i in range(STEPS):
-        batch = corpus_batch(i, batch=4)
-        state, metrics = step(tcfg, state, jnp.asarray(batch, jnp.int32))
-        ref.append({k: float(v) for k, v in jax.device_get(metrics).items()})
-        mine.append(engine.train_step([torch.from_numpy(batch)]))
+    state, mine, ref = train_both(engine, tcfg, state, STEPS)
     return initial, mine, ref, torch_fqns(engine.params), jax_fqns(state.params)
 
 

@@ -13,10 +13,8 @@ optimizer, and end with the same biases.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
@@ -26,10 +24,9 @@ from moezero.reference.optim import (
     TrainConfig,
     decay_mask,
     init_train_state,
-    train_step,
 )
 from moezero.zero.groups import config_user_group
-from parity_tests.models import corpus_batch, engine_config, tiny, to_jax, torch_model
+from parity_tests.models import engine_config, tiny, to_jax, torch_model, train_both
 from parity_tests.tolerances import FP32, SCHEDULE_REL
 from tests.support.compare import (
     assert_close_by_fqn,
@@ -40,7 +37,6 @@ from tests.support.compare import (
 )
 
 STEPS = 20
-jit_train_step = jax.jit(train_step, static_argnums=0)
 
 
 def optim(**changes) -> OptimConfig:
@@ -76,12 +72,7 @@ def run_both(cfg, opt):
     engine = initialize(model, engine_config(cfg, opt),
                         topology=build_topology([1], num_experts=cfg.num_experts), device="cpu")
     tcfg = TrainConfig(model=cfg, optim=opt, world_size=1, dtype="float32")
-    mine, ref = [], []
-    for step in range(STEPS):
-        batch = corpus_batch(step, batch=4)
-        state, metrics = jit_train_step(tcfg, state, jnp.asarray(batch, jnp.int32))
-        ref.append({k: float(v) for k, v in jax.device_get(metrics).items()})
-        mine.append(engine.train_step([torch.from_numpy(batch)]))
+    state, mine, ref = train_both(engine, tcfg, state, STEPS)
     ref_params = jax_fqns(state.params)
     buffers = ({k: v for k, v in torch_fqns(engine.model.state_dict()).items() if is_buffer(k)},
                {k: v for k, v in ref_params.items() if is_buffer(k)})

@@ -21,6 +21,7 @@ from moezero.model.decoder import Decoder
 from moezero.plan import plan_groups, plan_layout, store
 from moezero.plan.specs import ParamSpec
 from moezero.train import setup
+from tests.support.hf import save_hf as _save_hf
 from tests.torch_impl.test_cli import moezero
 from tests.torch_impl.tolerances import RTOL
 
@@ -43,17 +44,7 @@ def hf_model(**overrides):
 
 
 def save_hf(model, path: Path, fused: bool = False) -> Path:
-    """``save_pretrained`` in shards with an index (per-expert w1/w2/w3 on disk), or the fused
-    in-memory state dict of transformers 5 as one ``model.safetensors``."""
-    if not fused:
-        model.save_pretrained(path, max_shard_size="20KB")
-        return path
-    model.config.save_pretrained(path)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight")
-    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+    return _save_hf(model, path, fused, shard="20KB")
 
 
 def hf_logits(model) -> torch.Tensor:

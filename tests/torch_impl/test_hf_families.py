@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from moezero.checkpoint.hf import export_hf, import_hf
 from moezero.cli import main
@@ -22,6 +21,7 @@ from moezero.config import Config
 from moezero.model.args import model_args
 from moezero.model.decoder import Decoder
 from moezero.plan import store
+from tests.support.hf import save_hf
 from tests.torch_impl.test_cli import moezero
 
 transformers = pytest.importorskip("transformers")
@@ -65,20 +65,6 @@ def hf_model(family: str, **overrides):
             noise = 0.1 * torch.randn(p.shape, generator=gen)
             p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
     return model
-
-
-def save_hf(model, path: Path, fused: bool = False) -> Path:
-    """``save_pretrained`` (per-expert tensors on disk, sharded with an index), or the fused
-    in-memory state dict of transformers 5 as one ``model.safetensors``."""
-    if not fused:
-        model.save_pretrained(path, max_shard_size="50KB")
-        return path
-    model.config.save_pretrained(path)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight")
-    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
-    return path
 
 
 def hf_logits(model) -> torch.Tensor:
