@@ -53,8 +53,10 @@ def _trainer_class():
     class CountingTrainer(SFTTrainer):
         """SFTTrainer counting each micro-batch's tokens and trained targets."""
 
-        seen: list[int] = []
-        trained: list[int] = []
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seen: list[int] = []
+            self.trained: list[int] = []
 
         def training_step(self, model, inputs, *args, **kwargs):
             self.seen.append(int(inputs["input_ids"].numel()))
