@@ -140,13 +140,17 @@ def measure(args, work: Path, size: dict) -> dict:
 
 
 def run_only(args, out: Path, work: Path, quick: bool) -> int:
-    """``--series finetune``: measure, keep the JSON, rewrite only this section."""
+    """``--series finetune``: measure, keep the JSON, rewrite only this section (with
+    ``--from-json``: render that ``results-finetune.json`` instead, measuring nothing)."""
     start = time.perf_counter()
-    results = {"machine": machine_info(), "command": "python -m benchmarks.run "
-               + " ".join(sys.argv[1:]), "load_before": os.getloadavg(),
-               "finetune": measure(args, work, SIZES["quick" if quick else "full"]),
-               "load_after": os.getloadavg()}
-    (work / "results-finetune.json").write_text(json.dumps(results, indent=1))
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+    else:
+        results = {"machine": machine_info(), "command": "python -m benchmarks.run "
+                   + " ".join(sys.argv[1:]), "load_before": os.getloadavg(),
+                   "finetune": measure(args, work, SIZES["quick" if quick else "full"]),
+                   "load_after": os.getloadavg()}
+        (work / "results-finetune.json").write_text(json.dumps(results, indent=1))
     lines = finetune_report.section(results)
     out.write_text(splice(out.read_text() if out.exists() else "# Benchmarks\n", lines))
     print("\n".join(lines))

@@ -183,9 +183,11 @@ def _notes() -> list[str]:
         "packs with BFD (`packing=True`: whole conversations into bins of seq len, none cut, "
         "none longer than a bin here) padding-free (a micro-batch is one flattened row with "
         "per-conversation positions, masked per conversation by transformers' SDPA mask). "
-        "Tokens per step therefore differ (TRL's bins are not full); each row's tokens/s "
-        "counts its own batches: seen = tokens through the model, trained = targets the loss "
-        "takes.",
+        "Why this is fair: on both sides every token attends to exactly the earlier tokens of "
+        "its own conversation and the same tokens are trained (the counts above); only how "
+        "rows are filled differs. Tokens per step therefore differ (TRL's bins are not full); "
+        "each row's tokens/s counts its own batches: seen = tokens through the model, trained "
+        "= targets the loss takes.",
         "- Step time: moezero `engine.train_step` (forward, backward, reduction, step); TRL from "
         "`on_step_begin` to `on_step_end` (the same, plus TRL's per-step token accuracy and "
         "entropy metrics). Peak memory: `VmHWM` and resident anonymous memory sampled every "
