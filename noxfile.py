@@ -147,6 +147,8 @@ def bench(session: nox.Session) -> None:
             # benchmarks/deepspeed_scale.py: the model classes (AutoEP's Mixtral preset needs 5.x);
             # accelerate for transformers' ZeRO-3 construction (HfDeepSpeedConfig)
             session.run(pip, "install", "transformers>=5.0", "accelerate>=1.1", external=True, stdout=log)
+            # benchmarks/finetune_peer.py: the finetune series' peer (TRL SFTTrainer + PEFT LoRA)
+            session.run(pip, "install", "trl==1.16.0", "peft==0.21.2", external=True, stdout=log)
         except nox.command.CommandFailed as exc:
             lines = [ln.strip() for ln in log_path.read_text().splitlines() if ln.strip()]
             errors = [ln for ln in lines if "error" in ln.lower()] or lines or [str(exc.reason)]

@@ -20,6 +20,7 @@ from benchmarks import (
     tables_memory,
     tables_scale,
 )
+from benchmarks.finetune_report import SECTION as FINETUNE_HEADING
 from benchmarks.fmt import mbs, mib, ok, splice, table, verdict
 from benchmarks.hoststep import SECTION as HOSTSTEP_HEADING
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
@@ -329,8 +330,8 @@ def write(results: dict, out: Path, plots_dir: Path) -> str:
     if out.exists():  # and the last scale series (a run of its own: benchmarks.scale)
         kept = tables_data.existing_section(out.read_text(), tables_scale.HEADING)
         text = splice(text, kept) if kept else text
-    if out.exists():  # and the last hoststep series (a run of its own: benchmarks.hoststep)
-        kept = tables_data.existing_section(out.read_text(), HOSTSTEP_HEADING)
+    for heading in (HOSTSTEP_HEADING, FINETUNE_HEADING):  # and series run on their own
+        kept = tables_data.existing_section(out.read_text(), heading) if out.exists() else None
         text = splice(text, kept) if kept else text
     out.write_text(text)
     return text

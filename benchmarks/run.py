@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import grouped, hoststep, report, tables_data
+from benchmarks import finetune, grouped, hoststep, report, tables_data
 from benchmarks.data_prep import data_prep
 from benchmarks.fmt import splice
 from benchmarks.launch import REPO, command_line, error_line, run_one
@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="run only configurations whose name contains TEXT (repeatable)")
     p.add_argument("--series", action="append", default=[], metavar="NAME",
                    help="run only this series: main, sweep, tiled, state, ckpt, grouped, "
-                        "data, collectives, estimate, scale, hoststep (repeatable); a run of series that "
+                        "data, collectives, estimate, scale, hoststep, finetune (repeatable); a run of series that "
                         "own their sections (grouped, data, tiled, collectives, estimate, scale) "
                         "updates "
                         "only those sections of --out")
@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_scale_only(args, Path(args.out), work)
     if args.series == ["hoststep"]:  # in this process, one thread: benchmarks.hoststep
         return hoststep.run_only(args, Path(args.out), work, SIZES["quick" if args.quick else "full"])
+    if args.series == ["finetune"]:  # its own inputs and launches: benchmarks.finetune
+        return finetune.run_only(args, Path(args.out), work, args.quick)
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:

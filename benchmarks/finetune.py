@@ -1,0 +1,158 @@
+"""The ``finetune`` series: LoRA and full SFT in moezero beside TRL ``SFTTrainer`` + PEFT +
+DeepSpeed ZeRO-3 (issue 26), on the same tiny Qwen3-MoE and chat data at W = 2.
+
+``python -m benchmarks.run --series finetune --peer-python PATH`` (``nox -s bench -- --series
+finetune``; not in CI): builds its inputs offline under the work directory
+(``benchmarks.finetune_data``: tokenizer + chat template, conversations, a random
+``Qwen3MoeForCausalLM`` folder), ``moezero import-hf`` and ``moezero prepare-data --format
+chat`` them, then runs each row in fresh ``torchrun`` processes: moezero's
+(``benchmarks.finetune_rank``) with this interpreter, the peer's
+(``benchmarks.finetune_peer``) with ``--peer-python``. Rewrites only this section of
+BENCHMARKS.md (``benchmarks.finetune_report``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import finetune_data, finetune_report
+from benchmarks.fmt import splice
+from benchmarks.launch import REPO, error_line
+from benchmarks.machine import machine_info
+
+_MODEL = {"dim": 256, "ffn_dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+          "num_experts": 8, "top_k": 2, "aux_loss_coef": 0.001}
+_TRAIN = {"seq_len": 256, "micro_batch_size": 4, "lr": 1e-3, "seed": 0, "r": 16, "alpha": 32}
+SIZES = {"full": {"model": _MODEL, "train": {**_TRAIN, "warmup": 3, "timed": 10},
+                  "chats": 400, "max_words": 140, "vocab": 512},
+         "quick": {"model": _MODEL, "train": {**_TRAIN, "warmup": 2, "timed": 4},
+                   "chats": 400, "max_words": 140, "vocab": 512}}
+"""Model (``n_kv_heads``: GQA; ``aux_loss_coef``: the router loss both sides add), loop and
+data per mode. ``max_words`` keeps every conversation under ``seq_len`` tokens (checked)."""
+
+LORA = ("peft.method=lora", "peft.r={r}", "peft.alpha={alpha}", "peft.dropout=0.0",
+        "peft.targets=[attn, experts]")
+ROWS: list[tuple[str, tuple[str, ...]]] = [
+    ("moezero LoRA, stage 0", ("zero_optimization.stage=0", *LORA)),
+    ("moezero LoRA, stage 2", ("zero_optimization.stage=2", *LORA)),
+    ("moezero LoRA, stage 3", ("zero_optimization.stage=3", *LORA)),
+    ("moezero full SFT, stage 2", ("zero_optimization.stage=2",)),
+]
+"""moezero rows: (name, overrides beyond the shared ones of ``moezero_overrides``)."""
+PEER = "TRL SFTTrainer + PEFT + DeepSpeed ZeRO-3, LoRA"
+
+
+def _cli(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "moezero.cli", *args], capture_output=True,
+                          text=True, check=False, cwd=REPO)
+    if done.returncode:
+        raise RuntimeError(f"moezero {args[0]}: {error_line(done.stdout + done.stderr)}")
+    return done.stdout
+
+
+def prepare(work: Path, size: dict) -> dict:
+    """The HF folder, the imported base checkpoint, the conversations and their prepared
+    dataset (fresh each run); their paths and counts."""
+    root = work / "finetune"
+    shutil.rmtree(root, ignore_errors=True)
+    hf, chats = root / "hf", root / "chats.jsonl"
+    vocab = finetune_data.save_tokenizer(hf, size["vocab"])
+    params = finetune_data.save_model(hf, size["model"], vocab, size["train"]["seed"])
+    finetune_data.write_jsonl(finetune_data.conversations(size["chats"], 0, size["max_words"]),
+                              chats)
+    _cli("import-hf", str(hf), "--out", str(root / "base"))
+    _cli("prepare-data", str(chats), "--tokenizer", str(root / "base"), "--format", "chat",
+         "--out", str(root / "data"))
+    manifest = json.loads((root / "data" / "manifest.json").read_text())
+    longest = finetune_report.longest_document(root / "data")
+    if longest > size["train"]["seq_len"]:
+        raise RuntimeError(f"a conversation of {longest} tokens exceeds seq_len "
+                           f"{size['train']['seq_len']}: lower max_words")
+    return {"root": str(root), "hf": str(hf), "chats": str(chats), "vocab": vocab,
+            "params": params, "documents": manifest["num_documents"],
+            "tokens": manifest["num_tokens"], "longest": longest,
+            "trained": manifest["loss_mask"]["trained_tokens"]}
+
+
+def moezero_overrides(inputs: dict, train: dict, extra: tuple[str, ...]) -> list[str]:
+    """The ``--set`` items of a moezero row: the base and data, the shared loop, fp32,
+    constant lr, AdamW as the peer's (betas 0.9/0.999, no decay, clip 1.0), no validation."""
+    root = inputs["root"]
+    shared = [f"checkpoint.load={root}/base", f"data.path={root}/data", "data.val_fraction=0",
+              "data.document_mask=true", "train.eval_every=0",
+              f"train.seq_len={train['seq_len']}",
+              f"train.micro_batch_size={train['micro_batch_size']}",
+              f"train.steps={train['warmup'] + train['timed']}", f"train.seed={train['seed']}",
+              "moe.ep_size=2", f"moe.aux_loss_coef={_MODEL['aux_loss_coef']}",
+              "moe.z_loss_coef=0", "precision.dtype=fp32", f"optimizer.lr={train['lr']}",
+              "optimizer.warmup_steps=0", "optimizer.min_lr_ratio=1.0",
+              "optimizer.weight_decay=0.0", "optimizer.betas=[0.9, 0.999]",
+              "optimizer.gradient_clipping=1.0"]
+    return shared + [item.format(**train) for item in extra]
+
+
+def launch(python: str, module: str, spec: dict, tag: str, work: Path, timeout: float) -> dict:
+    """One row in fresh ``torchrun`` processes (W = 2, one thread each); the parsed result,
+    or ``{"status": "failed", "error": line}``."""
+    base = work / "finetune" / "runs"
+    base.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "ckpt_dir": str(base / f"{tag}-ckpt")}
+    paths = {k: base / f"{tag}.{k}" for k in ("spec", "result", "log")}
+    paths["spec"].write_text(json.dumps(spec))
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", module, str(paths["spec"]), str(paths["result"])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    start = time.perf_counter()
+    try:
+        with open(paths["log"], "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                timeout=timeout, check=False).returncode
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"status": "failed", "error": f"{type(exc).__name__}: {exc}"[:300]}
+    wall = time.perf_counter() - start
+    if rc or not paths["result"].exists():
+        return {"status": "failed", "error": error_line(paths["log"].read_text()), "wall_s": wall}
+    return {"status": "ok", **json.loads(paths["result"].read_text()), "wall_s": wall}
+
+
+def measure(args, work: Path, size: dict) -> dict:
+    """Inputs, every moezero row, then the peer."""
+    inputs, train = prepare(work, size), size["train"]
+    runs = {}
+    for name, extra in ROWS:
+        spec = {"warmup": train["warmup"], "timed": train["timed"],
+                "overrides": moezero_overrides(inputs, train, extra)}
+        runs[name] = launch(sys.executable, "benchmarks.finetune_rank", spec,
+                            finetune_report.slug(name), work, args.timeout)
+        print(f"{name}: {finetune_report.progress(runs[name])}", flush=True)
+    peer = {**train, "model_dir": inputs["hf"], "chats": inputs["chats"]}
+    runs[PEER] = launch(args.peer_python, "benchmarks.finetune_peer", peer, "peer", work,
+                        args.timeout)
+    print(f"{PEER}: {finetune_report.progress(runs[PEER])}", flush=True)
+    return {"inputs": inputs, "size": size, "runs": runs}
+
+
+def run_only(args, out: Path, work: Path, quick: bool) -> int:
+    """``--series finetune``: measure, keep the JSON, rewrite only this section (with
+    ``--from-json``: render that ``results-finetune.json`` instead, measuring nothing)."""
+    start = time.perf_counter()
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+    else:
+        results = {"machine": machine_info(), "command": "python -m benchmarks.run "
+                   + " ".join(sys.argv[1:]), "load_before": os.getloadavg(),
+                   "finetune": measure(args, work, SIZES["quick" if quick else "full"]),
+                   "load_after": os.getloadavg()}
+        (work / "results-finetune.json").write_text(json.dumps(results, indent=1))
+    lines = finetune_report.section(results)
+    out.write_text(splice(out.read_text() if out.exists() else "# Benchmarks\n", lines))
+    print("\n".join(lines))
+    print(f"updated the finetune section of {out} ({time.perf_counter() - start:.0f} s)")
+    return 0

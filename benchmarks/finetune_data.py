@@ -1,0 +1,113 @@
+"""The ``finetune`` series' inputs, built offline: a tokenizer with a chat template, synthetic
+conversations and a tiny random Qwen3-MoE saved as a Hugging Face folder.
+
+Everything is seeded, so every run (and both systems) sees the same tokens. Conversations are
+kept under the series' sequence length, so neither system truncates one (TRL's BFD packing
+truncates what overflows a bin) and both train the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+WORDS = ("the a cat dog fox bird owl sat ran saw ate slept on under over near beside big "
+         "small red blue green quick lazy happy old mat tree house river stone hill road "
+         "and then so because what where when why how is are was yes no").split()
+TEMPLATE = """\
+{%- if messages[0]['role'] != 'system' %}
+    {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'assistant' %}
+        {{- '<|im_start|>assistant\\n' }}
+        {%- generation %}{{- message.content + '<|im_end|>' }}{%- endgeneration %}
+        {{- '\\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+"""ChatML (Qwen's layout) with ``{% generation %}`` markers around each assistant reply and
+its end-of-turn token: the span moezero's ``prepare-data`` and transformers'
+``return_assistant_tokens_mask`` (TRL's ``assistant_only_loss``) both train."""
+
+
+def _sentence(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)).capitalize() + "."
+
+
+def conversations(count: int, seed: int, max_words: int) -> list[dict]:
+    """``count`` chats of 1-3 user/assistant turns (a system message in a third of them), each
+    at most ``max_words`` words of content (plus the system message's 6); lengths vary from a
+    few words to the cap, replies longer than questions."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        budget = rng.randint(max_words // 8, max_words)
+        turns = rng.randint(1, 3)
+        messages = ([{"role": "system", "content": _sentence(rng, 6)}]
+                    if rng.random() < 1 / 3 else [])
+        for _ in range(turns):
+            share = max(4, budget // turns)  # words of one turn: a question, a longer reply
+            messages.append({"role": "user",
+                             "content": _sentence(rng, rng.randint(2, share // 2))})
+            messages.append({"role": "assistant",
+                             "content": _sentence(rng, rng.randint(share // 2, share))})
+        out.append({"messages": messages})
+    return out
+
+
+def write_jsonl(chats: list[dict], path: Path) -> Path:
+    path.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    return path
+
+
+def save_tokenizer(folder: Path, vocab_size: int) -> int:
+    """A byte-level BPE trained on the series' words, ``SPECIALS`` first, saved with
+    ``TEMPLATE`` as ``chat_template.jinja`` (transformers 5's place); returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    rng = random.Random(1)
+    texts = [_sentence(rng, 12) for _ in range(2000)] + ["system user assistant You are a "
+                                                         "helpful assistant.\n"]
+    tok.train_from_iterator(texts, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+              "pad_token": "<|endoftext|>", "model_max_length": 4096}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    return tok.get_vocab_size()
+
+
+def save_model(folder: Path, model: dict, vocab_size: int, seed: int) -> int:
+    """A random ``Qwen3MoeForCausalLM`` of the series' shape (fp32, safetensors) in ``folder``
+    beside the tokenizer; returns its parameter count."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=model["dim"], intermediate_size=model["ffn_dim"],
+        moe_intermediate_size=model["ffn_dim"], num_hidden_layers=model["n_layers"],
+        num_attention_heads=model["n_heads"], num_key_value_heads=model["n_kv_heads"],
+        head_dim=model["dim"] // model["n_heads"], num_experts=model["num_experts"],
+        num_experts_per_tok=model["top_k"], norm_topk_prob=True, tie_word_embeddings=False,
+        max_position_embeddings=4096, output_router_logits=True,
+        router_aux_loss_coef=model["aux_loss_coef"], eos_token_id=2, pad_token_id=0,
+        bos_token_id=None)
+    torch.manual_seed(seed)
+    hf = transformers.Qwen3MoeForCausalLM(cfg)
+    hf.save_pretrained(folder)
+    return sum(p.numel() for p in hf.parameters())

@@ -1,0 +1,90 @@
+"""benchmarks/finetune_report.py: the adapter count the checkpoint target divides by equals the
+LoRA parameters moezero really builds; the section's targets say met or missed from the
+measured figures; a failed row and a token-count disagreement are reported. No model runs
+(the decoder is built on the meta device); well under a second."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import finetune_report as fr
+
+MODEL = {"dim": 64, "ffn_dim": 48, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+         "num_experts": 4, "top_k": 2, "aux_loss_coef": 0.001}
+TRAIN = {"seq_len": 32, "micro_batch_size": 2, "lr": 1e-3, "seed": 0, "r": 4, "alpha": 8,
+         "warmup": 1, "timed": 2}
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_adapter_params_are_the_lora_params_moezero_builds(kv_heads):
+    from moezero.config import load_config
+    from moezero.model.args import model_args
+    from moezero.model.decoder import Decoder
+    from moezero.model.lora import apply_lora, lora_options
+
+    model = {**MODEL, "n_kv_heads": kv_heads}
+    cfg = load_config(None, [f"model.dim={model['dim']}", f"model.ffn_dim={model['ffn_dim']}",
+                             f"model.n_layers={model['n_layers']}",
+                             f"model.n_heads={model['n_heads']}", f"model.n_kv_heads={kv_heads}",
+                             f"moe.num_experts={model['num_experts']}", "moe.ep_size=1",
+                             "peft.method=lora", "peft.r=4", "peft.targets=[attn, experts]"])
+    with torch.device("meta"):
+        decoder = apply_lora(Decoder(model_args(cfg)), lora_options(cfg.peft))
+    built = sum(p.numel() for name, p in decoder.named_parameters()
+                if name.endswith(("lora_A", "lora_B")))
+    assert built > 0
+    assert fr.adapter_params(model, 4) == built
+
+
+def _rank(tokens_s: float, anon: int, ckpt: int) -> dict:
+    return {"step_s": [1.0, 1.0], "trained": [tokens_s, tokens_s], "seen": [2 * tokens_s] * 2,
+            "losses": [6.0, 5.5], "anon_peak": anon, "peak_rss": anon + 100,
+            "checkpoint": {"bytes": ckpt, "files": 3, "save_s": 0.1},
+            "dataset": {"tokens": 1000, "trained": 400, "rows": 9}, "trainable_numel": 7}
+
+
+def _results(peer: dict, lora_ckpt: int, dataset_trained: int = 400) -> dict:
+    params = fr.adapter_params(MODEL, TRAIN["r"])
+    lora = {"status": "ok", "ranks": [_rank(300.0, 60, lora_ckpt)] * 2, "wall_s": 1.0}
+    if peer["status"] == "ok":
+        peer["ranks"][0]["dataset"] = {**peer["ranks"][0]["dataset"], "trained": dataset_trained}
+    return {"machine": {"date": "d"}, "command": "c", "load_before": (1.0, 1.0, 1.0),
+            "load_after": (1.5, 1.0, 1.0),
+            "finetune": {"size": {"model": MODEL, "train": TRAIN},
+                         "inputs": {"params": 10, "vocab": 50, "documents": 9, "longest": 30,
+                                    "tokens": 1000, "trained": 400},
+                         "runs": {"moezero LoRA, stage 2": lora,
+                                  "moezero full SFT, stage 2": {"status": "ok", "wall_s": 1.0,
+                                                                "ranks": [_rank(100.0, 90,
+                                                                                12 * params)] * 2},
+                                  fr.PEER_KEY + " peer": peer}},
+            "_params": params}
+
+
+def _peer(tokens_s: float, anon: int) -> dict:
+    return {"status": "ok", "ranks": [_rank(tokens_s, anon, 5), _rank(tokens_s, anon, 5)],
+            "wall_s": 1.0}
+
+
+def test_the_targets_say_met_or_missed():
+    res = _results(_peer(150.0, 100), lora_ckpt=0)
+    res["finetune"]["runs"]["moezero LoRA, stage 2"]["ranks"][0]["checkpoint"]["bytes"] = \
+        int(1.05 * 12 * res["_params"])
+    text = "\n".join(fr.section(res))
+    assert "| 2.00× (moezero LoRA, stage 2) | met |" in text
+    assert "| 0.60× (moezero LoRA, stage 2) | met |" in text
+    assert "| 1.050× (" in text and "the same counts" in text
+    slow = "\n".join(fr.section(_results(_peer(250.0, 80), lora_ckpt=12 * 2 * res["_params"])))
+    assert "| 1.20× (moezero LoRA, stage 2) | missed by 20% |" in slow
+    assert "| 0.75× (moezero LoRA, stage 2) | missed by 7% |" in slow
+    assert "| 2.000× (" in slow and "missed by 82%" in slow
+
+
+def test_a_failed_peer_and_a_count_mismatch_are_reported():
+    failed = _results({"status": "failed", "error": "ValueError: no deepspeed"}, lora_ckpt=1)
+    text = "\n".join(fr.section(failed))
+    assert "| failed: ValueError: no deepspeed |" in text
+    assert "not measured: TRL peer failed" in text
+    mismatch = "\n".join(fr.section(_results(_peer(150.0, 100), 1, dataset_trained=399)))
+    assert "399 trained" in mismatch and "**different** counts" in mismatch
