@@ -172,8 +172,16 @@ def run_data_only(args: argparse.Namespace, size: dict, work: Path) -> int:
     return 0
 
 
+ALONE = ("scale", "hoststep", "finetune")
+"""Series that run on their own (their own inputs, launches and sections)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    alone = [s for s in args.series if s in ALONE]
+    if alone and len(set(args.series)) > 1:
+        parser.error(f"--series {alone[0]} runs alone; run the others in another call")
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -88,3 +88,14 @@ def test_a_failed_peer_and_a_count_mismatch_are_reported():
     assert "not measured: TRL peer failed" in text
     mismatch = "\n".join(fr.section(_results(_peer(150.0, 100), 1, dataset_trained=399)))
     assert "399 trained" in mismatch and "**different** counts" in mismatch
+
+
+def test_a_series_that_runs_alone_is_refused_beside_others(capsys):
+    """scale, hoststep and finetune run alone; beside another series they were skipped
+    without a word (only `--series X` alone reached them)."""
+    from benchmarks.run import main
+    with pytest.raises(SystemExit) as exc:
+        main(["--series", "main", "--series", "finetune", "--work-dir", "/nonexistent/x"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "finetune" in err and "alone" in err, err
