@@ -27,13 +27,15 @@ from moezero.config import Config
 from moezero.distributed.topology import Topology
 from moezero.model.args import model_args
 from moezero.model.decoder import Decoder
+from moezero.model.lora import apply_lora, lora_options
 from moezero.offload.aio import aligned_size
 from moezero.offload.state import params_read_master
+from moezero.plan.freeze import freeze_patterns
 from moezero.plan.grouping import plan_groups
 from moezero.plan.partition import Partition, plan_partitions
 from moezero.transients import PHASES, StepShape, Transient, activation_bytes, transients
 from moezero.zero.gather import param_kind, plan_units, unit_modules
-from moezero.zero.groups import config_user_group, param_specs
+from moezero.zero.groups import config_user_group, freeze_specs, param_specs
 
 __all__ = ["Estimate", "activation_bytes", "estimate", "format_table"]
 
@@ -57,14 +59,15 @@ class Estimate:
     stage: int
     dtype: str
     device: str
-    model_numel: int  # the global model, every expert once
-    local_numel: int  # elements of this rank's optimizer groups (unpadded)
+    model_numel: int  # the global model, every expert once (adapters included)
+    local_numel: int  # elements of this rank's trained optimizer groups (unpadded)
     bytes: tuple[tuple[str, str, int], ...]  # (category, tier, bytes), no zero rows
     gather_unit: str  # the largest stage-3 gather unit ("" below stage 3)
     gather_unit_bytes: int  # its params in the compute dtype, gathered
     activation_bytes: int  # one micro-batch's saved activations
     transients: tuple[Transient, ...] = ()  # one step's, by phase (``moezero.transients``)
     runtime_bytes: int | None = None  # the process itself on the host (RUNTIME_BYTES)
+    trained_numel: int | None = None  # of model_numel, the trained (None: all of it)
 
     def get(self, category: str, tier: str) -> int:
         return sum(b for c, t, b in self.bytes if c == category and t == tier)
@@ -124,8 +127,20 @@ class _Placement:
         return self.host or (self.param != "none") == (self.optimizer != "none")
 
 
+def _frozen_bytes(part: Partition, pl: _Placement) -> Counter:
+    """(category, tier) -> bytes of one local frozen group (``train.freeze``, the base under
+    LoRA): its weights in the compute dtype only, no gradient, master or moments
+    (``zero.sharded._init_frozen_shard``; stages 0-2: its range of the flat params)."""
+    if pl.stage < 3:
+        return Counter({("params", pl.memory("none")): part.numel * pl.itemsize})
+    shard = part.shard_numel * pl.itemsize
+    if pl.param == "nvme":
+        return Counter({("params", "nvme"): aligned_size(shard)})
+    return Counter({("params", pl.memory(pl.param)): shard})
+
+
 def _group_bytes(part: Partition, pl: _Placement) -> Counter:
-    """(category, tier) -> bytes of one local group (``part``) on this rank."""
+    """(category, tier) -> bytes of one local trained group (``part``) on this rank."""
     out: Counter = Counter()
     dev = pl.memory("none")
     if pl.stage == 0:  # replicated: flat params and grads, fp32 master unless it is the params
@@ -171,33 +186,39 @@ def _master_copy_bytes(shard: int, pl: _Placement) -> Counter:
 
 def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda") -> Estimate:
     """Per-rank bytes of ``cfg`` trained on ``world_size`` ranks (``rank``'s share), on a
-    ``device`` of kind 'cuda' or 'cpu' (precision ``auto`` resolves by it). Allocates nothing
-    the size of the model."""
+    ``device`` of kind 'cuda' or 'cpu' (precision ``auto`` resolves by it). Frozen params
+    (``train.freeze``, the base under ``peft``) count as weights only. Allocates nothing the
+    size of the model."""
     zero, ep = cfg.zero_optimization, cfg.moe.ep_size
     dtype = cfg.precision.resolve(cuda=device == "cuda", bf16_supported=device == "cuda")
     topology = Topology(rank, world_size, (ep,))
     with torch.device("meta"):
-        model = Decoder(model_args(cfg), ep_rank=topology.ep_rank(ep))
+        model = apply_lora(Decoder(model_args(cfg), ep_rank=topology.ep_rank(ep)),
+                           lora_options(cfg.peft))
     specs, _ = param_specs(model, config_user_group(cfg))
+    specs = freeze_specs(specs, freeze_patterns(cfg.train.freeze, lora=cfg.peft.method == "lora"))
     plan = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
                        split_by_expert=cfg.moe.split_groups_by_expert)
+    frozen = {g.name for g in plan if g.frozen}
     parts = [p for p in plan_partitions(plan, world_size=world_size) if rank in p.ranks]
+    trained = [p for p in parts if p.group not in frozen]
     pl = _Placement(zero.stage, ITEMSIZE[dtype], device == "cpu", zero.offload_optimizer.device,
-                    zero.offload_param.device,
-                    param_reads_master=params_read_master(zero, fp32=dtype == "fp32"))
+                    zero.offload_param.device, param_reads_master=not frozen and
+                    params_read_master(zero, fp32=dtype == "fp32"))
     total: Counter = Counter()
     for part in parts:
-        total += _group_bytes(part, pl)
+        total += _frozen_bytes(part, pl) if part.group in frozen else _group_bytes(part, pl)
     units = _units(model, plan, parts, pl.itemsize) if zero.stage == 3 else {}
     unit, unit_bytes = max(((n, b) for n, b in units.items()), key=lambda nb: nb[1],
                            default=("", 0))
     activations = activation_bytes(cfg, pl.itemsize)
-    shape = _step_shape(plan, parts, pl, units, max(p.numel() for p in model.parameters()))
+    largest = max((s.numel for s in specs if not s.frozen), default=0)
+    shape = _step_shape(plan, trained, pl, units, largest)
     return Estimate(world_size, rank, zero.stage, dtype, device,
-                    sum(s.numel for s in specs), sum(p.numel for p in parts),
+                    sum(s.numel for s in specs), sum(p.numel for p in trained),
                     tuple((c, t, b) for (c, t), b in sorted(total.items()) if b),
                     unit, unit_bytes, activations, transients(cfg, shape, activations),
-                    RUNTIME_BYTES.get(device))
+                    RUNTIME_BYTES.get(device), sum(s.numel for s in specs if not s.frozen))
 
 
 def _step_shape(plan, parts: list[Partition], pl: _Placement, units: dict[str, int],
@@ -227,8 +248,8 @@ def format_table(est: Estimate) -> str:
     """The estimate as a text table (bytes in GiB) for the CLI."""
     gib = lambda b: f"{b / 2**30:10.3f}"
     lines = [f"moezero estimate: rank {est.rank} of {est.world_size}, ZeRO stage {est.stage}, "
-             f"{est.dtype} on {est.device}; model {est.model_numel:,} params, "
-             f"this rank's groups {est.local_numel:,}",
+             f"{est.dtype} on {est.device}; model {est.model_numel:,} params{_trained(est)}, "
+             f"this rank's trained groups {est.local_numel:,}",
              f"{'GiB':<12}" + "".join(f"{t:>10}" for t in TIERS)]
     for c in CATEGORIES:
         lines.append(f"{c:<12}" + "".join(gib(est.get(c, t)) for t in TIERS))
@@ -239,6 +260,12 @@ def format_table(est: Estimate) -> str:
     lines.append(f"activations (one micro-batch): "
                  f"{gib(est.activation_bytes).strip()} GiB on the compute device")
     return "\n".join(lines + _peak_lines(est, gib))
+
+
+def _trained(est: Estimate) -> str:
+    """`` (N trained)`` when some params are frozen."""
+    n = est.trained_numel
+    return "" if n is None or n == est.model_numel else f" ({n:,} trained)"
 
 
 def _peak_lines(est: Estimate, gib) -> list[str]:

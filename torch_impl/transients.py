@@ -14,10 +14,11 @@ the largest phase:
   arrive together; without it all of them), and at stage 3 the gathered units
   (``zero.gather``: the running unit, the prefetched one and its receive buffers, and the root
   unit held across the whole forward);
-- ``step``: the tiled step's fp32 gradient of the largest group and AdamW's two temporaries
-  (``zero.optimizer``: ``_upcast``, ``_adamw``), every group's fp32 gradient when untiled, or
-  with offload the host step's windows (two windows' fp32 gradients, one window's temporaries
-  and, with NVMe, three windows' swap buffers: ``offload.state.SwapState.stepping``);
+- ``step``: nothing for the tiled step (``zero.hostadam.adamw_step_`` upcasts each gradient
+  as it reads it), every group's fp32 gradient when untiled (``zero.optimizer._upcast``); with
+  offload the host step's windows (from a GPU, host copies of two windows' gradients in the
+  compute dtype; with the NVMe gradient tier, two windows read from their swap files; with
+  NVMe, three windows' swap buffers: ``offload.state.SwapState.stepping``);
 - ``gather``: stages 1-2, the all-gather after the step (``zero.allgather.gather_all``: two
   buckets in flight, each a receive buffer unless it lands in place).
 """
@@ -77,7 +78,7 @@ def transients(cfg: Config, shape: StepShape, activations: int) -> tuple[Transie
     if zero.offload_optimizer.device == "none":
         out += _tiled_step(zero.tiled_step, shape)
     else:
-        out += _host_step(shape, ZeroOptions().host_window)
+        out += _host_step(shape, ZeroOptions().host_window, zero.tiled_step)
     if shape.stage in (1, 2):
         out += _gather(zero.allgather_bucket_size, shape)
     return tuple(t for t in out if t.bytes)
@@ -128,27 +129,37 @@ def _cut(n: int, size: int) -> list[int]:
 
 
 def _tiled_step(tiled: bool, shape: StepShape) -> list[Transient]:
-    """The step where the state lives in memory beside the params: one group at a time."""
+    """The step where the state lives in memory beside the params. Tiled, each group's pass
+    (``hostadam.adamw_step_``) upcasts its gradient as it reads it: no copy. Untiled, every
+    group's gradient is upcast to fp32 first (``Optimizer._upcast``; stage 0 in fp32 steps it in
+    place)."""
     elems = [p.numel if shape.stage == 0 else p.shard_numel for p in shape.parts]
-    largest = max(elems, default=0)
-    copies = shape.stage > 0 or shape.itemsize != 4  # stage 0 fp32 steps the gradient in place
-    grads = (largest if tiled else sum(elems)) * 4 * copies
-    return [Transient("step", "fp32 gradients " + ("of the largest group" if tiled else
-                                                    "of every group (untiled)"), shape.state, grads),
+    copies = shape.stage > 0 or shape.itemsize != 4
+    grads = 0 if tiled else sum(elems) * 4 * copies
+    return [Transient("step", "fp32 gradients of every group (untiled)", shape.state, grads),
             Transient("step", "AdamW temporaries of the largest group", shape.state,
-                      ADAMW_TEMPORARIES * largest * 4)]
+                      ADAMW_TEMPORARIES * max(elems, default=0) * 4)]
 
 
-def _host_step(shape: StepShape, window: int) -> list[Transient]:
-    """The offloaded step, window by window (``ZeroOptions.host_window`` elements)."""
+def _host_step(shape: StepShape, window: int, tiled: bool) -> list[Transient]:
+    """The offloaded step, window by window (``ZeroOptions.host_window`` elements): the
+    gradients travel in the compute dtype (``Optimizer._stage``), two windows at a time; host
+    copies only from a GPU; read from their swap files with the gradient tier
+    (``zero.gradtier``). Untiled, every group's gradient is upcast to fp32 first."""
     shards = [p.shard_numel for p in shape.parts]
     sizes = [sum(shards[i] for i in w) for w in plan_windows(shards, window)]
     two = max((a + b for a, b in zip(sizes, sizes[1:] + [0], strict=True)), default=0)
-    out = [Transient("step", "fp32 gradients of two host-step windows", shape.compute, two * 4),
+    itemsize = shape.itemsize if tiled else 4
+    out = [Transient("step", "fp32 gradients of every group (untiled)", shape.compute,
+                     0 if tiled else sum(shards) * 4),
            Transient("step", "AdamW temporaries of one window", shape.state,
                      ADAMW_TEMPORARIES * max(sizes, default=0) * 4)]
     if shape.compute != shape.state:  # their host copies (pinned on CUDA)
-        out.append(Transient("step", "host copies of those gradients", shape.state, two * 4))
+        out.append(Transient("step", "host copies of two windows' gradients", shape.state,
+                             two * itemsize))
+    elif shape.nvme_optimizer and shape.stage == 3:  # gradtier.take: fresh read buffers
+        out.append(Transient("step", "two windows' gradients read from their swap files",
+                             shape.state, two * shape.itemsize))
     if shape.nvme_optimizer:
         three = max((sum(sizes[i:i + SWAP_WINDOWS]) for i in range(len(sizes))), default=0)
         out.append(Transient("step", "swap buffers of three windows (master, moments)",
@@ -180,8 +191,10 @@ def activation_bytes(cfg: Config, itemsize: int) -> int:
     what the forward keeps (``kept_activation_bytes``) and, with activation checkpointing, the
     activations of the one checkpointed block being recomputed (``moezero.model.recompute``:
     blocks are recomputed one at a time, each just before its own backward)."""
-    recomputed = _block_bytes(cfg, itemsize) if cfg.activation_checkpointing.enabled else 0
-    return kept_activation_bytes(cfg, itemsize) + _tokens(cfg) * recomputed
+    if not cfg.activation_checkpointing.enabled:
+        return kept_activation_bytes(cfg, itemsize)
+    return kept_activation_bytes(cfg, itemsize) + _tokens(cfg) * _block_bytes(cfg, itemsize) \
+        + _mask_bytes(cfg, itemsize)
 
 
 def kept_activation_bytes(cfg: Config, itemsize: int) -> int:
@@ -189,15 +202,28 @@ def kept_activation_bytes(cfg: Config, itemsize: int) -> int:
     activations (``_block_bytes``), or for a checkpointed block (blocks 0, n, 2n, ... with
     ``activation_checkpointing.every_n_layers`` n) only its D-wide input; then the head's:
     the final norm's fp32 input, the projection's input, the logits and the loss's fp32
-    log-probabilities. Counted from the tensors autograd saves, fp32 and bf16,
-    with and without grouped-query heads, a shared expert and checkpointing
-    (tests/torch_impl/test_estimate_peak.py)."""
+    log-probabilities; with a document mask each kept block's mask (``_mask_bytes``). Counted
+    from the tensors autograd saves, fp32 and bf16, with and without grouped-query heads, a
+    shared expert, checkpointing and a document mask (tests/torch_impl/test_estimate_peak.py,
+    test_estimate_finetune.py)."""
     m, ac = cfg.model, cfg.activation_checkpointing
     checkpointed = -(-m.n_layers // ac.every_n_layers) if ac.enabled else 0
     per_token = (m.n_layers - checkpointed) * _block_bytes(cfg, itemsize) \
         + checkpointed * m.dim * itemsize
     head = m.dim * (4 + itemsize) + m.vocab_size * (itemsize + 4)
-    return _tokens(cfg) * (per_token + head)
+    masks = (m.n_layers - checkpointed) * _mask_bytes(cfg, itemsize) + _mask_bytes(cfg, 1)
+    return _tokens(cfg) * (per_token + head) + masks
+
+
+def _mask_bytes(cfg: Config, itemsize: int) -> int:
+    """A document mask [B, 1, S, S] of ``itemsize`` bytes (``data.document_mask: true``;
+    ``moezero.model.packing``): the boolean one is kept once (itemsize 1), and each block's
+    SDPA turns it into an additive mask in the compute dtype and keeps that for its backward
+    (measured on CPU; CUDA's memory-efficient kernel takes the same additive mask: not
+    measured). ``null`` (on for chat data) is not known from the config: set it explicitly."""
+    if not cfg.data.document_mask:
+        return 0
+    return cfg.train.micro_batch_size * cfg.train.seq_len ** 2 * itemsize
 
 
 def _tokens(cfg: Config) -> int:

@@ -2,9 +2,11 @@
 transformers themselves, no downloads: for each family a tiny random model is imported, LoRA
 trained through the CLI (attention, the shared expert where there is one, the routed experts),
 exported with ``--format peft`` and loaded by ``PeftModel.from_pretrained`` on the
-``--format hf`` export of the base with no missing or unexpected keys, and with
-``--merge-lora --format hf`` loaded by ``from_pretrained``: both give moezero's logits within
-1e-5 (fp32). Then the refusals, one line each.
+``--format hf`` export of the base with no missing or unexpected keys (every adapter of rank r
+but the fused gate_up one, 2r through ``rank_pattern``), and with ``--merge-lora --format hf``
+loaded by ``from_pretrained``: both give moezero's logits within 1e-5 (fp32). Then the
+refusals, one line each. Training runs in a subprocess (a launcher and its rank); import and
+exports run in this process (``main``), and the runs are shared: about 55 s in all.
 """
 
 from __future__ import annotations
@@ -40,14 +42,22 @@ TARGETS = {"mixtral": '["attn","experts"]', "qwen2_moe": '["attn","shared","expe
            '"experts.w2"]'}
 
 
+R, ALPHA = 4, 12.0  # peft.r, peft.alpha
+EXPERTS = 4  # of every tiny family (tests/torch_impl/test_hf_families.py)
+
+
+def cli(*argv: str) -> None:
+    """``moezero ARGV`` in this process (import-hf, checkpoint export)."""
+    assert main(list(argv)) == 0, argv
+
+
 def lora_run(tmp_path: Path, family: str, *sets: str) -> tuple[Path, Path]:
     """(base step dir, adapter step dir) of 3 LoRA steps on an imported tiny model."""
     save_hf(hf_model(family), tmp_path / "hf")
-    res = moezero("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "base"), timeout=120)
-    assert res.returncode == 0, res.stderr
+    cli("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "base"))
     res = moezero("train", "--nproc", "1", "--config", str(tmp_path / "base" / "config.yaml"),
                   "--set", "moe.ep_size=1", "--set", "peft.method=lora",
-                  "--set", "peft.r=4", "--set", "peft.alpha=12",
+                  "--set", f"peft.r={R}", "--set", f"peft.alpha={ALPHA}",
                   "--set", f"peft.targets={TARGETS[family]}", "--set", "train.steps=3",
                   "--set", "train.seq_len=12", "--set", "train.micro_batch_size=2",
                   "--set", "optimizer.lr=3e-2", "--out", str(tmp_path / "run"), *sets, timeout=300)
@@ -69,13 +79,44 @@ def lora_logits(base: Path, adapters: Path) -> torch.Tensor:
 
 
 def export(*args: str) -> None:
-    res = moezero("checkpoint", "export", *args, timeout=120)
-    assert res.returncode == 0, res.stderr
+    cli("checkpoint", "export", *args)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``runs(family)``: that family's ``lora_run``, made once for the module."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def run(family: str) -> tuple[Path, Path]:
+        if family not in made:
+            made[family] = lora_run(tmp_path_factory.mktemp(family), family)
+        return made[family]
+    return run
+
+
+def assert_ranks(folder: Path) -> None:
+    """Rank r (the trained one, in the file and the config) for every adapter but the fused
+    gate_up one (2r per expert, ``rank_pattern``); the scale alpha/r for all. Every family
+    here targets both fused expert parameters, so PEFT nests gate_up as ``experts.base_layer``."""
+    config = json.loads((folder / "adapter_config.json").read_text())
+    ranks = {k: v.shape[0] for k, v in load_file(folder / "adapter_model.safetensors").items()
+             if k.endswith("lora_A.weight")}
+    gate_up = {k for k in ranks if ".mlp.experts.base_layer." in k}
+    down = {k for k in ranks if ".mlp.experts.lora_A." in k}
+    others = ranks.keys() - gate_up - down
+    assert gate_up and down and others, sorted(ranks)
+    assert {ranks[k] for k in others} == {R}, ranks
+    assert {ranks[k] for k in down} == {EXPERTS * R}
+    assert {ranks[k] for k in gate_up} == {EXPERTS * 2 * R}
+    pattern = r"mlp\.experts\.gate_up_proj"
+    assert (config["r"], config["lora_alpha"]) == (R, ALPHA)
+    assert config["rank_pattern"] == {pattern: 2 * R}
+    assert config["alpha_pattern"] == {pattern: 2 * ALPHA}
 
 
 @pytest.mark.parametrize("family", list(TARGETS))
-def test_peft_adapters_and_merged_weights_give_moezeros_logits(tmp_path, family):
-    base, adapters = lora_run(tmp_path, family)
+def test_peft_adapters_and_merged_weights_give_moezeros_logits(tmp_path, family, runs):
+    base, adapters = runs(family)
     ours = lora_logits(base, adapters)
     export(str(base), "--format", "hf", "--out", str(tmp_path / "hf_base"))
     export(str(adapters), "--format", "peft", "--out", str(tmp_path / "peft"))
@@ -87,6 +128,7 @@ def test_peft_adapters_and_merged_weights_give_moezeros_logits(tmp_path, family)
     model = peft.PeftModel.from_pretrained(hf_base, tmp_path / "peft").eval()
     saved = set(json.loads((tmp_path / "peft" / "adapter_config.json").read_text()))
     assert {"target_modules", "target_parameters", "r", "lora_alpha"} <= saved
+    assert_ranks(tmp_path / "peft")
     ours_keys = set(load_file(tmp_path / "peft" / "adapter_model.safetensors"))
     theirs = {k.replace(".default", "") for k in model.state_dict() if ".lora_" in k}
     assert ours_keys == theirs, (ours_keys ^ theirs)
@@ -116,8 +158,8 @@ def test_other_trained_params_are_merged_and_refused_as_peft(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def mixtral_run(tmp_path_factory):
-    return lora_run(tmp_path_factory.mktemp("peft"), "mixtral")
+def mixtral_run(runs):
+    return runs("mixtral")
 
 
 def one_line(capsys, *argv: str) -> str:

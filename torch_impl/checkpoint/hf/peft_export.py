@@ -9,10 +9,11 @@ Attention and shared-expert adapters are PEFT ``target_modules`` (``self_attn.q_
 PEFT ``target_parameters`` ``mlp.experts.gate_up_proj`` [E, 2F, D] and ``mlp.experts.down_proj``
 [E, D, F]: one LoRA per parameter whose ``lora_A`` [E·R, in] stacks the experts' A by rows
 (expert-major) and whose ``lora_B`` [out, R·E] holds expert e's column k at ``k·E + e``.
-gate_up's adapter of expert e is ``[A1; A3]`` with ``B = diag(B1, B3)``, rank 2r; PEFT has one
-rank per config, so every other adapter is zero-padded to that rank, with ``lora_alpha =
-alpha/r · R`` (the same scale). When both expert parameters are targeted PEFT nests them:
-gate_up is ``experts.base_layer``, down_proj is ``experts``. Adapters are small: they are
+gate_up's adapter of expert e is ``[A1; A3]`` with ``B = diag(B1, B3)``, rank 2r: PEFT's
+``rank_pattern`` gives that parameter rank 2r and ``alpha_pattern`` ``alpha/r · 2r`` (the same
+scale), and every other adapter keeps rank r and ``lora_alpha`` alpha. When both expert
+parameters are targeted PEFT nests them: gate_up is ``experts.base_layer``, down_proj is
+``experts``. Adapters are small: they are
 read whole; the merge holds the base model in memory (fp32).
 """
 
@@ -78,7 +79,6 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
     experts = {k: v for k, v in lora.items() if _EXPERT.fullmatch(k + ".lora_A")}
     fused = sorted({_FUSED[k.rsplit(".", 1)[1]] for k in experts})
     rank = max(a.shape[0] for a, _ in lora.values())
-    rank = 2 * rank if "gate_up_proj" in fused else rank
     tensors, modules = {}, set()
     for fqn, (a, b) in lora.items():
         if fqn in experts:
@@ -97,9 +97,18 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
               "use_rslora": False, "fan_in_fan_out": False, "inference_mode": True,
               "target_modules": sorted(modules) or None,
               "target_parameters": [f"mlp.experts.{p}" for p in fused] or None,
-              "base_model_name_or_path": None}
+              **_fused_rank(fused, rank, _scale(manifest)), "base_model_name_or_path": None}
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     return [out / ADAPTER_CONFIG, out / ADAPTER_WEIGHTS]
+
+
+def _fused_rank(fused: list[str], rank: int, scale: float) -> dict:
+    """``rank_pattern`` and ``alpha_pattern``: the fused gate_up adapter has rank 2r (its
+    scale stays alpha/r); PEFT matches the key against ``...mlp.experts.gate_up_proj``."""
+    if "gate_up_proj" not in fused:
+        return {}
+    key = r"mlp\.experts\.gate_up_proj"
+    return {"rank_pattern": {key: 2 * rank}, "alpha_pattern": {key: scale * 2 * rank}}
 
 
 def _put(tensors: dict, prefix: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -127,8 +136,9 @@ def _fused(experts: dict, rank: int):
 
 
 def _expert_pair(ws: dict, param: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One expert's A [R, in] and B [out, R]: down_proj's own, or gate_up's ``[A1; A3]`` and
-    ``diag(B1, B3)`` (a projection without adapters contributes zeros)."""
+    """One expert's A [R, in] and B [out, R]: down_proj's own (R = ``rank``), or gate_up's
+    ``[A1; A3]`` and ``diag(B1, B3)`` (R = 2 ``rank``; a projection without adapters
+    contributes zeros)."""
     if param == "down_proj":
         return _pad(*ws["w2"], rank)
     a_ref, b_ref = next(iter(ws.values()))
@@ -137,7 +147,7 @@ def _expert_pair(ws: dict, param: str, rank: int) -> tuple[torch.Tensor, torch.T
     for i, w in enumerate(("w1", "w3")):
         if w in ws:
             a[i * r:(i + 1) * r], b[i * f:(i + 1) * f, i * r:(i + 1) * r] = ws[w]
-    return _pad(a, b, rank)
+    return _pad(a, b, 2 * rank)
 
 
 def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
