@@ -55,3 +55,41 @@ def test_on_meta_skips_fills_keeps_flags(fill):
     assert out is t and t.is_meta and t.shape == (4, 3) and t.requires_grad
     assert frozen.weight.is_meta and not frozen.weight.requires_grad
     assert not torch.empty(2).is_meta  # the mode ends with the block
+
+
+def test_a_built_adamw_kernel_loads_without_cpp_extension():
+    """Every rank loads the host AdamW kernel at optimizer construction; importing
+    torch.utils.cpp_extension to check the build (setuptools, distutils, pkg_resources) costs
+    ~11 MiB per rank, so a current, stamped build is imported directly (zero/kernel_cache.py)."""
+    from moezero.zero.hostadam import load_compiled
+
+    module, why = load_compiled.__wrapped__()  # builds or checks it, and stamps it, now
+    if module is None:
+        pytest.skip(f"the compiled AdamW kernel did not build here: {why}")
+    new = imported_after("from moezero.zero.hostadam import load_compiled\n"
+                         "module, why = load_compiled()\nassert module is not None, why\n"
+                         "assert module.adamw_step and module.square_sum")
+    assert not {"torch.utils.cpp_extension", "setuptools", "pkg_resources"} & new
+
+
+def test_the_stamp_names_the_library_only_while_it_is_current(tmp_path, monkeypatch):
+    from moezero.zero import kernel_cache
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder, source = tmp_path / "ext", tmp_path / "k.cpp"
+    folder.mkdir()
+    source.write_text("int f() { return 1; }")
+    library = folder / "ext.so"
+    library.write_bytes(b"library")
+    assert kernel_cache.find("ext", source, ["-O3"]) is None  # never stamped
+    kernel_cache.record(library, source, ["-O3"])
+    assert kernel_cache.find("ext", source, ["-O3"]) == library
+    assert kernel_cache.find("ext", source, ["-O2"]) is None  # other flags
+    (folder / "lock").touch()  # torch's build lock: a build under way
+    assert kernel_cache.find("ext", source, ["-O3"]) is None
+    (folder / "lock").unlink()
+    source.write_text("int f() { return 2; }")  # another source
+    assert kernel_cache.find("ext", source, ["-O3"]) is None
+    kernel_cache.record(library, source, ["-O3"])
+    library.write_bytes(b"rebuilt by another process")
+    assert kernel_cache.find("ext", source, ["-O3"]) is None
