@@ -25,6 +25,8 @@ from benchmarks.hoststep import SECTION as HOSTSTEP_HEADING
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
 from benchmarks.stats import by_name, limits, param_count
 
+IMPORT_DS_HEADING = "## `import-deepspeed` of a 1.1 GB ZeRO-2 native-MoE checkpoint (issue 27)"
+"""Written from a run of ``benchmarks/deepspeed_import.py`` (outside this harness); kept."""
 MEMORY_HEADING = "## Where the main table's memory goes (issue 28)"
 """The main model's per-rank anonymous memory phase by phase (``benchmarks.memory_phases``, runs
 of its own, not of this harness) and the causes found; kept from the report a run replaces,
@@ -336,9 +338,10 @@ def write(results: dict, out: Path, plots_dir: Path) -> str:
     if out.exists():  # and the last scale series (a run of its own: benchmarks.scale)
         kept = tables_data.existing_section(out.read_text(), tables_scale.HEADING)
         text = splice(text, kept) if kept else text
-    for heading in (HOSTSTEP_HEADING, MEMORY_HEADING):  # the last hoststep series and the
+    # the last hoststep series, import-deepspeed row and memory attribution (runs of their own)
+    for heading in (HOSTSTEP_HEADING, IMPORT_DS_HEADING, MEMORY_HEADING):
         kept = out.exists() and tables_data.existing_section(out.read_text(), heading)
-        text = splice(text, kept) if kept else text  # memory attribution (runs of their own)
+        text = splice(text, kept) if kept else text
     out.write_text(text)
     return text
 
