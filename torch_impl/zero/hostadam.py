@@ -11,7 +11,8 @@ Two implementations of the same formula (``compiled`` picks; ``ZeroOptions.compi
 - ``compiled``: ``csrc/adamw_host.cpp``, built with ``torch.utils.cpp_extension`` at first use
   into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
   under a name that carries this CPU's instruction set, so a cache shared by unlike machines
-  never loads a foreign build. CPU tensors only.
+  never loads a foreign build; a build stamped current (``kernel_cache``) is imported without
+  ``torch.utils.cpp_extension`` (~11 MiB per rank). CPU tensors only.
 - ``torch``: the same operations as torch ops, chunked (bounded temporaries), for CUDA tensors
   and where the build fails (no compiler or ninja; ``load_compiled`` says why).
 
