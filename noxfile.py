@@ -119,7 +119,9 @@ def bench(session: nox.Session) -> None:
 
     moezero (and FSDP2, part of torch) run in this session's venv. DeepSpeed gets its own venv,
     ``MOEZERO_PEER_VENV`` (default ``.nox/bench-peers``), so its dependencies never change the
-    environment moezero is measured in. A failed DeepSpeed install is reported in BENCHMARKS.md
+    environment moezero is measured in; this tree is installed there with ``--no-deps`` (the
+    peer builds the same model from ``moezero.model``), so moezero's never change the peer's.
+    A failed DeepSpeed install is reported in BENCHMARKS.md
     with its error line; the other rows still run.
     """
     from pathlib import Path
@@ -150,6 +152,11 @@ def bench(session: nox.Session) -> None:
             session.run(pip, "install", "transformers>=5.0", "accelerate>=1.1", external=True, stdout=log)
             # benchmarks/finetune_peer.py: the finetune series' peer (TRL SFTTrainer + PEFT LoRA)
             session.run(pip, "install", "trl==1.16.0", "peft==0.21.2", external=True, stdout=log)
+            # the peer trainer builds the same model from moezero.model (and the data from
+            # moezero.data): this tree, without its dependencies, so the peer's environment
+            # stays DeepSpeed's (those modules import torch, numpy and tqdm, all DeepSpeed's)
+            session.run(pip, "install", "--no-deps", "--force-reinstall", ".", external=True,
+                        stdout=log)
         except nox.command.CommandFailed as exc:
             lines = [ln.strip() for ln in log_path.read_text().splitlines() if ln.strip()]
             errors = [ln for ln in lines if "error" in ln.lower()] or lines or [str(exc.reason)]

@@ -26,6 +26,13 @@ from benchmarks.hoststep import SECTION as HOSTSTEP_HEADING
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
 from benchmarks.stats import by_name, limits, param_count
 
+IMPORT_DS_HEADING = "## `import-deepspeed` of a 1.1 GB ZeRO-2 native-MoE checkpoint (issue 27)"
+"""Written from a run of ``benchmarks/deepspeed_import.py`` (outside this harness); kept."""
+MEMORY_HEADING = "## Where the main table's memory goes (issue 28)"
+"""The main model's per-rank anonymous memory phase by phase (``benchmarks.memory_phases``, runs
+of its own, not of this harness) and the causes found; kept from the report a run replaces,
+like the scale and hoststep sections."""
+
 # ----------------------------------------------------------------------------- targets
 
 
@@ -193,6 +200,8 @@ def render(results: dict, plot_links: dict[str, str]) -> str:
                  _ratio_rows(stats)), "",
          "Throughput above 1× is better; memory and bytes below 1× are better."],
         _targets_section(stats, lim, by_name(results, "ckpt").get(MOEZERO_CONFIGS[2][0])),
+        [MEMORY_HEADING, "", "Not measured yet: `torchrun --standalone --nproc_per_node 2 "
+         "-m benchmarks.memory_phases` (per phase, on each rank)."],
         tables_memory.tiled_section(results),
         tables_memory.stages_section(results),
         tables_io.ckpt_section(results, lim),
@@ -330,8 +339,10 @@ def write(results: dict, out: Path, plots_dir: Path) -> str:
     if out.exists():  # and the last scale series (a run of its own: benchmarks.scale)
         kept = tables_data.existing_section(out.read_text(), tables_scale.HEADING)
         text = splice(text, kept) if kept else text
-    for heading in (HOSTSTEP_HEADING, FINETUNE_HEADING):  # and series run on their own
-        kept = tables_data.existing_section(out.read_text(), heading) if out.exists() else None
+    # the last hoststep and finetune series, import-deepspeed row and memory attribution (runs
+    # of their own)
+    for heading in (HOSTSTEP_HEADING, FINETUNE_HEADING, IMPORT_DS_HEADING, MEMORY_HEADING):
+        kept = out.exists() and tables_data.existing_section(out.read_text(), heading)
         text = splice(text, kept) if kept else text
     out.write_text(text)
     return text

@@ -12,6 +12,8 @@ moezero and FSDP2 run with this interpreter; DeepSpeed with ``--peer-python`` (i
 ``DS_ACCELERATOR=cpu``). A configuration that is rejected or fails is reported with its error
 line and not retried; the other rows still run. Raw results go to ``<work-dir>/results.json``;
 ``--from-json`` renders a report from such a file without running anything.
+After a run of the main series the new report is checked against the one it replaces
+(``benchmarks.check``): exit status 1 when a peer row failed or a peak-anon ratio worsened.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import finetune, grouped, hoststep, report, tables_data
+from benchmarks import check, finetune, grouped, hoststep, report, tables_data
 from benchmarks.data_prep import data_prep
 from benchmarks.fmt import splice
 from benchmarks.launch import REPO, command_line, error_line, run_one
@@ -206,10 +208,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"updated the {', '.join(args.series)} section(s) of {args.out} "
               f"({time.perf_counter() - start:.0f} s)")
         return 0
-    text = report.write(results, Path(args.out), Path(args.plots_dir))
+    out = Path(args.out)
+    committed = out.read_text() if out.exists() else ""
+    text = report.write(results, out, Path(args.plots_dir))
     print(report.console_summary(text))
     print(f"wrote {args.out} ({time.perf_counter() - start:.0f} s)")
-    return 0
+    if args.only or (args.series and "main" not in args.series):
+        return 0  # the main table was not run in full: nothing to check
+    return check.report_failures(committed, text)  # benchmarks.check
 
 
 if __name__ == "__main__":

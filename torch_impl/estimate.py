@@ -21,13 +21,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
-
 from moezero.config import Config
 from moezero.distributed.topology import Topology
 from moezero.model.args import model_args
 from moezero.model.decoder import Decoder
 from moezero.model.lora import apply_lora, lora_options
+from moezero.model.meta import on_meta
 from moezero.offload.aio import aligned_size
 from moezero.offload.state import params_read_master
 from moezero.plan.freeze import freeze_patterns
@@ -192,7 +191,7 @@ def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda
     zero, ep = cfg.zero_optimization, cfg.moe.ep_size
     dtype = cfg.precision.resolve(cuda=device == "cuda", bf16_supported=device == "cuda")
     topology = Topology(rank, world_size, (ep,))
-    with torch.device("meta"):
+    with on_meta():
         model = apply_lora(Decoder(model_args(cfg), ep_rank=topology.ep_rank(ep)),
                            lora_options(cfg.peft))
     specs, _ = param_specs(model, config_user_group(cfg))

@@ -45,6 +45,7 @@ from moezero.model.args import model_args
 from moezero.model.decoder import Decoder, init_weights
 from moezero.model.lora import apply_lora, lora_options
 from moezero.model.materialize import KeyedInit, meta_model
+from moezero.model.meta import on_meta
 from moezero.model.packing import Batch
 from moezero.offload.aio import OffloadIOError
 from moezero.offload.options import IOOptions
@@ -139,14 +140,14 @@ def preflight(cfg: Config, run_dir: str | Path) -> Path | None:
 
 def model_numel(cfg: Config) -> int:
     """Elements of the global model (every expert once), from shapes on the meta device."""
-    with torch.device("meta"):
+    with on_meta():
         return sum(math.prod(shape) for shape in model_shapes(Decoder(model_args(cfg))).values())
 
 
 def checkpoint_size(cfg: Config) -> int:
     """Bytes of one checkpoint of the model (``rundir.checkpoint_bytes``), from shapes on the
     meta device."""
-    with torch.device("meta"):
+    with on_meta():
         shapes = model_shapes(Decoder(model_args(cfg)))
     return checkpoint_bytes(sum(math.prod(s) for s in shapes.values()), len(shapes))
 

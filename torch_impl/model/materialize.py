@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from moezero.model.decoder import init_weights
+from moezero.model.meta import on_meta
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,8 @@ class _OneParam:
 
 
 def meta_model(build: Callable[[], nn.Module]) -> nn.Module:
-    """``build()`` on the meta device: shapes and FQNs, no storage, no init."""
-    with torch.device("meta"):
+    """``build()`` on the meta device: shapes and FQNs, no storage, no init (``on_meta``)."""
+    with on_meta():
         return build()
 
 

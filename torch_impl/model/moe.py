@@ -30,6 +30,7 @@ from moezero.model.dispatch import (
     send_back,
 )
 from moezero.model.experts import SwiGLU, grouped_swiglu, has_grouped_kernel, is_builtin
+from moezero.model.meta import on_meta
 from moezero.model.router import Router, RouterOptions, expert_counts, route
 from moezero.plan import rules
 
@@ -139,7 +140,7 @@ class MoE(nn.Module):
             module = source
         else:
             try:
-                with torch.device("meta"):
+                with on_meta():
                     module = source(e)
             except Exception as exc:
                 raise ValueError(f"expert {e}: cannot be built on the meta device to read its "

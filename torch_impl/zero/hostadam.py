@@ -11,7 +11,8 @@ Two implementations of the same formula (``compiled`` picks; ``ZeroOptions.compi
 - ``compiled``: ``csrc/adamw_host.cpp``, built with ``torch.utils.cpp_extension`` at first use
   into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
   under a name that carries this CPU's instruction set, so a cache shared by unlike machines
-  never loads a foreign build. CPU tensors only.
+  never loads a foreign build; a build stamped current (``kernel_cache``) is imported without
+  ``torch.utils.cpp_extension`` (~11 MiB per rank). CPU tensors only.
 - ``torch``: the same operations as torch ops, chunked (bounded temporaries), for CUDA tensors
   and where the build fails (no compiler or ninja; ``load_compiled`` says why).
 
@@ -45,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from moezero.zero import kernel_cache
+
 __all__ = ["adamw_step_", "load_compiled", "square_sum"]
 
 log = logging.getLogger(__name__)
@@ -58,11 +61,16 @@ CHUNK = 1 << 20  # elements per chunk of the torch implementation (its temporari
 def load_compiled(source: Path = SOURCE) -> tuple[object | None, str]:
     """(the built extension module, "") or (None, why it could not be built or loaded: logged
     once as a warning, and every step runs the torch ops)."""
+    name = f"moezero_{source.stem}_{_cpu_tag()}"
     try:
+        built = kernel_cache.find(name, source, CFLAGS)
+        if built is not None:  # current: no need to import cpp_extension (kernel_cache)
+            return kernel_cache.import_library(name, built), ""
         from torch.utils.cpp_extension import load
         _ninja_on_path()
-        return load(name=f"moezero_{source.stem}_{_cpu_tag()}", sources=[str(source)],
-                    extra_cflags=CFLAGS, verbose=False), ""
+        module = load(name=name, sources=[str(source)], extra_cflags=CFLAGS, verbose=False)
+        kernel_cache.record(module.__file__, source, CFLAGS)
+        return module, ""
     except Exception as e:  # noqa: BLE001 - any build failure falls back to torch ops
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         why = f"{type(e).__name__}: {lines[-1] if lines else ''}"

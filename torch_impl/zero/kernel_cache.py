@@ -1,0 +1,83 @@
+"""Loading an already-built extension without importing ``torch.utils.cpp_extension``.
+
+``torch.utils.cpp_extension.load`` checks a build (and builds) with ninja, but importing it
+imports setuptools, distutils and pkg_resources: about 11 MiB of anonymous memory in every
+rank (BENCHMARKS.md, "Where the main table's memory goes") to find out, almost always, that
+the library built last time is current. After a build, ``record`` writes a stamp beside the
+library (the source's digest, the flags, torch's version and the library's size and
+modification time); ``find`` returns the library when that stamp matches what would be built
+now, so ``hostadam.load_compiled`` imports it directly and calls ``load`` only otherwise
+(first use, another source or flags, another process rebuilding it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+STAMP = "moezero-build.json"
+
+
+def build_dir(name: str) -> Path:
+    """The folder ``torch.utils.cpp_extension.load`` builds ``name`` in (its rule, torch 2.x:
+    ``TORCH_EXTENSIONS_DIR``, else the user cache's ``torch_extensions/py3XY_<accelerator>``)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch._appdirs import user_cache_dir
+
+        if torch.version.hip is not None:
+            accel = "rocm" + torch.version.hip.replace(".", "")
+        elif torch.version.cuda is not None:
+            accel = "cu" + torch.version.cuda.replace(".", "")
+        else:
+            accel = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(user_cache_dir(appname="torch_extensions")),
+                            f"{python}_{accel}")
+    return Path(root) / name
+
+
+def _stamp(library: Path, source: Path, cflags: list[str]) -> dict:
+    st = library.stat()
+    return {"source_sha256": hashlib.sha256(source.read_bytes()).hexdigest(), "cflags": cflags,
+            "torch": torch.__version__, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def find(name: str, source: Path, cflags: list[str]) -> Path | None:
+    """The library built as ``name`` from ``source`` with ``cflags``, if its stamp says so and
+    no build is under way (torch's ``lock`` file); else None."""
+    folder = build_dir(name)
+    library = folder / f"{name}.so"
+    try:
+        if (folder / "lock").exists():
+            return None
+        recorded = json.loads((folder / STAMP).read_text())
+        return library if recorded == _stamp(library, source, cflags) else None
+    except (OSError, ValueError):
+        return None
+
+
+def record(library: str | os.PathLike, source: Path, cflags: list[str]) -> None:
+    """Stamp a library ``load`` just built or checked (atomically; a failure only means the
+    next process calls ``load`` again)."""
+    library = Path(library)
+    tmp = library.parent / f".{STAMP}.{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(_stamp(library, source, cflags)))
+        os.replace(tmp, library.parent / STAMP)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def import_library(name: str, library: Path):
+    """The extension module in ``library`` (what ``load`` returns for a Python module)."""
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
