@@ -66,17 +66,26 @@ def load_compiled(source: Path = SOURCE) -> tuple[object | None, str]:
         built = kernel_cache.find(name, source, CFLAGS)
         if built is not None:  # current: no need to import cpp_extension (kernel_cache)
             return kernel_cache.import_library(name, built), ""
-        from torch.utils.cpp_extension import load
-        _ninja_on_path()
-        module = load(name=name, sources=[str(source)], extra_cflags=CFLAGS, verbose=False)
-        kernel_cache.record(module.__file__, source, CFLAGS)
-        return module, ""
+        with kernel_cache.exclusive(name):  # one builder; a killed build's lock cleared
+            built = kernel_cache.find(name, source, CFLAGS)  # built while this one waited?
+            if built is not None:
+                return kernel_cache.import_library(name, built), ""
+            return _build(name, source), ""
     except Exception as e:  # noqa: BLE001 - any build failure falls back to torch ops
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         why = f"{type(e).__name__}: {lines[-1] if lines else ''}"
         log.warning("the compiled AdamW kernel (%s) is not available, the step runs torch ops "
                     "(slower): %s", source, why)
         return None, why
+
+
+def _build(name: str, source: Path):
+    """Build (or check with ninja) and import ``source`` as ``name``, and stamp it."""
+    from torch.utils.cpp_extension import load
+    _ninja_on_path()
+    module = load(name=name, sources=[str(source)], extra_cflags=CFLAGS, verbose=False)
+    kernel_cache.record(module.__file__, source, CFLAGS)
+    return module
 
 
 def _ninja_on_path() -> None:

@@ -8,13 +8,22 @@ library (the source's digest, the flags, torch's version and the library's size 
 modification time); ``find`` returns the library when that stamp matches what would be built
 now, so ``hostadam.load_compiled`` imports it directly and calls ``load`` only otherwise
 (first use, another source or flags, another process rebuilding it).
+
+Builders take ``exclusive`` first: an OS lock on ``moezero.lock`` in the build folder, which
+the kernel releases when its holder dies. torch's own ``lock`` file, which ``load`` waits on
+for as long as it exists, is left behind by a process killed mid-build (a preemption, an OOM
+kill), and every later run would hang at its first step; found under ``exclusive``, no
+moezero build holds it, so it is stale and removed (with a warning).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -22,6 +31,8 @@ from pathlib import Path
 import torch
 
 STAMP = "moezero-build.json"
+
+log = logging.getLogger(__name__)
 
 
 def build_dir(name: str) -> Path:
@@ -81,3 +92,19 @@ def import_library(name: str, library: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def exclusive(name: str):
+    """Hold the build of ``name`` against other moezero processes (blocks while one builds);
+    a torch ``lock`` file found meanwhile is a killed build's and is removed."""
+    folder = build_dir(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "moezero.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = folder / "lock"
+        if stale.exists():
+            log.warning("removing %s: a stale build lock (the process building %s died)",
+                        stale, name)
+            stale.unlink(missing_ok=True)
+        yield
