@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import grouped, hoststep, report, tables_data
+from benchmarks import grouped, hoststep, nvme_phases, report, tables_data
 from benchmarks.data_prep import data_prep
 from benchmarks.fmt import splice
 from benchmarks.launch import REPO, command_line, error_line, run_one
@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="run only configurations whose name contains TEXT (repeatable)")
     p.add_argument("--series", action="append", default=[], metavar="NAME",
                    help="run only this series: main, sweep, tiled, state, ckpt, grouped, "
-                        "data, collectives, estimate, scale, hoststep (repeatable); a run of series that "
+                        "data, collectives, estimate, scale, nvme, hoststep (repeatable); a run of series that "
                         "own their sections (grouped, data, tiled, collectives, estimate, scale) "
                         "updates "
                         "only those sections of --out")
@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_data_only(args, SIZES["quick" if args.quick else "full"], work)
     if args.series == ["scale"]:  # one run of its own (dd around it): benchmarks.scale
         return run_scale_only(args, Path(args.out), work)
+    if args.series == ["nvme"]:  # its variants in turn, dd around them: benchmarks.nvme_phases
+        return nvme_phases.run_only(args, Path(args.out), work)
     if args.series == ["hoststep"]:  # in this process, one thread: benchmarks.hoststep
         return hoststep.run_only(args, Path(args.out), work, SIZES["quick" if args.quick else "full"])
     if args.from_json:

@@ -19,6 +19,8 @@ Reference counterpart: none (the reference keeps every state in memory).
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
@@ -40,7 +42,9 @@ class SwapState:
                  alias: str | None = None):
         self.folder, self.io, self.slots, self.states = folder, io, list(slots), states
         self.dtype, self.key, self.meter, self.pin = dtype, key, meter, pin
-        self.traffic = {"read": 0, "write": 0}  # bytes requested from / to these files so far
+        # bytes requested from / to these files so far, seconds blocked waiting for them
+        self.traffic = {"read": 0, "write": 0, "wait_s": 0.0}
+        self._lock = threading.Lock()  # waits are counted from more than one thread
         self.ahead = ReadAhead(self)  # reads hinted before they are needed (``hint``)
         self.alias = alias  # read the files of this state instead; no files, no writes
         self.readers: list[SwapState] = []  # aliases reading these files (their reads ahead)
@@ -92,6 +96,15 @@ class SwapState:
         self.traffic["write"] += sum(b.nbytes for b in bufs.values())
         return [self.io.write(self.path(slot, s), bufs[s]) for s in bufs]
 
+    def wait(self, futures: Sequence[Future]) -> None:
+        """Wait for transfers of these files, counting the time blocked (``wait_s``)."""
+        start = time.perf_counter()
+        try:
+            wait(futures)
+        finally:
+            with self._lock:
+                self.traffic["wait_s"] += time.perf_counter() - start
+
     def hint(self, slots: Sequence) -> None:
         """These slots will be loaded soon, nearest first: start their reads now (into fresh
         buffers, held until loaded) and drop the reads of earlier hints not among them;
@@ -103,12 +116,12 @@ class SwapState:
         bufs = self.ahead.take(slot)
         if bufs is None:
             bufs = self.buffers(slot)
-            wait(self.read(slot, bufs))
+            self.wait(self.read(slot, bufs))
         return bufs
 
     def store(self, slot, bufs: dict[str, torch.Tensor]) -> None:
         """Write ``bufs`` (a buffer per state, ``shard`` elements) to ``slot``'s files, now."""
-        wait(self.write(slot, bufs))
+        self.wait(self.write(slot, bufs))
 
     def put(self, slot, values: dict[str, torch.Tensor | float]) -> None:
         """Write each state's value (a tensor, cast to the file's dtype, or a fill number) to
@@ -135,7 +148,7 @@ class SwapState:
                 ahead = self._start_read(window)
             bufs, reads = ahead
             ahead = self._start_read(windows[i + 1]) if i + 1 < len(windows) else None
-            wait(reads)
+            self.wait(reads)
             yield bufs
             writing.append((bufs, [f for slot, b in zip(window, bufs, strict=True)
                                    for f in self.write(slot, b)]))
@@ -149,7 +162,7 @@ class SwapState:
         return bufs, [f for slot, b in zip(window, bufs, strict=True) for f in self.read(slot, b)]
 
     def _finish(self, bufs: list[dict], futures: list[Future]) -> None:
-        wait(futures)
+        self.wait(futures)
         for b in bufs:
             self.drop(b)
 

@@ -104,8 +104,7 @@ class GradTier:
                     return
                 self._writes.pop(0)
                 self._writing -= buf.numel()
-            for f in futures:
-                f.result()
+            self.swap.wait(futures)
 
     def finish(self) -> None:
         """After the reduction: every partition landed and written (buffers freed)."""
@@ -113,9 +112,7 @@ class GradTier:
             missing = sorted(s.group.name for s in self._landing)[:3]
             raise AssertionError(f"gradient partitions reduced in part: {missing}")
         while self._writes:
-            _, futures = self._writes.pop(0)
-            for f in futures:
-                f.result()
+            self.swap.wait(self._writes.pop(0)[1])
         self._writing = 0
 
     def sums(self, slot: Slot) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,8 +127,7 @@ class GradTier:
             self._restart(slot)
         self._read_ahead()
         _, buf, futures = self._reads.popleft()
-        for f in futures:
-            f.result()
+        self.swap.wait(futures)
         self._read_ahead()
         self.meter.hold(nbytes(buf))
         return buf, nbytes(buf)
@@ -153,8 +149,7 @@ class GradTier:
     def drain(self) -> None:
         """Wait for (and drop) the reads in flight."""
         while self._reads:
-            for f in self._reads.popleft()[2]:
-                f.result()
+            self.swap.wait(self._reads.popleft()[2])
         self._next = len(self.slots)
 
     def load(self, slot: Slot) -> torch.Tensor:
