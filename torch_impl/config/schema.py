@@ -227,6 +227,19 @@ class ParamOffloadConfig(OffloadConfig):
                     "whose param shards are read from their swap files while earlier units "
                     "compute, so a gather finds them in memory. Host buffers: at most this "
                     "many units' shards. 0 = read each shard when its gather starts.")
+    keep_for_backward: int = Field(
+        0, ge=0, description="Stage 3: bytes of the forward's last gather units kept gathered "
+                             "for the start of backward (which needs them first) instead of "
+                             "released and fetched again; 0 = release each after its forward.")
+
+
+class OptimizerOffloadConfig(OffloadConfig):
+    """Where the optimizer state lives, and how much of the gradients skips the swap files."""
+
+    keep_grads: int = Field(
+        0, ge=0, description="Stage 3 with device nvme: bytes of reduced gradient partitions "
+                             "kept in memory from backward to the step instead of written to "
+                             "and read back from their swap files (the first to land); 0 = all.")
 
 
 class ZeroConfig(_Section):
@@ -243,8 +256,8 @@ class ZeroConfig(_Section):
     allgather_bucket_size: int | None = Field(
         int(5e7), ge=1, description="Elements per parameter all-gather bucket (stages 1-3); "
                                     "null = one all-gather per optimizer group.")
-    offload_optimizer: OffloadConfig = Field(
-        default_factory=OffloadConfig, description="Optimizer state offload (stage >= 1).")
+    offload_optimizer: OptimizerOffloadConfig = Field(
+        default_factory=OptimizerOffloadConfig, description="Optimizer state offload (stage >= 1).")
     offload_param: ParamOffloadConfig = Field(
         default_factory=ParamOffloadConfig, description="Parameter offload (stage 3 only).")
 

@@ -93,7 +93,7 @@ class ShardedOptimizer(Optimizer):
         self.optim_swap, self.param_swap, grad_swap = self._swaps(swap_factory)
         if grad_swap is not None:
             self.grad_tier = GradTier(grad_swap, self.slots, ahead=options.host_window,
-                                      meter=self.meter)
+                                      meter=self.meter, keep=options.keep_grads)
         self._initial = initial or (lambda fqn: self.params[fqn].data)
         self._init_state()
         self._initial = None  # drops the init source's cached param
@@ -109,7 +109,8 @@ class ShardedOptimizer(Optimizer):
                                           gather_groups(topology), prefetch=prefetch,
                                           bucket_size=options.allgather_bucket_size,
                                           hint=swap.hint if swap is not None else None,
-                                          read_ahead=options.param_read_ahead)
+                                          read_ahead=options.param_read_ahead,
+                                          keep_bytes=options.param_keep_for_backward)
 
     # ------------------------------------------------------------------ construction
     def _swaps(self, swap_factory) -> tuple:
