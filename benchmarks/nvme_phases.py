@@ -42,7 +42,7 @@ def run_nvme(args, work: Path) -> dict:
         for name, extra in NVME_VARIANTS.items():
             spec = {**scale_spec(mode), "checkpoint": False}
             spec["options"].update(extra)
-            results["runs"].setdefault(name, []).append(run_one(spec, f"nvme-{name}", args, work))
+            results["runs"].setdefault(name, []).append(run_one(spec, "nvme-" + name.replace(" ", "-"), args, work))
             shutil.rmtree(swap, ignore_errors=True)
             swap.mkdir(parents=True, exist_ok=True)
     results["dd_after"] = dd_bandwidth(swap, SCALE_SIZES[mode]["dd_mib"])
@@ -70,14 +70,14 @@ def figures(runs: list[dict], dd: dict | None, params: int) -> dict | None:
            "peak_rss": max(r["peak_rss"] for run in runs if run.get("status") == "ok"
                            for r in run["ranks"]), "steps": len(steps)}
     out["per_param"] = out["swap"] / params
-    out["phases"] = {p: _phase(steps, p) for p in PHASES}
+    out["phases"] = {p: phase_figures(steps, p) for p in PHASES}
     if dd is not None:
         out["disk_s"] = out["read"] / dd["read"] + out["write"] / dd["write"]
         out["ratio"] = out["step_s"] / out["disk_s"]
     return out
 
 
-def _phase(steps: list, name: str) -> dict:
+def phase_figures(steps: list, name: str) -> dict:
     """One phase: the slower rank's seconds and main-thread waits; both ranks' bytes."""
     rows = [[r["phases"][name] for r in s] for s in steps]
     worst = lambda key: median(max(r.get(key, 0) for r in s) for s in rows)
@@ -101,7 +101,7 @@ def _variant_rows(found: dict) -> list[list]:
     return rows
 
 
-def _phase_rows(found: dict) -> list[list]:
+def phase_rows(found: dict) -> list[list]:
     rows = []
     for name, f in found.items():
         for p, ph in (f or {}).get("phases", {}).items():
@@ -132,12 +132,16 @@ def nvme_section(results: dict) -> list[str]:
             *table(["configuration", "step", "disk time of its bytes", "step / disk",
                     "swap bytes per step (both ranks)", "per parameter", "peak RSS / rank",
                     "steps"], _variant_rows(found)), "",
-            "Per phase (median step; seconds of the slower rank; waits: its main thread "
+            *phase_table(found)]
+
+
+def phase_table(found: dict) -> list[str]:
+    """The per-phase table of each configuration's figures (``figures``)."""
+    return ["Per phase (median step; seconds of the slower rank; waits: its main thread "
             "blocked on swap reads/writes; compute = phase − waits; GB issued by both ranks):",
-            "",
-            *table(["configuration", "phase", "s", "waits s", "compute s", "param read GB",
-                    "grad write GB", "grad read GB", "master+moments read / write GB"],
-                   _phase_rows(found)), ""]
+            "", *table(["configuration", "phase", "s", "waits s", "compute s", "param read GB",
+                        "grad write GB", "grad read GB", "master+moments read / write GB"],
+                       phase_rows(found)), ""]
 
 
 def run_only(args, out: Path, work: Path) -> int:

@@ -1,9 +1,10 @@
 """Fewer swap bytes at stage 3 with params and optimizer on NVMe (issue 28 item 3):
 ``offload_param.keep_for_backward`` (the forward's last units stay gathered for backward,
-torch_impl/zero/gather.py) and ``offload_optimizer.keep_grads`` (reduced gradient partitions
-stay in memory, torch_impl/zero/gradtier.py) change the bytes moved, never the numbers: losses,
-grad norms and params bit for bit those of the default, at W=2, ep 2, fp32 and bf16,
-micro-batches accumulated (two forwards and backwards per step). About 40 s at W=2.
+torch_impl/zero/gather.py), ``offload_optimizer.keep_grads`` (reduced gradient partitions
+stay in memory, torch_impl/zero/gradtier.py) and ``offload_optimizer.read_in_backward`` (the
+step's first state windows read during backward, torch_impl/offload/state.py) change when and
+how many bytes move, never the numbers: losses, grad norms and params bit for bit those of the
+default, at W=2, ep 2, fp32, bf16 and fp16 (steps skipped on overflow). About 20-60 s at W=2.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ def run(cfg_data: dict) -> dict:
     return out
 
 
-def _cfg(nvme: str, dtype: str, *, keep_units: int = 0, keep_grads: int = 0) -> dict:
+def _cfg(nvme: str, dtype: str, *, keep_units: int = 0, keep_grads: int = 0,
+         early: int = 0) -> dict:
     cfg = tier_cfg("nvme", dtype=dtype, ep=2, nvme=nvme)
     cfg["zero_optimization"]["offload_param"]["keep_for_backward"] = keep_units
-    cfg["zero_optimization"]["offload_optimizer"]["keep_grads"] = keep_grads
+    cfg["zero_optimization"]["offload_optimizer"].update(keep_grads=keep_grads,
+                                                         read_in_backward=early)
     return cfg
 
 
@@ -50,6 +53,9 @@ def cases(nvme: str) -> dict:
         out[f"{dtype}_keep_all"] = _cfg(nvme, dtype, keep_units=BIG, keep_grads=BIG)
     # budgets below the whole: the latest unit(s) / the first partitions to land only
     out["fp32_keep_some"] = _cfg(nvme, "fp32", keep_units=700_000, keep_grads=20_000)
+    out["fp32_early"] = _cfg(nvme, "fp32", early=BIG)
+    out["fp16_default"] = _cfg(nvme, "fp16")
+    out["fp16_keep_all"] = _cfg(nvme, "fp16", keep_units=BIG, keep_grads=BIG, early=BIG)
     return out
 
 
@@ -68,14 +74,18 @@ def _grad_bytes(phases: dict) -> tuple[int, int]:
             sum(p["grad_read"] for p in phases.values()))
 
 
+def _same(got: dict, want: dict, name: str) -> None:
+    assert got["metrics"] == want["metrics"], name
+    for fqn, value in want["params"].items():
+        assert np.array_equal(got["params"][fqn], value), (name, fqn)
+
+
 @pytest.mark.parametrize("name", ["fp32_keep_all", "fp32_keep_some", "bf16_keep_all"])
 def test_keeping_units_and_grads_changes_bytes_not_results(ranks, name):
     for rank in ranks:
         want = rank[name.split("_")[0] + "_default"]
         got = rank[name]
-        assert got["metrics"] == want["metrics"], name
-        for fqn, value in want["params"].items():
-            assert np.array_equal(got["params"][fqn], value), (name, fqn)
+        _same(got, want, name)
         # fewer param shard reads every step, fewer gradient bytes through the swap files
         assert all(g < w for g, w in zip(got["param_read"], want["param_read"], strict=True))
         for g, w in zip(got["phases"], want["phases"], strict=True):
@@ -92,3 +102,16 @@ def test_a_budget_for_everything_halves_param_reads_and_moves_no_gradient(ranks)
             got, want = rank[f"{dtype}_keep_all"], rank[f"{dtype}_default"]
             assert [2 * r for r in got["param_read"][1:]] == want["param_read"][1:], dtype
             assert all(_grad_bytes(p) == (0, 0) for p in got["phases"]), dtype
+
+
+def test_state_read_in_backward_moves_the_reads_not_the_results(ranks):
+    """Every master/moment read issued in backward, none at the step (here the whole state is
+    one window, the budget's unit); fp16 with steps skipped on overflow (the reads started
+    stay for the next step)."""
+    for rank in ranks:
+        _same(rank["fp32_early"], rank["fp32_default"], "fp32_early")
+        _same(rank["fp16_keep_all"], rank["fp16_default"], "fp16_keep_all")
+        assert any(n == float("inf") for _, n in rank["fp16_default"]["metrics"])  # a skip
+        state = 3 * rank["fp32_early"]["shard_bytes"]  # master and moments, fp32
+        for p in rank["fp32_early"]["phases"]:
+            assert (p["backward"]["optim_read"], p["step"]["optim_read"]) == (state, 0)

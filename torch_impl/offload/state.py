@@ -49,6 +49,7 @@ class SwapState:
         self.alias = alias  # read the files of this state instead; no files, no writes
         self.readers: list[SwapState] = []  # aliases reading these files (their reads ahead)
         self.pool = PinnedPool() if pin else None  # exact-size pinned windows, reused
+        self.early: dict[tuple, tuple[list[dict], list[Future]]] = {}  # ``read_early``
 
     def nbytes(self) -> int:
         """Bytes of this rank's swap files (each rounded up to the alignment)."""
@@ -93,6 +94,8 @@ class SwapState:
             return []
         for swap in (self, *self.readers):
             swap.ahead.forget(slot)
+        for window in [w for w in self.early if slot in w]:
+            self._finish(*self.early.pop(window))
         self.traffic["write"] += sum(b.nbytes for b in bufs.values())
         return [self.io.write(self.path(slot, s), bufs[s]) for s in bufs]
 
@@ -157,7 +160,24 @@ class SwapState:
         for done in writing:
             self._finish(*done)
 
+    def read_early(self, windows: Sequence[Sequence], budget: int) -> None:
+        """Start the reads of the first ``windows`` of the next ``stepping`` whose states fit
+        in ``budget`` bytes now (e.g. during backward, while the disk has time): ``stepping``
+        takes them instead of reading again. Reads already started stay (a step skipped on
+        fp16 overflow wrote nothing: they still hold the files' bytes); a write to one of
+        their slots drops them first."""
+        used = sum(b.nbytes for bufs, _ in self.early.values() for d in bufs for b in d.values())
+        for window in map(tuple, windows):
+            size = sum(s.shard for s in window) * self.dtype.itemsize * len(self.states)
+            if window not in self.early:
+                if used + size > budget:
+                    return
+                self.early[window] = self._start_read(window)
+                used += size
+
     def _start_read(self, window: Sequence) -> tuple[list[dict], list[Future]]:
+        if (early := self.early.pop(tuple(window), None)) is not None:
+            return early
         bufs = [self.buffers(slot) for slot in window]
         return bufs, [f for slot, b in zip(window, bufs, strict=True) for f in self.read(slot, b)]
 
@@ -170,9 +190,15 @@ class SwapState:
         """Close the cached descriptors of every file (after they were written behind the
         I/O engine's back, e.g. a checkpoint's file-to-file copy); the next use reopens them."""
         self.ahead.hint([])
+        self.drop_early()
         for slot in self.slots:
             for state in self.states:
                 self.io.release(self.path(slot, state))
+
+    def drop_early(self) -> None:
+        """Forget the reads ``read_early`` started (once done)."""
+        while self.early:
+            self._finish(*self.early.popitem()[1])
 
     def check_space(self, others: Sequence[SwapState] = ()) -> None:
         """One-line ``ConfigError`` before anything is written when the folder is missing,
@@ -184,6 +210,7 @@ class SwapState:
         """Stop the I/O engine (shared stores: idempotent) and, at a clean exit, remove the
         swap files."""
         self.ahead.hint([])
+        self.drop_early()
         self.io.close()
         if self.pool is not None:
             self.pool.close()

@@ -35,6 +35,8 @@ class ZeroOptions:
             backward (``moezero.zero.gather``; 0: each released after its forward).
         keep_grads: Stage 3 with the gradient tier: bytes of reduced gradient partitions kept
             in memory rather than in swap files (``moezero.zero.gradtier``; 0: none).
+        read_in_backward: NVMe optimizer state: bytes of the step's first windows read during
+            the step's last backward (``SwapState.read_early``; 0: read at the step).
     """
 
     reduce_bucket_size: int = int(5e7)
@@ -46,6 +48,7 @@ class ZeroOptions:
     param_read_ahead: int = 2
     param_keep_for_backward: int = 0
     keep_grads: int = 0
+    read_in_backward: int = 0
     compiled_adamw: bool = True
 
     @classmethod
@@ -57,4 +60,5 @@ class ZeroOptions:
                    host_step=zero.offload_optimizer.device != "none",
                    param_read_ahead=zero.offload_param.read_ahead,
                    param_keep_for_backward=zero.offload_param.keep_for_backward,
-                   keep_grads=zero.offload_optimizer.keep_grads)
+                   keep_grads=zero.offload_optimizer.keep_grads,
+                   read_in_backward=zero.offload_optimizer.read_in_backward)
