@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from benchmarks.fmt import splice, table
+from benchmarks.fmt import harness_command, splice, table
 from benchmarks.launch import command_line, run_one
 from benchmarks.machine import dd_bandwidth, machine_info
 from benchmarks.specs import NVME_VARIANTS, SCALE_SIZES, scale_spec
@@ -37,7 +37,7 @@ def run_nvme(args, work: Path) -> dict:
     swap.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine_info(), "command": command_line(), "mode": mode,
                "size": SCALE_SIZES[mode], "dd_before": dd_bandwidth(swap, SCALE_SIZES[mode]["dd_mib"]),
-               "runs": {}}
+               "runs": {}, "variants": NVME_VARIANTS}
     for _ in range(args.repeats or 1):
         for name, extra in NVME_VARIANTS.items():
             spec = {**scale_spec(mode), "checkpoint": False}
@@ -89,14 +89,15 @@ def phase_figures(steps: list, name: str) -> dict:
 
 
 def _variant_rows(found: dict) -> list[list]:
-    rows = []
+    rows, first = [], next(iter(found.values()), None)
     for name, f in found.items():
         if f is None:
-            rows.append([name, "failed"] + ["–"] * 6)
+            rows.append([name, "failed"] + ["–"] * 7)
             continue
         ratio = "–" if "ratio" not in f else f"{f['ratio']:.2f}×"
         disk = "–" if "disk_s" not in f else f"{f['disk_s']:.1f} s"
-        rows.append([name, f"{f['step_s']:.1f} s", disk, ratio, f"{f['swap'] / GB:.2f} GB",
+        vs = "–" if first is None else f"{f['step_s'] / first['step_s']:.2f}×"
+        rows.append([name, f"{f['step_s']:.1f} s", vs, disk, ratio, f"{f['swap'] / GB:.2f} GB",
                      f"{f['per_param']:.1f} B", f"{f['peak_rss'] / 2**30:.2f} GiB", str(f["steps"])])
     return rows
 
@@ -123,16 +124,17 @@ def nvme_section(results: dict) -> list[str]:
         f"{dd['read'] / 1e6:,.0f} MB/s, write {dd['write'] / 1e6:,.0f} MB/s")
     variants = "; ".join(f"`{k}`: " + (", ".join(f"`{o}: {v}`" for o, v in opts.items()) or
                                         "the scale series' options")
-                         for k, opts in NVME_VARIANTS.items())
+                         for k, opts in results.get("variants", NVME_VARIANTS).items())
     return [HEADING, "",
             f"The scale series' model at {m['n_layers']} layer(s) ({params / 1e9:.2f} B parameters, "
             f"W = 2, ep 2, fp32, stage 3, params and optimizer on NVMe, one swap folder), no "
             f"checkpoint. Measured {machine['date']} on {machine['cpu']}, torch "
             f"{machine['torch']}; {dd_line}. Configurations: {variants}.", "",
-            *table(["configuration", "step", "disk time of its bytes", "step / disk",
+            *table(["configuration", "step", "vs the first", "disk time of its bytes", "step / disk",
                     "swap bytes per step (both ranks)", "per parameter", "peak RSS / rank",
                     "steps"], _variant_rows(found)), "",
-            *phase_table(found)]
+            *phase_table(found),
+            "Command (this table only): `" + harness_command(results, "nvme") + "`"]
 
 
 def phase_table(found: dict) -> list[str]:

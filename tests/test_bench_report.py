@@ -91,5 +91,5 @@ def test_nvme_and_scale_sections_split_the_step_by_phase():
     nvme = {**results, "runs": {"today": [results["run"]]}, "size": SCALE_SIZES["quick"]}
     text = "\n".join(nvme_phases.nvme_section(nvme))
     per_param = 4e9 / param_count(SCALE_SIZES["quick"]["model"])
-    assert f"| today | 6.0 s | 4.0 s | 1.50× | 4.00 GB | {per_param:.1f} B |" in text
+    assert f"| today | 6.0 s | 1.00× | 4.0 s | 1.50× | 4.00 GB | {per_param:.1f} B |" in text
     assert "| today | step | 4.00 | 1.00 | 3.00 |" in text

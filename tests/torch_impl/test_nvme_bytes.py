@@ -9,10 +9,17 @@ default, at W=2, ep 2, fp32, bf16 and fp16 (steps skipped on overflow). About 20
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
+from moezero.offload.aio import AsyncIO
+from moezero.offload.state import SwapState
+from moezero.offload.swapdir import SwapDir
+from moezero.plan.layout import STATES
 from tests.support.world import run_world
 from tests.torch_impl.test_distributed import MICRO
 from tests.torch_impl.test_grad_tier import tier_cfg
@@ -115,3 +122,29 @@ def test_state_read_in_backward_moves_the_reads_not_the_results(ranks):
         state = 3 * rank["fp32_early"]["shard_bytes"]  # master and moments, fp32
         for p in rank["fp32_early"]["phases"]:
             assert (p["backward"]["optim_read"], p["step"]["optim_read"]) == (state, 0)
+
+
+@dataclass(eq=False)
+class _Slot:
+    shard: int
+    group: object
+
+
+def test_read_early_takes_whole_windows_within_the_budget_and_a_write_drops_them(tmp_path):
+    """Three one-slot windows of 1024 fp32 elements (12 KiB of state each): a 30 KiB budget
+    reads the first two early; a write to the second drops its read; stepping returns the
+    files' bytes either way (one process, real swap files; well under a second)."""
+    slots = [_Slot(1024, SimpleNamespace(name=f"g{i}")) for i in range(3)]
+    swap = SwapState(SwapDir(tmp_path, 0).acquire(), AsyncIO(2), slots, STATES, torch.float32,
+                     key="test")
+    swap.allocate()
+    for i, slot in enumerate(slots):
+        swap.put(slot, {s: float(10 * i + k) for k, s in enumerate(STATES)})
+    windows = [[s] for s in slots]
+    swap.read_early(windows, 30 << 10)
+    assert [w[0].group.name for w in swap.early] == ["g0", "g1"]
+    swap.put(slots[1], {s: -1.0 for s in STATES})  # written after its early read started
+    assert [w[0].group.name for w in swap.early] == ["g0"]
+    seen = [float(bufs[0]["exp_avg"][0]) for bufs in swap.stepping(windows)]
+    assert seen == [1.0, -1.0, 21.0] and swap.early == {}
+    swap.close(remove=True)
