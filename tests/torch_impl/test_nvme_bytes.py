@@ -4,7 +4,8 @@ torch_impl/zero/gather.py), ``offload_optimizer.keep_grads`` (reduced gradient p
 stay in memory, torch_impl/zero/gradtier.py) and ``offload_optimizer.read_in_backward`` (the
 step's first state windows read during backward, torch_impl/offload/state.py) change when and
 how many bytes move, never the numbers: losses, grad norms and params bit for bit those of the
-default, at W=2, ep 2, fp32, bf16 and fp16 (steps skipped on overflow). About 20-60 s at W=2.
+default, at W=2, ep 2, fp32 and fp16 (steps skipped on overflow). About 30 s at W=2 (six
+engines of three steps); a few seconds for ``read_early`` alone.
 """
 
 from __future__ import annotations
@@ -55,14 +56,13 @@ def _cfg(nvme: str, dtype: str, *, keep_units: int = 0, keep_grads: int = 0,
 
 def cases(nvme: str) -> dict:
     out = {}
-    for dtype in ("fp32", "bf16"):
+    for dtype in ("fp32", "fp16"):  # fp16: half-size gradients, steps skipped on overflow
         out[f"{dtype}_default"] = _cfg(nvme, dtype)
-        out[f"{dtype}_keep_all"] = _cfg(nvme, dtype, keep_units=BIG, keep_grads=BIG)
+    out["fp32_keep_all"] = _cfg(nvme, "fp32", keep_units=BIG, keep_grads=BIG)
+    out["fp16_keep_all"] = _cfg(nvme, "fp16", keep_units=BIG, keep_grads=BIG, early=BIG)
     # budgets below the whole: the latest unit(s) / the first partitions to land only
     out["fp32_keep_some"] = _cfg(nvme, "fp32", keep_units=700_000, keep_grads=20_000)
     out["fp32_early"] = _cfg(nvme, "fp32", early=BIG)
-    out["fp16_default"] = _cfg(nvme, "fp16")
-    out["fp16_keep_all"] = _cfg(nvme, "fp16", keep_units=BIG, keep_grads=BIG, early=BIG)
     return out
 
 
@@ -87,7 +87,7 @@ def _same(got: dict, want: dict, name: str) -> None:
         assert np.array_equal(got["params"][fqn], value), (name, fqn)
 
 
-@pytest.mark.parametrize("name", ["fp32_keep_all", "fp32_keep_some", "bf16_keep_all"])
+@pytest.mark.parametrize("name", ["fp32_keep_all", "fp32_keep_some", "fp16_keep_all"])
 def test_keeping_units_and_grads_changes_bytes_not_results(ranks, name):
     for rank in ranks:
         want = rank[name.split("_")[0] + "_default"]
@@ -96,7 +96,7 @@ def test_keeping_units_and_grads_changes_bytes_not_results(ranks, name):
         # fewer param shard reads every step, fewer gradient bytes through the swap files
         assert all(g < w for g, w in zip(got["param_read"], want["param_read"], strict=True))
         for g, w in zip(got["phases"], want["phases"], strict=True):
-            assert _grad_bytes(w) == (want["shard_bytes"], want["shard_bytes"])
+            assert _grad_bytes(w)[0] == want["shard_bytes"]  # fp16: no read in a skipped step
             assert max(_grad_bytes(g)) < want["shard_bytes"], name
 
 
@@ -105,7 +105,7 @@ def test_a_budget_for_everything_halves_param_reads_and_moves_no_gradient(ranks)
     on demand) a step reads half the param shard bytes of the default (forward only); all
     partitions kept: no gradient byte goes to disk."""
     for rank in ranks:
-        for dtype in ("fp32", "bf16"):
+        for dtype in ("fp32", "fp16"):
             got, want = rank[f"{dtype}_keep_all"], rank[f"{dtype}_default"]
             assert [2 * r for r in got["param_read"][1:]] == want["param_read"][1:], dtype
             assert all(_grad_bytes(p) == (0, 0) for p in got["phases"]), dtype
@@ -117,7 +117,6 @@ def test_state_read_in_backward_moves_the_reads_not_the_results(ranks):
     stay for the next step)."""
     for rank in ranks:
         _same(rank["fp32_early"], rank["fp32_default"], "fp32_early")
-        _same(rank["fp16_keep_all"], rank["fp16_default"], "fp16_keep_all")
         assert any(n == float("inf") for _, n in rank["fp16_default"]["metrics"])  # a skip
         state = 3 * rank["fp32_early"]["shard_bytes"]  # master and moments, fp32
         for p in rank["fp32_early"]["phases"]:
