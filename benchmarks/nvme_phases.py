@@ -37,7 +37,7 @@ def run_nvme(args, work: Path) -> dict:
     swap.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine_info(), "command": command_line(), "mode": mode,
                "size": SCALE_SIZES[mode], "dd_before": dd_bandwidth(swap, SCALE_SIZES[mode]["dd_mib"]),
-               "runs": {}, "variants": NVME_VARIANTS}
+               "runs": {}, "variants": NVME_VARIANTS, "repeats": args.repeats or 1}
     for _ in range(args.repeats or 1):
         for name, extra in NVME_VARIANTS.items():
             spec = {**scale_spec(mode), "checkpoint": False}
@@ -134,7 +134,8 @@ def nvme_section(results: dict) -> list[str]:
                     "swap bytes per step (both ranks)", "per parameter", "peak RSS / rank",
                     "steps"], _variant_rows(found)), "",
             *phase_table(found),
-            "Command (this table only): `" + harness_command(results, "nvme") + "`"]
+            "Command (this table only): `" + harness_command(results, "nvme")
+            + (f" --repeats {results['repeats']}" if results.get("repeats", 1) > 1 else "") + "`"]
 
 
 def phase_table(found: dict) -> list[str]:
