@@ -90,6 +90,7 @@ class MoezeroTrainer:
         self._times.update(dict.fromkeys(self._times, 0.0))
         with counting() if self.count_collectives else contextlib.nullcontext() as counts:
             metrics = self.engine.train_step([batch_BS1])
+        self.last_metrics = metrics  # the engine's row (``phases``: benchmarks.scale_rank)
         if counts is not None:  # collectives of this step, by operation
             self.trace["collectives"].append(by_op(counts))
         t = self._times

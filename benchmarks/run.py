@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import check, finetune, grouped, hoststep, report, tables_data
+from benchmarks import check, finetune, grouped, hoststep, nvme_phases, report, tables_data
 from benchmarks.data_prep import data_prep
 from benchmarks.fmt import splice
 from benchmarks.launch import REPO, command_line, error_line, run_one
@@ -67,10 +67,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="run only configurations whose name contains TEXT (repeatable)")
     p.add_argument("--series", action="append", default=[], metavar="NAME",
                    help="run only this series: main, sweep, tiled, state, ckpt, grouped, "
-                        "data, collectives, estimate, scale, hoststep, finetune (repeatable); a run of series that "
-                        "own their sections (grouped, data, tiled, collectives, estimate, scale) "
-                        "updates "
-                        "only those sections of --out")
+                        "data, collectives, estimate (repeatable), or one of scale, nvme, "
+                        "hoststep, finetune alone; a run of series that own their sections "
+                        "(grouped, data, tiled, collectives, estimate and the lone ones) "
+                        "updates only those sections of --out")
     p.add_argument("--from-json", help="render the report from this results.json; run nothing")
     p.add_argument("--peer-json", help="scale series: the DeepSpeed peer's result "
                                        "(benchmarks/deepspeed_scale.py --out); else 'not run'")
@@ -174,7 +174,7 @@ def run_data_only(args: argparse.Namespace, size: dict, work: Path) -> int:
     return 0
 
 
-ALONE = ("scale", "hoststep", "finetune")
+ALONE = ("scale", "nvme", "hoststep", "finetune")
 """Series that run on their own (their own inputs, launches and sections)."""
 
 
@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_data_only(args, SIZES["quick" if args.quick else "full"], work)
     if args.series == ["scale"]:  # one run of its own (dd around it): benchmarks.scale
         return run_scale_only(args, Path(args.out), work)
+    if args.series == ["nvme"]:  # its variants in turn, dd around them: benchmarks.nvme_phases
+        return nvme_phases.run_only(args, Path(args.out), work)
     if args.series == ["hoststep"]:  # in this process, one thread: benchmarks.hoststep
         return hoststep.run_only(args, Path(args.out), work, SIZES["quick" if args.quick else "full"])
     if args.series == ["finetune"]:  # its own inputs and launches: benchmarks.finetune

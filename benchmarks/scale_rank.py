@@ -38,7 +38,8 @@ def _timed_step(trainer, batches) -> dict:
     dist.barrier()
     after = proc_io()
     return {"s": time.perf_counter() - start, "loss": loss, "swap": _swap_bytes(trainer) - swap0,
-            "read": after["read"] - before["read"], "write": after["write"] - before["write"]}
+            "read": after["read"] - before["read"], "write": after["write"] - before["write"],
+            "phases": trainer.last_metrics.get("phases")}
 
 
 def scale_rank(spec: dict) -> dict:
@@ -54,7 +55,16 @@ def scale_rank(spec: dict) -> dict:
     memory.reset()
     out["steps"] = [_timed_step(trainer, trainer.batches) for _ in range(spec["train"]["timed"])]
     phases["train"] = memory.peak()
-    folder = spec["ckpt_dir"]
+    if spec.get("checkpoint", True):
+        _save_load(trainer, spec["ckpt_dir"], out, phases, memory)
+    out.update(anon_peak=sampler.stop(), peak_rss=max(phases.values()), phase_rss=phases)
+    dist.barrier()
+    trainer.close()
+    return out
+
+
+def _save_load(trainer, folder, out: dict, phases: dict, memory) -> None:
+    """One save, a cold load of it into the same engine and one resumed step."""
     memory.reset()
     out["save_s"] = barrier_timed(trainer.save, folder)
     phases["save"] = memory.peak()
@@ -67,9 +77,6 @@ def scale_rank(spec: dict) -> dict:
     memory.reset()
     out["resumed"] = _timed_step(trainer, trainer.batches)
     phases["resumed"] = memory.peak()
-    out.update(anon_peak=sampler.stop(), peak_rss=max(phases.values()), phase_rss=phases)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(folder, ignore_errors=True)
-    trainer.close()
-    return out

@@ -283,16 +283,34 @@ SCALE_SIZES = {
     "quick": {"model": {"vocab_size": 256, "dim": 1024, "n_layers": 1, "n_heads": 8,
                         "ffn_dim": 2048, "num_experts": 32, "top_k": 2, "ep_size": 2},
               "train": _TRAIN, "dd_mib": 512},
+    "mid": {"model": {"vocab_size": 256, "dim": 1024, "n_layers": 4, "n_heads": 8,
+                      "ffn_dim": 1000, "num_experts": 32, "top_k": 2, "ep_size": 2},
+            "train": _TRAIN, "dd_mib": 1024},
     "full": {"model": {"vocab_size": 256, "dim": 1024, "n_layers": 20, "n_heads": 8,
                        "ffn_dim": 1000, "num_experts": 32, "top_k": 2, "ep_size": 2},
              "train": _TRAIN, "dd_mib": 1024},
 }
 """The series' model per mode: ``full`` is 2.05 B parameters in 20 layers (32 experts of
 width 1000 per MoE layer, 16 per rank at ep 2, so a gather unit is 200 MB; fp32 master +
-moments + param shard = 32.8 GB of training state), ``quick`` one layer of 32 experts of width
-2048 (0.21 B). An earlier full model (10 layers of width 2000, 2.01 B) had 400 MB units: with
+moments + param shard = 32.8 GB of training state), ``mid`` 4 of those layers (0.41 B: the
+``nvme`` series, which cannot run the full size on a shared machine), ``quick`` one layer of
+32 experts of width 2048 (0.21 B). An earlier full model (10 layers of width 2000, 2.01 B) had 400 MB units: with
 one unit read ahead its peak RSS was 3.00 GiB per rank, 2.2 MiB over the 3 GiB target; with
 two, 3.36 GiB. Halving the unit is what lets two units be read ahead within the budget."""
+
+NVME_VARIANTS = {
+    "today": {},
+    "keep 800 MB": {"zero_optimization.offload_param.keep_for_backward": 800_000_000,
+                    "zero_optimization.offload_optimizer.keep_grads": 800_000_000},
+    "keep + read 800 MB": {"zero_optimization.offload_param.keep_for_backward": 800_000_000,
+                           "zero_optimization.offload_optimizer.keep_grads": 800_000_000,
+                           "zero_optimization.offload_optimizer.read_in_backward": 800_000_000}}
+"""The ``nvme`` series' configurations (``benchmarks.nvme_phases``), each run with the
+``scale`` series' options plus these: ``today`` is the series as measured in issue 28; the
+others keep the forward's last gather units for backward and the first reduced gradient
+partitions in memory, each up to that many bytes per rank (the same numbers, fewer bytes), and
+the last also reads that many bytes of the step's optimizer state during backward. (An
+earlier run also had ``keep 400 MB``: 35.1 B per parameter at ``mid``.)"""
 
 SCALE_TARGETS = {"rss_bytes": 3 * 2**30, "disk_ratio": 1.5, "params": 2.0e9, "experts": 32}
 

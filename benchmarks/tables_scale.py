@@ -6,6 +6,7 @@ from __future__ import annotations
 from statistics import median
 
 from benchmarks.fmt import harness_command, table
+from benchmarks.nvme_phases import PHASES, phase_figures, phase_table
 from benchmarks.specs import SCALE_OPTIONS, SCALE_TARGETS
 from benchmarks.stats import param_count
 
@@ -41,6 +42,9 @@ def figures(results: dict) -> dict | None:
            "resumed_loss": ranks[0]["resumed"]["loss"], "resumed_s": ranks[0]["resumed"]["s"],
            "phases": {k: max(r["phase_rss"][k] for r in ranks) for k in ranks[0].get("phase_rss", {})},
            **per_step}
+    if all(s.get("phases") for r in steps for s in r):  # runs since issue 28: the step by phase
+        rows = list(zip(*steps, strict=True))
+        out["step_phases"] = {p: phase_figures(rows, p) for p in PHASES}
     dd = _dd(results)
     if dd is not None:
         out["disk_s"] = per_step["read"] / dd["read"] + per_step["write"] / dd["write"]
@@ -150,9 +154,12 @@ def scale_section(results: dict) -> list[str]:
             "- Peak RSS by phase (larger rank; `VmHWM` restarted at each phase): "
             + ", ".join(f"{k} {_gib(v)}" for k, v in f["phases"].items()) + ".",
             f"- Bytes through the swap engine (AsyncIO) per step, both ranks: "
-            f"{f['swap'] / GB:.1f} GB; checkpoint {f['ckpt_bytes'] / GB:.1f} GB.",
+            f"{f['swap'] / GB:.1f} GB ({f['swap'] / params:.1f} B per parameter); checkpoint "
+            f"{f['ckpt_bytes'] / GB:.1f} GB.",
             "- Disk time = bytes read / dd read + bytes written / dd write (the mean of before "
             "and after), from `/proc/self/io` of both ranks (one disk)."]
+    if f is not None and "step_phases" in f:
+        lines += ["", *phase_table({"moezero": {"phases": f["step_phases"]}})]
     peer = results.get("peer") or {}
     if peer.get("params"):
         z = (peer.get("config") or {}).get("zero_optimization", {})

@@ -3,9 +3,10 @@ of an existing BENCHMARKS.md (``report.update_sections``), leaving every other b
 
 from __future__ import annotations
 
-from benchmarks import report, tables_comm, tables_scale
+from benchmarks import nvme_phases, report, tables_comm, tables_scale
 from benchmarks.scale import read_peer
 from benchmarks.specs import SCALE_SIZES
+from benchmarks.stats import param_count
 
 OLD = "# Benchmarks\n\nintro\n\n## A\n\nold a\n\n## B\n\nold b\n\n## Not run, rejected or failed\n\n- x\n"
 
@@ -65,3 +66,30 @@ def test_scale_section_ratio_peer_row_and_only_its_section(tmp_path):
 def test_scale_section_of_a_missing_peer_file(tmp_path):
     assert read_peer(None)["error"].startswith("not run")
     assert read_peer(str(tmp_path / "absent.json"))["error"].startswith("not run (")
+
+
+def _phased(s: float, wait: float) -> dict:
+    zero = {f"{t}_{op}": 0 for t in ("param", "grad", "optim") for op in ("read", "write")}
+    forward = {**zero, "s": s, "param_read": 1e9, "param_wait_s": wait}
+    step = {**zero, "s": 2 * s, "grad_read": 0.5e9, "optim_read": 1.5e9, "optim_write": 1.5e9,
+            "optim_wait_s": wait, "grad_wait_s": wait}
+    return {"forward": forward, "backward": {**zero, "s": s}, "reduce": {**zero, "s": 0.0},
+            "step": step}
+
+
+def test_nvme_and_scale_sections_split_the_step_by_phase():
+    """Per phase: the slower rank's seconds and main-thread waits, both ranks' bytes; swap
+    bytes per parameter (a cheap render of hand-made figures, no run)."""
+    results = _scale_results({})
+    for r, (s, wait) in zip(results["run"]["ranks"], [(1.0, 0.25), (2.0, 0.5)], strict=True):
+        r["steps"] = [{**r["steps"][0], "phases": _phased(s, wait)}] * 3
+    text = "\n".join(tables_scale.scale_section(results))
+    assert "| moezero | forward | 2.00 | 0.50 | 1.50 | 2.00 | 0.00 | 0.00 | 0.00 / 0.00 |" in text
+    assert "| moezero | step | 4.00 | 1.00 | 3.00 | 0.00 | 0.00 | 1.00 | 3.00 / 3.00 |" in text
+    params = param_count(SCALE_SIZES["full"]["model"])
+    assert f"4.0 GB ({4e9 / params:.1f} B per parameter)" in text  # 2 GB per rank
+    nvme = {**results, "runs": {"today": [results["run"]]}, "size": SCALE_SIZES["quick"]}
+    text = "\n".join(nvme_phases.nvme_section(nvme))
+    per_param = 4e9 / param_count(SCALE_SIZES["quick"]["model"])
+    assert f"| today | 6.0 s | 1.00× | 4.0 s | 1.50× | 4.00 GB | {per_param:.1f} B |" in text
+    assert "| today | step | 4.00 | 1.00 | 3.00 |" in text

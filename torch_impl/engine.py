@@ -43,6 +43,7 @@ from moezero.model.router import update_expert_biases
 from moezero.offload import state as offload_state
 from moezero.offload.malloc import map_large_blocks
 from moezero.offload.options import IOOptions
+from moezero.phases import StepPhases
 from moezero.plan import plan_layout, store
 from moezero.plan.records import EngineRecord, TopologyRecord
 from moezero.zero.adamw import LossScaler, lr_at
@@ -189,7 +190,7 @@ class Engine:
     def train_step(self, micro_batches: list[torch.Tensor | Batch]) -> dict:
         """One optimizer step over ``grad_accum_steps`` micro-batches; metrics averaged globally.
         ``tokens_per_s`` counts this rank's targets, ``trained_tokens_per_s`` those trained."""
-        start, moved = time.perf_counter(), self.optimizer.swap_traffic()
+        start, clock = time.perf_counter(), StepPhases(self.optimizer.swap_traffic)
         micro_batches = [Batch.of(b) for b in micro_batches]
         divisor = loss_divisor(micro_batches, self.topology, self.device)
         totals = torch.zeros(3, device=self.device)
@@ -197,15 +198,19 @@ class Engine:
                   for b in micro_batches]
         for batch in queued:
             loss, parts = self.forward(batch, divisor)
+            clock.mark("forward")
             self.backward(loss)
             totals += torch.stack([loss.detach().float(), parts["ce"], parts["aux_loss"]])
+            clock.mark("backward")
         # Reduce first: ranks may still have gradient buckets to launch on the world group.
         self.reduce_gradients()
+        clock.mark("reduce")
         totals /= len(micro_batches)
         if self.topology.distributed:
             dist.all_reduce(totals)
             totals /= self.topology.world_size
         out = self.optimizer_step()
+        clock.mark("step")
         elapsed = time.perf_counter() - start
         seen, trained = (sum(b.num_seen for b in micro_batches),
                          sum(b.num_trained for b in micro_batches))
@@ -213,7 +218,7 @@ class Engine:
                 **out, "tokens_per_s": seen / elapsed, "trained_tokens_per_s": trained / elapsed,
                 "step_time_s": elapsed,
                 "peak_mem_bytes": peak_memory_bytes(self.device),
-                **swap_metrics(moved, self.optimizer.swap_traffic())}
+                **clock.metrics()}
 
     # ------------------------------------------------------------------ small state
     def state_dict(self) -> dict:
@@ -347,17 +352,6 @@ def _host_blocks(zero, io: IOOptions) -> None:
     offloaded = zero.offload_optimizer.device != "none" or zero.offload_param.device != "none"
     if offloaded and io.host_mmap_threshold is not None:
         map_large_blocks(io.host_mmap_threshold)
-
-
-def swap_metrics(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    """This step's bytes read from / written to the rank's swap files (``swap_read_bytes``,
-    ``swap_write_bytes``: optimizer state, param shards and gradients), and of them the
-    stage-3 param shards' (``swap_param_*``)."""
-    delta = {key: after[key] - before[key] for key in after}
-    total = lambda op: sum(delta[f"{tier}_{op}"] for tier in ("optim", "param", "grad"))
-    return {"swap_read_bytes": total("read"), "swap_write_bytes": total("write"),
-            "swap_param_read_bytes": delta["param_read"],
-            "swap_param_write_bytes": delta["param_write"]}
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -70,12 +70,13 @@ EXPECTED_ERRORS = (CheckpointError, ConfigError, DataError, OffloadIOError, OSEr
 METRIC_KEYS = ("step", "loss", "ce", "aux_loss", "lr", "grad_norm", "loss_scale", "skipped",
                "tokens_per_s", "trained_tokens_per_s", "step_time_s", "peak_mem_bytes", "step_peak_engine_bytes", "mfu",
                "moe_imbalance_max", "moe_dropped_frac", "moe", "swap_read_bytes",
-               "swap_write_bytes", "swap_param_read_bytes", "swap_param_write_bytes")
+               "swap_write_bytes", "swap_param_read_bytes", "swap_param_write_bytes", "phases")
 """Keys of every ``metrics.jsonl`` row; ``val_loss`` and ``val_ppl`` join them on evaluation
 steps. ``tokens_per_s`` counts this rank's targets (seen), ``trained_tokens_per_s`` those a
 loss mask trains (docs/data.md). ``peak_mem_bytes`` is the peak of that step alone; ``mfu`` is None where the device's
 peak is unknown; ``moe`` lists every MoE layer's load (moezero.telemetry); ``swap_*`` are the
-step's bytes between rank 0 and its NVMe swap files (0 without NVMe offload)."""
+step's bytes between rank 0 and its NVMe swap files (0 without NVMe offload); ``phases``
+splits the step's time (and its swap bytes and waits) by phase (``moezero.phases``)."""
 EVAL_KEYS = ("val_loss", "val_ppl")
 
 

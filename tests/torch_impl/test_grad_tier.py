@@ -136,6 +136,10 @@ class _SlowSwap:
     def write(self, slot, bufs) -> list:
         return [self.disk.submit(time.sleep, 0.02)]
 
+    def wait(self, futures) -> None:
+        for f in futures:
+            f.result()
+
 
 def test_landing_holds_a_bounded_number_of_partitions():
     """Partitions that land faster than the disk writes them wait for it: no more than

@@ -198,6 +198,28 @@ def test_metrics_count_swap_bytes_per_step(runs):
                 assert row["swap_write_bytes"] == param_writes + optim, name
 
 
+def test_metrics_split_swap_bytes_and_waits_by_phase(runs):
+    """``phases``: each tier's bytes by the phase that issued them (the step reads and writes
+    master and moments, the reduction writes each gradient partition, the step reads it back;
+    param reads are issued in every phase: on demand, or ahead), and seconds blocked."""
+    for rank in runs:
+        for name, run in rank.items():
+            shard_bytes = run["shard_elems"] * 4
+            for row in run["metrics"]:
+                p = row["phases"]
+                assert list(p) == ["forward", "backward", "reduce", "step"], name
+                assert sum(p[n]["param_read"] for n in p) == row["swap_param_read_bytes"]
+                assert p["forward"]["param_read"] > 0 and p["backward"]["param_read"] > 0
+                if "_nvme_" not in name:
+                    assert all(p[n]["optim_read"] == p[n]["grad_write"] == 0 for n in p), name
+                    continue
+                assert p["step"]["optim_read"] == p["step"]["optim_write"] == 3 * shard_bytes
+                assert p["backward"]["grad_write"] + p["reduce"]["grad_write"] == shard_bytes, name
+                assert p["step"]["grad_read"] == shard_bytes, name
+                assert p["forward"]["optim_read"] == p["backward"]["optim_write"] == 0, name
+                assert all(p[n][f"{t}_wait_s"] >= 0 for n in p for t in ("optim", "grad"))
+
+
 def test_read_ahead_key_reaches_the_optimizer_options():
     assert ZeroOptions.from_config(load_config(None).zero_optimization).param_read_ahead == 2
     cfg = load_config(None, ["zero_optimization.offload_param.read_ahead=5"])

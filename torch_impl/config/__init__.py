@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from moezero.config.errors import ConfigError
 from moezero.config.loader import DEFAULT_RECIPE, dump_config, load_config, parse_override, to_yaml
+from moezero.config.offload import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
 from moezero.config.schema import (
     ARCHITECTURE,
     ARCHITECTURE_KEYS,
@@ -25,9 +26,7 @@ from moezero.config.schema import (
     DistConfig,
     ModelConfig,
     MoEConfig,
-    OffloadConfig,
     OptimizerConfig,
-    ParamOffloadConfig,
     PrecisionConfig,
     TokenizerConfig,
     TrainConfig,
@@ -36,6 +35,6 @@ from moezero.config.schema import (
 
 __all__ = [
     "ARCHITECTURE", "ARCHITECTURE_KEYS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistConfig", "ModelConfig",
-    "MoEConfig", "OffloadConfig", "OptimizerConfig", "ParamOffloadConfig", "PrecisionConfig",
+    "MoEConfig", "OffloadConfig", "OptimizerConfig", "OptimizerOffloadConfig", "ParamOffloadConfig", "PrecisionConfig",
     "TokenizerConfig", "TrainConfig", "ZeroConfig", "DEFAULT_RECIPE", "dump_config", "load_config", "parse_override", "to_yaml",
 ]

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from moezero.config.errors import FieldError
+from moezero.config.offload import OptimizerOffloadConfig, ParamOffloadConfig
 from moezero.config.peft import PeftConfig
 from moezero.config.section import Section as _Section
 from moezero.plan import rules
@@ -205,30 +206,6 @@ class OptimizerConfig(_Section):
         return self
 
 
-class OffloadConfig(_Section):
-    """Where a ZeRO state lives (DeepSpeed's ``offload_optimizer`` / ``offload_param``)."""
-
-    device: Literal["none", "cpu", "nvme"] = Field("none", description="none = accelerator memory.")
-    nvme_path: str | None = Field(None, description="Folder for swap files; required for nvme.")
-
-    @model_validator(mode="after")
-    def _nvme(self) -> OffloadConfig:
-        if self.device == "nvme" and not self.nvme_path:
-            raise FieldError("nvme_path", "required when device is 'nvme'")
-        return self
-
-
-class ParamOffloadConfig(OffloadConfig):
-    """Where stage-3 parameter shards live, and how far ahead NVMe reads run."""
-
-    read_ahead: int = Field(
-        2, ge=0,
-        description="With device nvme: the next units (in forward order; in backward, reverse) "
-                    "whose param shards are read from their swap files while earlier units "
-                    "compute, so a gather finds them in memory. Host buffers: at most this "
-                    "many units' shards. 0 = read each shard when its gather starts.")
-
-
 class ZeroConfig(_Section):
     """ZeRO sharding (DeepSpeed's ``zero_optimization`` block)."""
 
@@ -243,8 +220,8 @@ class ZeroConfig(_Section):
     allgather_bucket_size: int | None = Field(
         int(5e7), ge=1, description="Elements per parameter all-gather bucket (stages 1-3); "
                                     "null = one all-gather per optimizer group.")
-    offload_optimizer: OffloadConfig = Field(
-        default_factory=OffloadConfig, description="Optimizer state offload (stage >= 1).")
+    offload_optimizer: OptimizerOffloadConfig = Field(
+        default_factory=OptimizerOffloadConfig, description="Optimizer state offload (stage >= 1).")
     offload_param: ParamOffloadConfig = Field(
         default_factory=ParamOffloadConfig, description="Parameter offload (stage 3 only).")
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from moezero.offload.aio import wait
-
 
 class ReadAhead:
     """Reads started for hinted slots of one ``SwapState``, held until taken or forgotten.
@@ -54,14 +52,14 @@ class ReadAhead:
         self.stats["ahead" if got else "sync"] += 1
         if got is None:
             return None
-        wait(got[1])
+        self.swap.wait(got[1])
         return got[0]
 
     def forget(self, slot) -> None:
         """Drop ``slot``'s read-ahead, if any, once its read is done (before a write)."""
         got = self.pending.pop(slot, None)
         if got is not None:
-            wait(got[1])
+            self.swap.wait(got[1])
             self.swap.drop(got[0])
 
     def nbytes(self) -> int:

@@ -19,6 +19,8 @@ Reference counterpart: none (the reference keeps every state in memory).
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
@@ -40,11 +42,14 @@ class SwapState:
                  alias: str | None = None):
         self.folder, self.io, self.slots, self.states = folder, io, list(slots), states
         self.dtype, self.key, self.meter, self.pin = dtype, key, meter, pin
-        self.traffic = {"read": 0, "write": 0}  # bytes requested from / to these files so far
+        # bytes requested from / to these files so far, seconds blocked waiting for them
+        self.traffic = {"read": 0, "write": 0, "wait_s": 0.0}
+        self._lock = threading.Lock()  # waits are counted from more than one thread
         self.ahead = ReadAhead(self)  # reads hinted before they are needed (``hint``)
         self.alias = alias  # read the files of this state instead; no files, no writes
         self.readers: list[SwapState] = []  # aliases reading these files (their reads ahead)
         self.pool = PinnedPool() if pin else None  # exact-size pinned windows, reused
+        self.early: dict[tuple, tuple[list[dict], list[Future]]] = {}  # ``read_early``
 
     def nbytes(self) -> int:
         """Bytes of this rank's swap files (each rounded up to the alignment)."""
@@ -89,8 +94,19 @@ class SwapState:
             return []
         for swap in (self, *self.readers):
             swap.ahead.forget(slot)
+        for window in [w for w in self.early if slot in w]:
+            self._finish(*self.early.pop(window))
         self.traffic["write"] += sum(b.nbytes for b in bufs.values())
         return [self.io.write(self.path(slot, s), bufs[s]) for s in bufs]
+
+    def wait(self, futures: Sequence[Future]) -> None:
+        """Wait for transfers of these files, counting the time blocked (``wait_s``)."""
+        start = time.perf_counter()
+        try:
+            wait(futures)
+        finally:
+            with self._lock:
+                self.traffic["wait_s"] += time.perf_counter() - start
 
     def hint(self, slots: Sequence) -> None:
         """These slots will be loaded soon, nearest first: start their reads now (into fresh
@@ -103,12 +119,12 @@ class SwapState:
         bufs = self.ahead.take(slot)
         if bufs is None:
             bufs = self.buffers(slot)
-            wait(self.read(slot, bufs))
+            self.wait(self.read(slot, bufs))
         return bufs
 
     def store(self, slot, bufs: dict[str, torch.Tensor]) -> None:
         """Write ``bufs`` (a buffer per state, ``shard`` elements) to ``slot``'s files, now."""
-        wait(self.write(slot, bufs))
+        self.wait(self.write(slot, bufs))
 
     def put(self, slot, values: dict[str, torch.Tensor | float]) -> None:
         """Write each state's value (a tensor, cast to the file's dtype, or a fill number) to
@@ -135,7 +151,7 @@ class SwapState:
                 ahead = self._start_read(window)
             bufs, reads = ahead
             ahead = self._start_read(windows[i + 1]) if i + 1 < len(windows) else None
-            wait(reads)
+            self.wait(reads)
             yield bufs
             writing.append((bufs, [f for slot, b in zip(window, bufs, strict=True)
                                    for f in self.write(slot, b)]))
@@ -144,12 +160,29 @@ class SwapState:
         for done in writing:
             self._finish(*done)
 
+    def read_early(self, windows: Sequence[Sequence], budget: int) -> None:
+        """Start the reads of the first ``windows`` of the next ``stepping`` whose states fit
+        in ``budget`` bytes now (e.g. during backward, while the disk has time): ``stepping``
+        takes them instead of reading again. Reads already started stay (a step skipped on
+        fp16 overflow wrote nothing: they still hold the files' bytes); a write to one of
+        their slots drops them first."""
+        used = sum(b.nbytes for bufs, _ in self.early.values() for d in bufs for b in d.values())
+        for window in map(tuple, windows):
+            size = sum(s.shard for s in window) * self.dtype.itemsize * len(self.states)
+            if window not in self.early:
+                if used + size > budget:
+                    return
+                self.early[window] = self._start_read(window)
+                used += size
+
     def _start_read(self, window: Sequence) -> tuple[list[dict], list[Future]]:
+        if (early := self.early.pop(tuple(window), None)) is not None:
+            return early
         bufs = [self.buffers(slot) for slot in window]
         return bufs, [f for slot, b in zip(window, bufs, strict=True) for f in self.read(slot, b)]
 
     def _finish(self, bufs: list[dict], futures: list[Future]) -> None:
-        wait(futures)
+        self.wait(futures)
         for b in bufs:
             self.drop(b)
 
@@ -157,9 +190,15 @@ class SwapState:
         """Close the cached descriptors of every file (after they were written behind the
         I/O engine's back, e.g. a checkpoint's file-to-file copy); the next use reopens them."""
         self.ahead.hint([])
+        self.drop_early()
         for slot in self.slots:
             for state in self.states:
                 self.io.release(self.path(slot, state))
+
+    def drop_early(self) -> None:
+        """Forget the reads ``read_early`` started (once done)."""
+        while self.early:
+            self._finish(*self.early.popitem()[1])
 
     def check_space(self, others: Sequence[SwapState] = ()) -> None:
         """One-line ``ConfigError`` before anything is written when the folder is missing,
@@ -171,6 +210,7 @@ class SwapState:
         """Stop the I/O engine (shared stores: idempotent) and, at a clean exit, remove the
         swap files."""
         self.ahead.hint([])
+        self.drop_early()
         self.io.close()
         if self.pool is not None:
             self.pool.close()

@@ -45,6 +45,11 @@ background, so the disk works while earlier units compute. Every hint replaces t
 ``read_ahead`` units' shards are read ahead; ``drain`` hints nothing (after each backward,
 before the step), and ``read_ahead_start`` hints the first units once a step is done.
 
+**Kept for backward** (``keep_bytes``, ``offload_param.keep_for_backward``). Backward starts
+with the units the forward ran last: with a budget, the forward's latest units stay gathered
+(oldest released first while they exceed it) and backward finds them resident: no fetch, no
+read from swap. The same params, so the same numbers; only the bytes moved change.
+
 **Ordering.** gloo and NCCL need every rank of a group to issue its collectives in the same
 order. The gathers run on their own copies of the world and EDP groups (``gather_groups``),
 so they never interleave with gradient reduce-scatters, which depend on when gradients
@@ -155,16 +160,18 @@ class ParamGatherer:
         hint: ``hint(slots)``: these slots will be fetched soon, nearest first (forgetting
             earlier hints not among them); used when ``read_ahead`` > 0.
         read_ahead: Units ahead of the gathered one whose groups are hinted (0: no hints).
+        keep_bytes: Gathered bytes of the forward's last units kept for backward (0: none).
     """
 
     def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], slots: Sequence[Slot],
                  fetch: Callable[[Slot], torch.Tensor], groups: dict, *, prefetch: bool = True,
                  bucket_size: int | None, hint: Callable[[list[Slot]], None] | None = None,
-                 read_ahead: int = 0):
+                 read_ahead: int = 0, keep_bytes: int = 0):
         self.params, self.slots, self.fetch = params, slots, fetch
+        self.keep_bytes, self._kept = keep_bytes, []  # units held for backward, oldest first
         self.groups, self.prefetch, self.bucket_size = groups, prefetch, bucket_size
         self.hint, self.read_ahead = (hint, read_ahead) if hint and read_ahead > 0 else (None, 0)
-        self._post: list[list[int]] = []  # with read-ahead: units by post-forward hook since the last backward
+        self._post: list[list[int]] = []  # read-ahead: units by post-forward since the backward
         self._plans: dict[tuple[int, ...], tuple[GatherBucket, ...]] = {}
         modules = unit_modules(model)
         self.units = plan_units([n for n, _ in modules],
@@ -174,15 +181,16 @@ class ParamGatherer:
         self.pending = [0] * len(self.units)  # backward: owned params whose grad has not arrived
         self.active = [False] * len(self.units)  # held for backward
         self.owner = {fqn: u for u, unit in enumerate(self.units) for fqn in unit.fqns}
+        self.unit_bytes = [sum(params[m.fqn].nbytes for i in unit.slots
+                               for m in slots[i].group.members) for unit in self.units]
         for name, module in modules:
             units = [u for u, unit in enumerate(self.units) if unit.module == name]
             module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units, a))
             module.register_forward_hook(lambda m, a, out, units=units, root=module is model:
                                          self._post_forward(units, out, root))
         # Backward releases a unit once its trained params' gradients arrived and, if it has
-        # frozen params (no gradient to wait for), once its inputs' gradient is computed (the
-        # last use of its params: a ``UnitHook`` on its inputs); a unit whose inputs need no gradient is
-        # held until ``after_backward``.
+        # frozen params (no gradient to wait for), once its inputs' gradient is computed (their
+        # last use: a ``UnitHook`` on its inputs); else it is held until ``after_backward``.
         self.waits = [sum(params[f].requires_grad for f in unit.fqns)
                       + any(not params[f].requires_grad for f in unit.fqns) for unit in self.units]
         self.frozen_in = [w > sum(params[f].requires_grad for f in unit.fqns)
@@ -198,8 +206,7 @@ class ParamGatherer:
         for u in units:
             self._acquire(u)
         self._prefetch_after(units)
-        if not torch.is_grad_enabled() or recomputing() \
-                or not any(self.frozen_in[u] for u in units):
+        if not torch.is_grad_enabled() or recomputing() or not any(self.frozen_in[u] for u in units):
             return None
         tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         if not tensors:
@@ -218,8 +225,10 @@ class ParamGatherer:
             self._read_ahead(range(units[-1] + 1, len(self.units)))
 
     def _post_forward(self, units: list[int], out, root: bool = False):
+        keep = self._keep if self.keep_bytes and torch.is_grad_enabled() and not recomputing() \
+            else self._release
         for u in units:
-            self._release(u)
+            keep(u)
         if not torch.is_grad_enabled() or not units or recomputing():
             return out
         tensors = [t for t in flatten(out) if t.requires_grad]
@@ -237,6 +246,9 @@ class ParamGatherer:
         for u in units:
             self._acquire(u)
             self.pending[u], self.active[u] = self.waits[u], True
+            if u in self._kept:  # held since its forward: now held for its backward
+                self._kept.remove(u)
+                self._release(u)
         if self.prefetch and units[0] > 0:
             self._start(self.units[units[0] - 1].slots)
         if self.hint is not None and units in self._post:
@@ -260,6 +272,8 @@ class ParamGatherer:
 
     def after_backward(self) -> None:
         """Release units still held for backward and drop unused prefetches."""
+        while self._kept:
+            self._release(self._kept.pop())
         for u in range(len(self.units)):
             if self.active[u]:
                 self.active[u] = False
@@ -320,6 +334,15 @@ class ParamGatherer:
         for i in slots:
             if i not in st.resident:
                 self._scatter(i, st.inflight.pop(i))
+
+    def _keep(self, u: int) -> None:
+        """After ``u``'s forward: hold it for backward (its gather's reference stays), then
+        release the oldest units held while their gathered bytes exceed ``keep_bytes``."""
+        if u in self._kept:  # held since an earlier forward that no backward followed
+            return self._release(u)
+        self._kept.append(u)
+        while sum(self.unit_bytes[k] for k in self._kept) > self.keep_bytes:
+            self._release(self._kept.pop(0))
 
     def _release(self, u: int) -> None:
         st = self.state

@@ -53,10 +53,14 @@ class GradTier:
         slots: The local groups in plan order (the order ``take`` is called in).
         ahead: Elements of gradient read ahead of the group being stepped (at least one group).
         meter: The optimizer's ``MemoryMeter`` (held bytes of the buffers ``take`` returns).
+        keep: Bytes of partitions kept in memory from landing to ``take`` instead of going
+            through their swap files (the first to land while they fit; 0: none). The same
+            values either way: only the bytes moved change.
     """
 
-    def __init__(self, swap, slots: list[Slot], *, ahead: int, meter) -> None:
+    def __init__(self, swap, slots: list[Slot], *, ahead: int, meter, keep: int = 0) -> None:
         self.swap, self.slots, self.ahead, self.meter = swap, slots, ahead, meter
+        self.keep, self._kept = keep, {}  # slot -> its partition, kept in memory
         self._landing: dict[Slot, list] = {}  # slot -> [buffer, columns landed]
         self._sums: dict[Slot, tuple[torch.Tensor, torch.Tensor]] = {}
         self._writes: list[tuple[torch.Tensor, list[Future]]] = []
@@ -84,9 +88,14 @@ class GradTier:
 
     def _finish_landing(self, slot: Slot, buf: torch.Tensor) -> None:
         sums = square_sum(buf)
-        futures = self.swap.write(slot, {"grad": buf})
         with self._lock:
             self._sums[slot] = sums
+            self._kept.pop(slot, None)  # a step skipped on overflow never took it
+            if sum(nbytes(b) for b in self._kept.values()) + nbytes(buf) <= self.keep:
+                self._kept[slot] = buf
+                return
+        futures = self.swap.write(slot, {"grad": buf})
+        with self._lock:
             self._writes.append((buf, futures))
             self._writing += buf.numel()
         self._reap()
@@ -104,8 +113,7 @@ class GradTier:
                     return
                 self._writes.pop(0)
                 self._writing -= buf.numel()
-            for f in futures:
-                f.result()
+            self.swap.wait(futures)
 
     def finish(self) -> None:
         """After the reduction: every partition landed and written (buffers freed)."""
@@ -113,9 +121,7 @@ class GradTier:
             missing = sorted(s.group.name for s in self._landing)[:3]
             raise AssertionError(f"gradient partitions reduced in part: {missing}")
         while self._writes:
-            _, futures = self._writes.pop(0)
-            for f in futures:
-                f.result()
+            self.swap.wait(self._writes.pop(0)[1])
         self._writing = 0
 
     def sums(self, slot: Slot) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,12 +132,15 @@ class GradTier:
     def take(self, slot: Slot) -> tuple[torch.Tensor, int]:
         """``slot``'s reduced gradient in a fresh host buffer and the bytes it holds (held on
         the meter; the caller drops them). Groups are taken in plan order; reads run ahead."""
-        if not self._reads or self._reads[0][0] is not slot:
-            self._restart(slot)
-        self._read_ahead()
-        _, buf, futures = self._reads.popleft()
-        for f in futures:
-            f.result()
+        buf = self._kept.pop(slot, None)
+        if buf is not None:  # kept in memory: the reads ahead go on after it
+            self._next = max(self._next, self.slots.index(slot) + 1)
+        else:
+            if not self._reads or self._reads[0][0] is not slot:
+                self._restart(slot)
+            self._read_ahead()
+            _, buf, futures = self._reads.popleft()
+            self.swap.wait(futures)
         self._read_ahead()
         self.meter.hold(nbytes(buf))
         return buf, nbytes(buf)
@@ -145,6 +154,9 @@ class GradTier:
         in_flight = sum(s.shard for s, _, _ in self._reads)
         while self._next < len(self.slots) and (not self._reads or in_flight < self.ahead):
             slot = self.slots[self._next]
+            if slot in self._kept:  # in memory: nothing to read
+                self._next += 1
+                continue
             buf = self.swap.buffers(slot)["grad"]
             self._reads.append((slot, buf, self.swap.read(slot, {"grad": buf})))
             in_flight += slot.shard
@@ -153,11 +165,12 @@ class GradTier:
     def drain(self) -> None:
         """Wait for (and drop) the reads in flight."""
         while self._reads:
-            for f in self._reads.popleft()[2]:
-                f.result()
+            self.swap.wait(self._reads.popleft()[2])
         self._next = len(self.slots)
 
     def load(self, slot: Slot) -> torch.Tensor:
         """``slot``'s reduced gradient read now (inspection: ``full_gradients``)."""
         self.drain()
+        if slot in self._kept:
+            return self._kept[slot].clone()
         return self.swap.load(slot)["grad"]

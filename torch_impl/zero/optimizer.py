@@ -363,12 +363,12 @@ class Optimizer(FrozenWeights):
                               for name, t in st.items()}
 
     def swap_traffic(self) -> dict[str, int]:
-        """Bytes read from / written to this rank's swap files so far, by tier and direction
-        (``optim_``, ``param_``, ``grad_`` + ``read``/``write``; 0 without one)."""
+        """Bytes read from / written to this rank's swap files so far and seconds blocked on
+        them, by tier (``optim_``, ``param_``, ``grad_`` + ``read``/``write``/``wait_s``)."""
         tiers = (("optim", self.optim_swap), ("param", self.param_swap),
                  ("grad", getattr(self.grad_tier, "swap", None)))
         return {f"{tier}_{op}": swap.traffic[op] if swap is not None else 0
-                for tier, swap in tiers for op in ("read", "write")}
+                for tier, swap in tiers for op in ("read", "write", "wait_s")}
 
     def close(self) -> None:
         """Release what the optimizer holds beyond memory (a clean exit)."""

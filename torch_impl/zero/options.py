@@ -31,6 +31,12 @@ class ZeroOptions:
         param_read_ahead: Stage 3 with NVMe params: the units ahead of the one being gathered
             whose param shards are read from the swap files in the background (0: each shard
             is read when its gather starts).
+        param_keep_for_backward: Stage 3: bytes of the forward's last units kept gathered for
+            backward (``moezero.zero.gather``; 0: each released after its forward).
+        keep_grads: Stage 3 with the gradient tier: bytes of reduced gradient partitions kept
+            in memory rather than in swap files (``moezero.zero.gradtier``; 0: none).
+        read_in_backward: NVMe optimizer state: bytes of the step's first windows read during
+            the step's last backward (``SwapState.read_early``; 0: read at the step).
     """
 
     reduce_bucket_size: int = int(5e7)
@@ -40,6 +46,9 @@ class ZeroOptions:
     host_step: bool = False
     host_window: int = 1 << 22
     param_read_ahead: int = 2
+    param_keep_for_backward: int = 0
+    keep_grads: int = 0
+    read_in_backward: int = 0
     compiled_adamw: bool = True
 
     @classmethod
@@ -49,4 +58,7 @@ class ZeroOptions:
                    reduce_dtype=REDUCE_DTYPES[zero.reduce_dtype],
                    allgather_bucket_size=zero.allgather_bucket_size,
                    host_step=zero.offload_optimizer.device != "none",
-                   param_read_ahead=zero.offload_param.read_ahead)
+                   param_read_ahead=zero.offload_param.read_ahead,
+                   param_keep_for_backward=zero.offload_param.keep_for_backward,
+                   keep_grads=zero.offload_optimizer.keep_grads,
+                   read_in_backward=zero.offload_optimizer.read_in_backward)

@@ -93,13 +93,14 @@ class ShardedOptimizer(Optimizer):
         self.optim_swap, self.param_swap, grad_swap = self._swaps(swap_factory)
         if grad_swap is not None:
             self.grad_tier = GradTier(grad_swap, self.slots, ahead=options.host_window,
-                                      meter=self.meter)
+                                      meter=self.meter, keep=options.keep_grads)
         self._initial = initial or (lambda fqn: self.params[fqn].data)
         self._init_state()
         self._initial = None  # drops the init source's cached param
         self._plan_host_step(options)
         self._build_reduction(options, all_reduce=False, release=stage >= 2)
         self.bucket_size = options.allgather_bucket_size
+        self.read_in_backward = options.read_in_backward
         self.gather_plan = plan_gathers([(i, s.channel, s.columns) for i, s in enumerate(self.slots)],
                                         options.allgather_bucket_size)
         self.gatherer = None
@@ -109,7 +110,8 @@ class ShardedOptimizer(Optimizer):
                                           gather_groups(topology), prefetch=prefetch,
                                           bucket_size=options.allgather_bucket_size,
                                           hint=swap.hint if swap is not None else None,
-                                          read_ahead=options.param_read_ahead)
+                                          read_ahead=options.param_read_ahead,
+                                          keep_bytes=options.param_keep_for_backward)
 
     # ------------------------------------------------------------------ construction
     def _swaps(self, swap_factory) -> tuple:
@@ -200,6 +202,13 @@ class ShardedOptimizer(Optimizer):
         return self.transfer.pinned_copy(t) if self.transfer.pin else t.to(device)
 
     # ------------------------------------------------------------------ hooks and exit
+    def before_backward(self, *, final: bool) -> None:
+        """Before each micro-batch's backward; before the step's last one, with
+        ``read_in_backward``, the step's first windows of swapped state start their reads."""
+        super().before_backward(final=final)
+        if final and self.read_in_backward and self.optim_swap is not None and self.host_windows:
+            self.optim_swap.read_early(self.host_windows, self.read_in_backward)
+
     def after_backward(self) -> None:
         """Called after each micro-batch's backward: stage 3 releases what it still holds."""
         if self.gatherer is not None:
