@@ -7,6 +7,7 @@ peer script that uses only them needs no moezero install (``benchmarks/deepspeed
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -112,3 +113,12 @@ def drop_files(paths) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def write_gathered(spec: dict, record: dict, result_path: str) -> None:
+    """Gather every rank's ``record``; rank 0 writes ``{"spec", "ranks"}`` to ``result_path``
+    (the result file the harness reads: ``benchmarks.launch``)."""
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, record)
+    if dist.get_rank() == 0:
+        Path(result_path).write_text(json.dumps({"spec": spec, "ranks": ranks}))

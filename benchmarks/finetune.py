@@ -23,7 +23,7 @@ from pathlib import Path
 
 from benchmarks import finetune_data, finetune_report
 from benchmarks.fmt import splice
-from benchmarks.launch import REPO, error_line
+from benchmarks.launch import REPO, error_line, torchrun
 from benchmarks.machine import machine_info
 
 _MODEL = {"dim": 256, "ffn_dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
@@ -105,18 +105,9 @@ def launch(python: str, module: str, spec: dict, tag: str, work: Path, timeout: 
     spec = {**spec, "ckpt_dir": str(base / f"{tag}-ckpt")}
     paths = {k: base / f"{tag}.{k}" for k in ("spec", "result", "log")}
     paths["spec"].write_text(json.dumps(spec))
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", module, str(paths["spec"]), str(paths["result"])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    start = time.perf_counter()
-    try:
-        with open(paths["log"], "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                timeout=timeout, check=False).returncode
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"status": "failed", "error": f"{type(exc).__name__}: {exc}"[:300]}
-    wall = time.perf_counter() - start
+    rc, wall = torchrun(python, module, 2, paths, timeout)
+    if isinstance(rc, str):
+        return {"status": "failed", "error": rc[:300]}
     if rc or not paths["result"].exists():
         return {"status": "failed", "error": error_line(paths["log"].read_text()), "wall_s": wall}
     return {"status": "ok", **json.loads(paths["result"].read_text()), "wall_s": wall}

@@ -20,7 +20,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import AnonPeak, anon_rss, barrier_timed, peak_rss, tree_bytes
+from benchmarks.common import (
+    AnonPeak,
+    anon_rss,
+    barrier_timed,
+    peak_rss,
+    tree_bytes,
+    write_gathered,
+)
 
 
 def _config(overrides: list[str]):
@@ -86,10 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     try:
         record = run_rank(spec)
-        ranks: list = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, record)
-        if dist.get_rank() == 0:
-            Path(result_path).write_text(json.dumps({"spec": spec, "ranks": ranks}))
+        write_gathered(spec, record, result_path)
     finally:
         dist.destroy_process_group()
     return 0

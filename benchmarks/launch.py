@@ -43,20 +43,7 @@ def run_one(spec: dict, tag: str, args: argparse.Namespace, work: Path) -> dict:
     paths["spec"].write_text(json.dumps(spec))
     paths["result"].unlink(missing_ok=True)
     python = args.peer_python if spec["system"] == "deepspeed" else sys.executable
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(spec["world_size"]), "-m", "benchmarks.worker", str(paths["spec"]), str(paths["result"])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    start = time.perf_counter()
-    try:
-        with open(paths["log"], "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                timeout=args.timeout, check=False).returncode
-    except subprocess.TimeoutExpired:
-        rc = f"timed out after {args.timeout:.0f} s"
-    except OSError as exc:
-        rc = f"cannot start {python}: {exc}"
-    wall = time.perf_counter() - start
+    rc, wall = torchrun(python, "benchmarks.worker", spec["world_size"], paths, args.timeout)
     if not isinstance(rc, str) and paths["result"].exists():
         # Rank 0 writes the file after gathering every rank's record: the measurements are
         # complete even when a process then dies at teardown (seen: FSDP2 ranks aborting with
@@ -70,6 +57,26 @@ def run_one(spec: dict, tag: str, args: argparse.Namespace, work: Path) -> dict:
         return run
     error = rc if isinstance(rc, str) else error_line(paths["log"].read_text())
     return {"spec": spec, "status": "failed", "error": error, "wall_s": wall, "tag": tag}
+
+
+def torchrun(python: str, module: str, nproc: int, paths: dict, timeout: float):
+    """``python -m module SPEC RESULT`` (``paths``) in ``nproc`` fresh torchrun processes, one
+    thread each, output to ``paths["log"]``: (the exit code, or why it did not finish as a
+    line; wall seconds)."""
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", module, str(paths["spec"]), str(paths["result"])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    start = time.perf_counter()
+    try:
+        with open(paths["log"], "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                timeout=timeout, check=False).returncode
+    except subprocess.TimeoutExpired:
+        rc = f"timed out after {timeout:.0f} s"
+    except OSError as exc:
+        rc = f"cannot start {python}: {exc}"
+    return rc, time.perf_counter() - start
 
 
 def command_line() -> str:

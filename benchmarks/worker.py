@@ -30,6 +30,7 @@ from benchmarks.common import (
     drop_page_cache,
     peak_rss,
     tree_bytes,
+    write_gathered,
 )
 from benchmarks.machine import DD_BESIDE_MIB, dd_write
 
@@ -197,10 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             record = run_rank(spec)
         except Unsupported as exc:
             record = {"status": "unsupported", "note": str(exc)}
-        ranks: list = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, record)
-        if dist.get_rank() == 0:
-            Path(result_path).write_text(json.dumps({"spec": spec, "ranks": ranks}))
+        write_gathered(spec, record, result_path)
     finally:
         dist.destroy_process_group()
     return 0
