@@ -32,14 +32,16 @@ PHASES = ("forward", "backward", "reduce", "step")
 
 def run_nvme(args, work: Path) -> dict:
     """dd, each variant once (``--repeats`` rounds, alternating), dd again."""
-    mode = "quick" if args.quick else "mid"
+    mode = getattr(args, "nvme_size", None) or ("quick" if args.quick else "mid")
+    variants = {k: v for k, v in NVME_VARIANTS.items()
+                if not args.only or any(text in k for text in args.only)}
     swap = work / "scale-nvme"
     swap.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine_info(), "command": command_line(), "mode": mode,
                "size": SCALE_SIZES[mode], "dd_before": dd_bandwidth(swap, SCALE_SIZES[mode]["dd_mib"]),
-               "runs": {}, "variants": NVME_VARIANTS, "repeats": args.repeats or 1}
+               "runs": {}, "variants": variants, "repeats": args.repeats or 1}
     for _ in range(args.repeats or 1):
-        for name, extra in NVME_VARIANTS.items():
+        for name, extra in variants.items():
             spec = {**scale_spec(mode), "checkpoint": False}
             spec["options"].update(extra)
             results["runs"].setdefault(name, []).append(run_one(spec, "nvme-" + name.replace(" ", "-"), args, work))
@@ -134,8 +136,15 @@ def nvme_section(results: dict) -> list[str]:
                     "swap bytes per step (both ranks)", "per parameter", "peak RSS / rank",
                     "steps"], _variant_rows(found)), "",
             *phase_table(found),
-            "Command (this table only): `" + harness_command(results, "nvme")
-            + (f" --repeats {results['repeats']}" if results.get("repeats", 1) > 1 else "") + "`"]
+            "Command (this table only): `" + _command(results) + "`"]
+
+
+def _command(results: dict) -> str:
+    only = tuple(results["variants"]) if len(results.get("variants", NVME_VARIANTS)) < len(
+        NVME_VARIANTS) else ()
+    return (harness_command(results, "nvme", only)
+            + (" --nvme-size full" if results.get("mode") == "full" else "")
+            + (f" --repeats {results['repeats']}" if results.get("repeats", 1) > 1 else ""))
 
 
 def phase_table(found: dict) -> list[str]:

@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                         "hoststep, finetune alone; a run of series that own their sections "
                         "(grouped, data, tiled, collectives, estimate and the lone ones) "
                         "updates only those sections of --out")
+    p.add_argument("--nvme-size", choices=("quick", "mid", "full"),
+                   help="nvme series: the model's size (default mid, quick with --quick; full "
+                        "is the scale series' 2.05 B: ~35 GB of swap, minutes per step)")
     p.add_argument("--from-json", help="render the report from this results.json; run nothing")
     p.add_argument("--peer-json", help="scale series: the DeepSpeed peer's result "
                                        "(benchmarks/deepspeed_scale.py --out); else 'not run'")
