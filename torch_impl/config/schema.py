@@ -233,7 +233,24 @@ class ZeroConfig(_Section):
         if self.offload_param.device != "none" and self.stage != 3:
             raise FieldError("offload_param.device",
                               f"offloading params needs zero_optimization.stage 3, got {self.stage}")
+        self._nvme_budgets()
         return self
+
+    def _nvme_budgets(self) -> None:
+        """The stage-3/NVMe byte budgets, refused where they would do nothing."""
+        nvme_state = self.offload_optimizer.device == "nvme"
+        rules = (("offload_param.keep_for_backward", self.offload_param.keep_for_backward,
+                  self.stage == 3, "keeps stage-3 gather units: needs zero_optimization.stage 3"),
+                 ("offload_optimizer.keep_grads", self.offload_optimizer.keep_grads,
+                  self.stage == 3 and nvme_state, "keeps gradients out of their swap files: "
+                  "needs zero_optimization.stage 3 with offload_optimizer.device nvme"),
+                 ("offload_optimizer.read_in_backward", self.offload_optimizer.read_in_backward,
+                  nvme_state, "reads swapped optimizer state early: needs "
+                  "offload_optimizer.device nvme"))
+        for key, value, applies, why in rules:
+            if value and not applies:
+                raise FieldError(key, f"{why} (stage {self.stage}, offload_optimizer.device "
+                                      f"{self.offload_optimizer.device})")
 
 
 class CheckpointConfig(_Section):
