@@ -81,7 +81,23 @@ def transients(cfg: Config, shape: StepShape, activations: int) -> tuple[Transie
         out += _host_step(shape, ZeroOptions().host_window, zero.tiled_step)
     if shape.stage in (1, 2):
         out += _gather(zero.allgather_bucket_size, shape)
-    return tuple(t for t in out if t.bytes)
+    return tuple(t for t in out + _budgets(zero, shape) if t.bytes)
+
+
+def _budgets(zero, shape: StepShape) -> list[Transient]:
+    """The stage-3/NVMe budgets (docs/offload.md), counted at their bytes (the config refuses
+    them where they do nothing): units kept gathered on the compute device through backward;
+    gradients kept and optimizer state read early in host buffers from backward into the
+    step."""
+    units = zero.offload_param.keep_for_backward
+    held = (("offload_optimizer.keep_grads: reduced gradients kept in memory",
+             zero.offload_optimizer.keep_grads),
+            ("offload_optimizer.read_in_backward: optimizer state read early",
+             zero.offload_optimizer.read_in_backward))
+    return [Transient("backward", "offload_param.keep_for_backward: gathered units kept",
+                      shape.compute, units),
+            *(Transient(phase, what, shape.state, n) for what, n in held
+              for phase in ("backward", "step"))]
 
 
 def _backward(zero, shape: StepShape) -> list[Transient]:

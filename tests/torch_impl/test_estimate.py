@@ -172,3 +172,18 @@ def test_the_readme_stage_2_mixtral_example_does_not_fit():
     est = estimate(load_config(MIXTRAL, ["zero_optimization.stage=2", "moe.max_group_size=null",
                                          "zero_optimization.offload_optimizer.device=none"]), 8)
     assert est.tier_total("device") > 80 * GIB
+
+
+def test_the_nvme_budgets_are_counted_where_they_hold_memory(tmp_path):
+    """keep_for_backward holds gathered units on the compute device through backward;
+    keep_grads and read_in_backward hold host buffers from backward into the step. Small
+    budgets (below what this model has of each) are counted at their bytes."""
+    data = case(3, optim="nvme", param="nvme", nvme=str(tmp_path))
+    base = estimate(Config.model_validate(data), 2, device="cuda")
+    zero = data["zero_optimization"]
+    zero["offload_param"]["keep_for_backward"] = 3000
+    zero["offload_optimizer"].update(keep_grads=2000, read_in_backward=1000)
+    kept = estimate(Config.model_validate(data), 2, device="cuda")
+    grow = lambda tier, phase: kept.phase_total(phase, tier) - base.phase_total(phase, tier)
+    assert (grow("device", "backward"), grow("cpu", "backward")) == (3000, 2000 + 1000)
+    assert (grow("device", "step"), grow("cpu", "step")) == (0, 2000 + 1000)
