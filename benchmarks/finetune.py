@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks import finetune_data, finetune_report
-from benchmarks.fmt import splice
+from benchmarks.fmt import write_section
 from benchmarks.launch import REPO, error_line, torchrun
 from benchmarks.machine import machine_info
 
@@ -142,8 +142,4 @@ def run_only(args, out: Path, work: Path, quick: bool) -> int:
                    "finetune": measure(args, work, SIZES["quick" if quick else "full"]),
                    "load_after": os.getloadavg()}
         (work / "results-finetune.json").write_text(json.dumps(results, indent=1))
-    lines = finetune_report.section(results)
-    out.write_text(splice(out.read_text() if out.exists() else "# Benchmarks\n", lines))
-    print("\n".join(lines))
-    print(f"updated the finetune section of {out} ({time.perf_counter() - start:.0f} s)")
-    return 0
+    return write_section(out, finetune_report.section(results), "finetune", start)

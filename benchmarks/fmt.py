@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shlex
+import time
+from pathlib import Path
 
 from benchmarks.specs import overrides
 
@@ -89,3 +91,12 @@ def splice(text: str, section: list[str]) -> str:
         at = next((i for i in starts if lines[i].startswith("## Not run")), len(lines))
         lines[at:at] = [*section, ""] if at < len(lines) else ["", *section]
     return "\n".join(lines) + "\n"
+
+
+def write_section(out: Path, section: list[str], name: str, start: float) -> int:
+    """Splice ``section`` into the report ``out`` (a new one when absent), print it and how
+    long the series took since ``start``; 0, the harness's exit status."""
+    out.write_text(splice(out.read_text() if out.exists() else "# Benchmarks\n", section))
+    print("\n".join(section))
+    print(f"updated the {name} section of {out} ({time.perf_counter() - start:.0f} s)")
+    return 0

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.fmt import splice, table, verdict
+from benchmarks.fmt import table, verdict, write_section
 from benchmarks.hoststep_tensors import BYTES_PER_ELEMENT, HYPER, best_ms, state
 from benchmarks.machine import machine_info
 
@@ -269,8 +269,4 @@ def run_only(args, out: Path, work: Path, size: dict) -> int:
                + " ".join(sys.argv[1:]), "load": " ".join(f"{x:.1f}" for x in os.getloadavg()),
                "hoststep": measure(size, args.peer_python)}
     (work / "results-hoststep.json").write_text(json.dumps(results, indent=1))
-    lines = section(results)
-    out.write_text(splice(out.read_text() if out.exists() else "# Benchmarks\n", lines))
-    print("\n".join(lines))
-    print(f"updated the hoststep section of {out} ({time.perf_counter() - start:.0f} s)")
-    return 0
+    return write_section(out, section(results), "hoststep", start)

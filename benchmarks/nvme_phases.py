@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from benchmarks.fmt import harness_command, splice, table
+from benchmarks.fmt import harness_command, table, write_section
 from benchmarks.launch import command_line, run_one
 from benchmarks.machine import dd_bandwidth, machine_info
 from benchmarks.specs import NVME_VARIANTS, SCALE_SIZES, scale_spec
@@ -164,9 +164,4 @@ def run_only(args, out: Path, work: Path) -> int:
     else:
         results = run_nvme(args, work)
         (work / "results-nvme.json").write_text(json.dumps(results, indent=1))
-    section = nvme_section(results)
-    old = out.read_text() if out.exists() else "# Benchmarks\n"
-    out.write_text(splice(old, section))
-    print("\n".join(section))
-    print(f"updated the nvme section of {out} ({time.perf_counter() - start:.0f} s)")
-    return 0
+    return write_section(out, nvme_section(results), "nvme", start)

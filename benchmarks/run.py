@@ -29,7 +29,7 @@ from pathlib import Path
 
 from benchmarks import check, finetune, grouped, hoststep, nvme_phases, report, tables_data
 from benchmarks.data_prep import data_prep
-from benchmarks.fmt import splice
+from benchmarks.fmt import write_section
 from benchmarks.launch import REPO, command_line, error_line, run_one
 from benchmarks.machine import dd_bandwidth, machine_info, memcpy_bandwidth, swap_bandwidth
 from benchmarks.scale import run_scale_only
@@ -168,13 +168,7 @@ def run_data_only(args: argparse.Namespace, size: dict, work: Path) -> int:
     results = {"machine": machine_info(), "command": command_line(),
                "data_prep": data_prep(work, size["data_mb"])}
     (work / "results-data.json").write_text(json.dumps(results, indent=1))
-    section = tables_data.data_section(results)
-    out = Path(args.out)
-    old = out.read_text() if out.exists() else "# Benchmarks\n"
-    out.write_text(splice(old, section))
-    print("\n".join(section))
-    print(f"updated the data section of {out} ({time.perf_counter() - start:.0f} s)")
-    return 0
+    return write_section(Path(args.out), tables_data.data_section(results), "data", start)
 
 
 ALONE = ("scale", "nvme", "hoststep", "finetune")

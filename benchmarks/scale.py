@@ -27,7 +27,7 @@ import shutil
 import time
 from pathlib import Path
 
-from benchmarks.fmt import splice
+from benchmarks.fmt import write_section
 from benchmarks.launch import command_line, run_one
 from benchmarks.machine import dd_bandwidth, machine_info
 from benchmarks.specs import SCALE_SIZES, scale_spec
@@ -69,9 +69,4 @@ def run_scale_only(args, out: Path, work: Path) -> int:
     else:
         results = run_scale(args, work)
         (work / "results-scale.json").write_text(json.dumps(results, indent=1))
-    section = scale_section(results)
-    old = out.read_text() if out.exists() else "# Benchmarks\n"
-    out.write_text(splice(old, section))
-    print("\n".join(section))
-    print(f"updated the scale section of {out} ({time.perf_counter() - start:.0f} s)")
-    return 0
+    return write_section(out, scale_section(results), "scale", start)
