@@ -20,12 +20,14 @@ struct Hyper {
 };
 
 constexpr int64_t kBlock = 2048;  // elements per block: a bf16/fp16 block's upcast stays in L1
+constexpr int64_t kChunk = 64;    // elements per vectorised chunk: four cache lines of a stream
+constexpr int64_t kAhead = 512;   // elements prefetched ahead of the chunk: 2 KiB of each stream
 
 // The update of n elements from g[i] * grad_mul (g: fp32, read in this loop, or a block's
 // upcast copy). p, m, v and g never overlap (``adamw_step_`` checks): restrict lets the loop
 // vectorise.
-inline void update(float* __restrict p, float* __restrict m, float* __restrict v,
-                   const float* __restrict g, int64_t n, const Hyper& h) {
+inline void update_chunk(float* __restrict p, float* __restrict m, float* __restrict v,
+                         const float* __restrict g, int64_t n, const Hyper& h) {
   const float b1 = h.beta1, c1 = h.one_minus_beta1, b2 = h.beta2, c2 = h.one_minus_beta2;
   const float inv1 = h.inv_bias1, inv2 = h.inv_bias2, eps = h.eps, lr = h.lr, decay = h.decay;
   const float mul = h.grad_mul;
@@ -40,6 +42,25 @@ inline void update(float* __restrict p, float* __restrict m, float* __restrict v
   }
 }
 
+// update_chunk over n elements, kChunk at a time, each chunk's lines of the master, moments (and
+// of g when ``ahead_g``: an fp32 gradient in memory) requested kAhead elements early. One thread
+// streams four arrays: the hardware prefetcher alone left it ~8% under this (hoststep series);
+// a prefetch past the end of an array is a hint, never a fault. The results are unchanged.
+inline void update(float* p, float* m, float* v, const float* g, int64_t n, const Hyper& h,
+                   bool ahead_g) {
+  int64_t i = 0;
+  for (; i + kChunk <= n; i += kChunk) {
+    for (int64_t k = kAhead; k < kAhead + kChunk; k += 16) {  // 16 floats: one 64-byte line
+      __builtin_prefetch(p + i + k, 1);
+      __builtin_prefetch(m + i + k, 1);
+      __builtin_prefetch(v + i + k, 1);
+      if (ahead_g) __builtin_prefetch(g + i + k);
+    }
+    update_chunk(p + i, m + i, v + i, g + i, kChunk, h);
+  }
+  update_chunk(p + i, m + i, v + i, g + i, n - i, h);
+}
+
 template <typename G, typename O>
 void run(float* p, float* m, float* v, const G* g, O* out, int64_t numel, const Hyper& h) {
   at::parallel_for(0, (numel + kBlock - 1) / kBlock, 64, [&](int64_t b0, int64_t b1) {
@@ -48,10 +69,10 @@ void run(float* p, float* m, float* v, const G* g, O* out, int64_t numel, const 
       const int64_t lo = b * kBlock;
       const int64_t n = std::min(kBlock, numel - lo);
       if constexpr (std::is_same_v<G, float>) {
-        update(p + lo, m + lo, v + lo, g + lo, n, h);
+        update(p + lo, m + lo, v + lo, g + lo, n, h, true);
       } else {  // bf16/fp16: upcast the block first (exact), then the same loop
         for (int64_t i = 0; i < n; ++i) g32[i] = static_cast<float>(g[lo + i]);
-        update(p + lo, m + lo, v + lo, g32, n, h);
+        update(p + lo, m + lo, v + lo, g32, n, h, false);
       }
       if (out != nullptr) {  // may be the gradient's own storage: read above, written here
         for (int64_t i = 0; i < n; ++i) out[lo + i] = static_cast<O>(p[lo + i]);
