@@ -108,7 +108,9 @@ def phase_rows(found: dict) -> list[list]:
     rows = []
     for name, f in found.items():
         for p, ph in (f or {}).get("phases", {}).items():
-            waits = ph["param_wait_s"] + ph["optim_wait_s"] + (ph["grad_wait_s"] if p == "step" else 0)
+            # the main thread's: optimizer and gradient waits outside the step are a helper
+            # thread's (backward's gradient writes; the step behind the forward)
+            waits = ph["param_wait_s"] + (ph["optim_wait_s"] + ph["grad_wait_s"] if p == "step" else 0)
             rows.append([name, p, f"{ph['s']:.2f}", f"{waits:.2f}", f"{max(ph['s'] - waits, 0):.2f}",
                          f"{ph['param_read'] / GB:.2f}", f"{ph['grad_write'] / GB:.2f}",
                          f"{ph['grad_read'] / GB:.2f}",

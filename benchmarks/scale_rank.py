@@ -31,10 +31,15 @@ def _swap_bytes(trainer) -> int:
     return sum(swap.io.stats.values()) if swap is not None else 0
 
 
-def _timed_step(trainer, batches) -> dict:
+def _timed_step(trainer, batches, *, last: bool = True) -> dict:
+    """One step, timed to its barrier; the ``last`` also waits for an optimizer step still
+    running behind it (``offload_optimizer.step_in_forward``: otherwise the next step's
+    forward carries it), so the steps' sum is the run's whole time."""
     before, swap0 = proc_io(), _swap_bytes(trainer)
     start = time.perf_counter()
     loss, _ = trainer.step(torch.from_numpy(batches.next()))
+    if last:
+        trainer.engine.optimizer.finish_step()
     dist.barrier()
     after = proc_io()
     return {"s": time.perf_counter() - start, "loss": loss, "swap": _swap_bytes(trainer) - swap0,
@@ -53,7 +58,8 @@ def scale_rank(spec: dict) -> dict:
            "info": trainer.info}
     phases = {"init": memory.peak()}
     memory.reset()
-    out["steps"] = [_timed_step(trainer, trainer.batches) for _ in range(spec["train"]["timed"])]
+    timed = spec["train"]["timed"]
+    out["steps"] = [_timed_step(trainer, trainer.batches, last=i + 1 == timed) for i in range(timed)]
     phases["train"] = memory.peak()
     if spec.get("checkpoint", True):
         _save_load(trainer, spec["ckpt_dir"], out, phases, memory)

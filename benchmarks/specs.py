@@ -298,19 +298,24 @@ moments + param shard = 32.8 GB of training state), ``mid`` 4 of those layers (0
 one unit read ahead its peak RSS was 3.00 GiB per rank, 2.2 MiB over the 3 GiB target; with
 two, 3.36 GiB. Halving the unit is what lets two units be read ahead within the budget."""
 
+_BEFORE = {"zero_optimization.offload_optimizer.step_in_forward": False}
+_KEEP = {"zero_optimization.offload_param.keep_for_backward": 800_000_000,
+         "zero_optimization.offload_optimizer.keep_grads": 800_000_000}
+_READ = {"zero_optimization.offload_optimizer.read_in_backward": 800_000_000}
 NVME_VARIANTS = {
-    "today": {},
-    "keep 800 MB": {"zero_optimization.offload_param.keep_for_backward": 800_000_000,
-                    "zero_optimization.offload_optimizer.keep_grads": 800_000_000},
-    "keep + read 800 MB": {"zero_optimization.offload_param.keep_for_backward": 800_000_000,
-                           "zero_optimization.offload_optimizer.keep_grads": 800_000_000,
-                           "zero_optimization.offload_optimizer.read_in_backward": 800_000_000}}
+    "today": _BEFORE,
+    "keep 800 MB": {**_BEFORE, **_KEEP},
+    "keep + read 800 MB": {**_BEFORE, **_KEEP, **_READ},
+    "step in forward": {},
+    "step in forward + keep + read 800 MB": {**_KEEP, **_READ}}
 """The ``nvme`` series' configurations (``benchmarks.nvme_phases``), each run with the
 ``scale`` series' options plus these: ``today`` is the series as measured in issue 28; the
 others keep the forward's last gather units for backward and the first reduced gradient
 partitions in memory, each up to that many bytes per rank (the same numbers, fewer bytes), and
-the last also reads that many bytes of the step's optimizer state during backward. (An
-earlier run also had ``keep 400 MB``: 35.1 B per parameter at ``mid``.)"""
+the third also reads that many bytes of the step's optimizer state during backward. These
+three step before the forward (``step_in_forward: false``); ``step in forward`` is the
+default since issue 28 (each step's swapped updates behind the next forward), alone and with
+the third's budgets. (An earlier run also had ``keep 400 MB``: 35.1 B per parameter at ``mid``.)"""
 
 SCALE_TARGETS = {"rss_bytes": 3 * 2**30, "disk_ratio": 1.5, "params": 2.0e9, "experts": 32}
 

@@ -11,7 +11,9 @@ NVMe params and optimizer, the param shard reads of forward and of backward, the
 writes of backward, the gradient reads and the master/moment reads and writes of the step.
 A wait is the time a thread spent blocked on a transfer: on the main thread (param loads,
 the step's reads) it is time the disk kept compute waiting; the gradient writes of backward
-are waited for on the reduction's helper thread. Compute is a phase's time less its
+are waited for on the reduction's helper thread, and with ``offload_optimizer.step_in_forward``
+the step's reads and writes on its own thread during the next forward (whose main thread
+waits, as param waits, only for the groups it gathers). Compute is a phase's time less its
 main-thread waits. The row keys are ``phases`` (nested) and the step totals ``swap_*``.
 Reference counterpart: none (telemetry).
 """

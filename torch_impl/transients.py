@@ -21,6 +21,9 @@ the largest phase:
   NVMe, three windows' swap buffers: ``offload.state.SwapState.stepping``);
 - ``gather``: stages 1-2, the all-gather after the step (``zero.allgather.gather_all``: two
   buckets in flight, each a receive buffer unless it lands in place).
+
+With ``offload_optimizer.step_in_forward`` the step runs beside the next forward, so the
+step phase also holds that forward's activations and gathered units (backward's bounds).
 """
 
 from __future__ import annotations
@@ -81,6 +84,10 @@ def transients(cfg: Config, shape: StepShape, activations: int) -> tuple[Transie
         out += _host_step(shape, ZeroOptions().host_window, zero.tiled_step)
     if shape.stage in (1, 2):
         out += _gather(zero.allgather_bucket_size, shape)
+    if zero.steps_in_forward:  # the next forward runs beside the step
+        out += [Transient("step", f"offload_optimizer.step_in_forward: the next forward's "
+                          f"{t.what}", t.tier, t.bytes) for t in out
+                if t.phase == "backward" and t.what.startswith(("activations", "gathered"))]
     return tuple(t for t in out + _budgets(zero, shape) if t.bytes)
 
 

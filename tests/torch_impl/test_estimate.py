@@ -187,3 +187,20 @@ def test_the_nvme_budgets_are_counted_where_they_hold_memory(tmp_path):
     grow = lambda tier, phase: kept.phase_total(phase, tier) - base.phase_total(phase, tier)
     assert (grow("device", "backward"), grow("cpu", "backward")) == (3000, 2000 + 1000)
     assert (grow("device", "step"), grow("cpu", "step")) == (0, 2000 + 1000)
+
+
+def test_a_step_behind_the_forward_is_counted_beside_its_activations_and_gathers(tmp_path):
+    """``step_in_forward``: the step's windows are alive while the next forward saves its
+    activations and gathers its units, so the step phase also holds those (on the compute
+    device), and nothing else changes."""
+    data = case(3, optim="nvme", param="nvme", nvme=str(tmp_path))
+    behind = estimate(Config.model_validate(data), 2, device="cuda")  # the default: on
+    data["zero_optimization"]["offload_optimizer"]["step_in_forward"] = False
+    base = estimate(Config.model_validate(data), 2, device="cuda")
+    of = lambda est, phase, what: sum(t.bytes for t in est.transients
+                                      if t.phase == phase and what in t.what)
+    forward = of(base, "backward", "activations") + of(base, "backward", "gathered params")
+    assert forward > 0
+    assert behind.phase_total("step", "device") - base.phase_total("step", "device") == forward
+    assert behind.phase_total("backward", "device") == base.phase_total("backward", "device")
+    assert behind.phase_total("step", "cpu") == base.phase_total("step", "cpu")

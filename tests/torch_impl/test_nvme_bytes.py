@@ -4,12 +4,14 @@ torch_impl/zero/gather.py), ``offload_optimizer.keep_grads`` (reduced gradient p
 stay in memory, torch_impl/zero/gradtier.py) and ``offload_optimizer.read_in_backward`` (the
 step's first state windows read during backward, torch_impl/offload/state.py) change when and
 how many bytes move, never the numbers: losses, grad norms and params bit for bit those of the
-default, at W=2, ep 2, fp32 and fp16 (steps skipped on overflow). About 30 s at W=2 (six
-engines of three steps); a few seconds for ``read_early`` alone.
+default, at W=2, ep 2, fp32 and fp16 (steps skipped on overflow); so does
+``offload_optimizer.step_in_forward`` (the step behind the next forward). About 45 s at W=2
+(nine engines of three steps); a few seconds for ``read_early`` alone.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -21,6 +23,7 @@ from moezero.offload.aio import AsyncIO
 from moezero.offload.state import SwapState
 from moezero.offload.swapdir import SwapDir
 from moezero.plan.layout import STATES
+from moezero.zero.behind import StepBehind
 from tests.support.world import run_world
 from tests.torch_impl.test_distributed import MICRO
 from tests.torch_impl.test_grad_tier import tier_cfg
@@ -46,11 +49,12 @@ def run(cfg_data: dict) -> dict:
 
 
 def _cfg(nvme: str, dtype: str, *, keep_units: int = 0, keep_grads: int = 0,
-         early: int = 0) -> dict:
+         early: int = 0, behind: bool = False) -> dict:
     cfg = tier_cfg("nvme", dtype=dtype, ep=2, nvme=nvme)
     cfg["zero_optimization"]["offload_param"]["keep_for_backward"] = keep_units
     cfg["zero_optimization"]["offload_optimizer"].update(keep_grads=keep_grads,
-                                                         read_in_backward=early)
+                                                         read_in_backward=early,
+                                                         step_in_forward=behind)
     return cfg
 
 
@@ -63,6 +67,11 @@ def cases(nvme: str) -> dict:
     # budgets below the whole: the latest unit(s) / the first partitions to land only
     out["fp32_keep_some"] = _cfg(nvme, "fp32", keep_units=700_000, keep_grads=20_000)
     out["fp32_early"] = _cfg(nvme, "fp32", early=BIG)
+    # the step behind the next forward: alone, and with every budget
+    out["fp32_behind"] = _cfg(nvme, "fp32", behind=True)
+    out["fp16_behind"] = _cfg(nvme, "fp16", behind=True)
+    out["fp32_behind_keep_all"] = _cfg(nvme, "fp32", keep_units=BIG, keep_grads=BIG, early=BIG,
+                                       behind=True)
     return out
 
 
@@ -123,6 +132,22 @@ def test_state_read_in_backward_moves_the_reads_not_the_results(ranks):
             assert (p["backward"]["optim_read"], p["step"]["optim_read"]) == (state, 0)
 
 
+@pytest.mark.parametrize("name", ["fp32_behind", "fp16_behind", "fp32_behind_keep_all"])
+def test_a_step_behind_the_forward_changes_when_not_what(ranks, name):
+    """``step_in_forward``: each step's swapped updates run behind the next forward, whose
+    gathers wait per group for its written master: the same losses, grad norms (fp16: the
+    same skipped steps) and params bit for bit as the step run before the forward. In fp32
+    the forward gathers the masters the step hands over (``SwapState.offer``) rather than
+    reading them back: fewer param bytes read after the first step."""
+    for rank in ranks:
+        got, want = rank[name], rank[name.split("_")[0] + "_default"]
+        _same(got, want, name)
+        assert got["param_read"][0] > 0
+        if name == "fp32_behind":
+            assert all(g < w for g, w in zip(got["param_read"][1:], want["param_read"][1:],
+                                             strict=True))
+
+
 @dataclass(eq=False)
 class _Slot:
     shard: int
@@ -147,3 +172,48 @@ def test_read_early_takes_whole_windows_within_the_budget_and_a_write_drops_them
     seen = [float(bufs[0]["exp_avg"][0]) for bufs in swap.stepping(windows)]
     assert seen == [1.0, -1.0, 21.0] and swap.early == {}
     swap.close(remove=True)
+
+
+def test_a_gated_slot_loads_once_written_and_is_never_read_ahead(tmp_path):
+    """``SwapState.gate``: a load of a slot being rewritten waits for ``open`` (here from
+    another thread, after the write) and returns the written bytes; a hint skips it."""
+    slot = _Slot(1024, SimpleNamespace(name="g0"))
+    swap = SwapState(SwapDir(tmp_path, 0).acquire(), AsyncIO(2), [slot], ("param",),
+                     torch.float32, key="test")
+    swap.allocate()
+    swap.put(slot, {"param": 1.0})
+    swap.gate([slot])
+    swap.hint([slot])
+    assert swap.ahead.pending == {} and not swap.written(slot)
+
+    def rewrite():
+        swap.put(slot, {"param": 2.0})
+        swap.open([slot])
+
+    writer = threading.Timer(0.2, rewrite)
+    writer.start()
+    assert float(swap.load(slot)["param"][0]) == 2.0
+    writer.join()
+    assert swap.written(slot) and swap.traffic["wait_s"] > 0.1
+    swap.close(remove=True)
+
+
+def test_a_step_behind_that_fails_opens_every_gate_and_raises_at_finish():
+    """The step thread fails (e.g. a full disk on a write): no gathered group stays gated
+    (the forward must not hang), and the error is raised where the main thread next needs the
+    step done (``finish``: the next backward, a save, close), once."""
+    slots = [_Slot(8, SimpleNamespace(name=f"g{i}")) for i in range(2)]
+    swap = SimpleNamespace(unwritten={}, alias="master")
+    swap.gate = lambda ss: swap.unwritten.update(dict.fromkeys(ss))
+    swap.open = lambda ss: [swap.unwritten.pop(s, None) for s in ss]
+
+    def full_disk(**hooks):
+        assert set(swap.unwritten) == set(slots) and set(hooks) == {"written", "issued"}
+        raise OSError(28, "No space left on device")
+
+    behind = StepBehind(swap, handover_bytes=0)
+    behind.start(slots, full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        behind.finish()
+    assert swap.unwritten == {}
+    behind.finish()  # raised once: nothing left behind

@@ -24,6 +24,9 @@ def readahead_cfg(nvme: str, *, ep: int, optim: str, read_ahead: int) -> dict:
     cfg = offload_cfg(3, "nvme", optim, nvme=nvme)
     cfg["moe"]["ep_size"] = ep
     cfg["zero_optimization"]["offload_param"]["read_ahead"] = read_ahead
+    # the step before the forward: with the step behind it (the nvme/nvme default) the
+    # forward takes the stepped masters or waits for them (test_nvme_bytes.py)
+    cfg["zero_optimization"]["offload_optimizer"]["step_in_forward"] = False
     return cfg
 
 

@@ -51,3 +51,11 @@ class OptimizerOffloadConfig(OffloadConfig):
         0, ge=0, description="With device nvme: bytes of the step's first windows of optimizer "
                              "state (master, moments) read from their swap files during the "
                              "step's last backward instead of at the step; 0 = at the step.")
+    step_in_forward: bool | None = Field(
+        None, description="Stage 3 with the optimizer and params on nvme: the step's "
+                           "swapped updates run in the background, behind the next forward, "
+                           "each group's gather waiting until its master is written (or "
+                           "taking it from the step), so the forward's compute overlaps the "
+                           "step's disk time. The same numbers; anything else that reads the "
+                           "state (a save, an export) waits for the whole step. Default (null): "
+                           "on wherever it applies; false: the step before the forward.")

@@ -236,6 +236,15 @@ class ZeroConfig(_Section):
         self._nvme_budgets()
         return self
 
+    @property
+    def steps_in_forward(self) -> bool:
+        """``offload_optimizer.step_in_forward`` resolved: null means on wherever it applies
+        (stage 3 with the optimizer and the params on nvme)."""
+        applies = self.stage == 3 and self.offload_optimizer.device == "nvme" \
+            and self.offload_param.device == "nvme"
+        chosen = self.offload_optimizer.step_in_forward
+        return applies if chosen is None else chosen
+
     def _nvme_budgets(self) -> None:
         """The stage-3/NVMe byte budgets, refused where they would do nothing."""
         nvme_state = self.offload_optimizer.device == "nvme"
@@ -246,7 +255,11 @@ class ZeroConfig(_Section):
                   "needs zero_optimization.stage 3 with offload_optimizer.device nvme"),
                  ("offload_optimizer.read_in_backward", self.offload_optimizer.read_in_backward,
                   nvme_state, "reads swapped optimizer state early: needs "
-                  "offload_optimizer.device nvme"))
+                  "offload_optimizer.device nvme"),
+                 ("offload_optimizer.step_in_forward", self.offload_optimizer.step_in_forward,
+                  self.stage == 3 and nvme_state and self.offload_param.device == "nvme",
+                  "steps behind the next forward's gathers: needs zero_optimization.stage 3 "
+                  "with offload_optimizer.device and offload_param.device nvme"))
         for key, value, applies, why in rules:
             if value and not applies:
                 raise FieldError(key, f"{why} (stage {self.stage}, offload_optimizer.device "

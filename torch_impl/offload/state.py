@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -32,6 +32,14 @@ from moezero.offload.readahead import ReadAhead
 from moezero.offload.swapdir import OPTIMIZER_KEY, PARAM_KEY, SwapDir
 from moezero.plan.layout import STATES
 from moezero.zero.pinned import PinnedPool
+
+
+class _Gate:
+    """A slot a step behind the forward rewrites: ``ready`` once offered or written,
+    ``written`` once its files are."""
+
+    def __init__(self) -> None:
+        self.ready, self.written = threading.Event(), threading.Event()
 
 
 class SwapState:
@@ -50,6 +58,8 @@ class SwapState:
         self.readers: list[SwapState] = []  # aliases reading these files (their reads ahead)
         self.pool = PinnedPool() if pin else None  # exact-size pinned windows, reused
         self.early: dict[tuple, tuple[list[dict], list[Future]]] = {}  # ``read_early``
+        self.unwritten: dict[object, _Gate] = {}  # ``gate``: being rewritten
+        self.offered: dict[object, dict[str, torch.Tensor]] = {}  # ``offer``: handed over
 
     def nbytes(self) -> int:
         """Bytes of this rank's swap files (each rounded up to the alignment)."""
@@ -94,6 +104,7 @@ class SwapState:
             return []
         for swap in (self, *self.readers):
             swap.ahead.forget(slot)
+            swap.offered.pop(slot, None)
         for window in [w for w in self.early if slot in w]:
             self._finish(*self.early.pop(window))
         self.traffic["write"] += sum(b.nbytes for b in bufs.values())
@@ -114,8 +125,53 @@ class SwapState:
         ``hint([])`` drops every read ahead (``moezero.offload.readahead``)."""
         self.ahead.hint(slots)
 
+    def gate(self, slots: Sequence) -> None:
+        """A step running behind the forward (``step_in_forward``) will rewrite these slots'
+        files: ``load`` waits for each until ``offer`` or ``open``, and no read ahead starts
+        before ``open``."""
+        self.unwritten.update((slot, _Gate()) for slot in slots)
+
+    def offer(self, slot, bufs: dict[str, torch.Tensor]) -> None:
+        """Hand over ``slot``'s new contents (``bufs``: the bytes being written to its files,
+        never changed after): its next ``load`` takes them instead of reading; a write of the
+        slot drops them."""
+        self.offered[slot] = bufs
+        if self.meter is not None:
+            self.meter.hold(sum(b.nbytes for b in bufs.values()))
+        gate = self.unwritten.get(slot)
+        if gate is not None:
+            gate.ready.set()
+
+    def offered_bytes(self) -> int:
+        return sum(b.nbytes for bufs in list(self.offered.values()) for b in bufs.values())
+
+    def open(self, slots: Sequence) -> None:
+        """These slots' files are written: their loads and reads ahead may start."""
+        for slot in slots:
+            gate = self.unwritten.pop(slot, None)
+            if gate is not None:
+                gate.written.set()
+                gate.ready.set()
+
+    def written(self, slot) -> bool:
+        """No ``gate`` holds ``slot``'s files."""
+        return slot not in self.unwritten
+
+    def _await(self, slot, what: str) -> None:
+        gate = self.unwritten.get(slot)
+        if gate is not None:
+            start = time.perf_counter()
+            getattr(gate, what).wait()
+            with self._lock:
+                self.traffic["wait_s"] += time.perf_counter() - start
+
     def load(self, slot) -> dict[str, torch.Tensor]:
-        """``slot``'s states in fresh buffers: its read ahead once done, else read now."""
+        """``slot``'s states in fresh buffers: its read ahead once done, else read now (once
+        its files are written, when ``gate`` holds them), or what ``offer`` handed over."""
+        self._await(slot, "ready")
+        if (bufs := self.offered.pop(slot, None)) is not None:
+            return bufs
+        self._await(slot, "written")
         bufs = self.ahead.take(slot)
         if bufs is None:
             bufs = self.buffers(slot)
@@ -141,11 +197,15 @@ class SwapState:
         self.store(slot, bufs)
         self.drop(bufs)
 
-    def stepping(self, windows: Sequence[Sequence]) -> Iterator[list[dict[str, torch.Tensor]]]:
+    def stepping(self, windows: Sequence[Sequence], written: Callable[[Sequence], None] | None = None,
+                 issued: Callable[[object, dict], None] | None = None
+                 ) -> Iterator[list[dict[str, torch.Tensor]]]:
         """Yield, window by window, each slot's states in host buffers; what the caller changes
-        in them is written back. Reads run one window ahead, writes one window behind."""
+        in them is written back. Reads run one window ahead, writes one window behind;
+        ``issued(slot, bufs)`` once a slot's writes are started, ``written(window)`` once a
+        window's writes are done."""
         ahead = None
-        writing: list[tuple[list[dict], list[Future]]] = []
+        writing: list[tuple[list[dict], list[Future], Sequence]] = []
         for i, window in enumerate(windows):
             if ahead is None:
                 ahead = self._start_read(window)
@@ -153,12 +213,22 @@ class SwapState:
             ahead = self._start_read(windows[i + 1]) if i + 1 < len(windows) else None
             self.wait(reads)
             yield bufs
-            writing.append((bufs, [f for slot, b in zip(window, bufs, strict=True)
-                                   for f in self.write(slot, b)]))
+            futures = []
+            for slot, b in zip(window, bufs, strict=True):
+                futures += self.write(slot, b)
+                if issued is not None:
+                    issued(slot, b)
+            writing.append((bufs, futures, window))
             while len(writing) > 1:
-                self._finish(*writing.pop(0))
+                self._written(*writing.pop(0), written)
         for done in writing:
-            self._finish(*done)
+            self._written(*done, written)
+
+    def _written(self, bufs: list[dict], futures: list[Future], window: Sequence,
+                 written: Callable[[Sequence], None] | None) -> None:
+        self._finish(bufs, futures)
+        if written is not None:
+            written(window)
 
     def read_early(self, windows: Sequence[Sequence], budget: int) -> None:
         """Start the reads of the first ``windows`` of the next ``stepping`` whose states fit
@@ -188,9 +258,12 @@ class SwapState:
 
     def reopen(self) -> None:
         """Close the cached descriptors of every file (after they were written behind the
-        I/O engine's back, e.g. a checkpoint's file-to-file copy); the next use reopens them."""
+        I/O engine's back, e.g. a checkpoint's file-to-file copy); the next use reopens them.
+        What was handed over (``offer``), here or to a reader of these files, is dropped."""
         self.ahead.hint([])
         self.drop_early()
+        for swap in (self, *self.readers):
+            swap.offered.clear()
         for slot in self.slots:
             for state in self.states:
                 self.io.release(self.path(slot, state))
@@ -211,6 +284,7 @@ class SwapState:
         swap files."""
         self.ahead.hint([])
         self.drop_early()
+        self.offered.clear()
         self.io.close()
         if self.pool is not None:
             self.pool.close()

@@ -67,7 +67,7 @@ class GradTier:
         self._writing = 0  # elements of the buffers in ``_writes``
         self._lock = threading.Lock()
         self._reads: deque[tuple[Slot, torch.Tensor, list[Future]]] = deque()
-        self._next = 0  # the next slot (plan order) whose read is not started
+        self._next = 0  # the next slot (in ``slots`` order: the step's) whose read is not started
 
     # ------------------------------------------------------------------ landing
     def land(self, slot: Slot, a: int, b: int, values: torch.Tensor) -> None:
@@ -131,7 +131,7 @@ class GradTier:
     # ------------------------------------------------------------------ stepping
     def take(self, slot: Slot) -> tuple[torch.Tensor, int]:
         """``slot``'s reduced gradient in a fresh host buffer and the bytes it holds (held on
-        the meter; the caller drops them). Groups are taken in plan order; reads run ahead."""
+        the meter; the caller drops them). Groups are taken in ``slots`` order; reads run ahead."""
         buf = self._kept.pop(slot, None)
         if buf is not None:  # kept in memory: the reads ahead go on after it
             self._next = max(self._next, self.slots.index(slot) + 1)

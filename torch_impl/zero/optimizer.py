@@ -7,8 +7,8 @@
 gradient reduction (``moezero.zero.reduce``) and the step below. The engine calls, per training
 step: ``before_backward`` / ``after_backward`` around each micro-batch's backward,
 ``reduce_gradients``, ``step``, ``zero_grad``. A checkpoint receives ``shards()`` (what this rank
-saves) and ``load_targets()`` (what it fills on load, then ``after_load``); it never sees the
-optimizer itself.
+saves) and ``load_targets()`` (what it fills on load, then ``after_load``; ``zero.state_view``);
+it never sees the optimizer itself.
 
 **Step.** The global grad norm is one all-reduce of local sums of squares over each rank's
 *own* range of every group (its shard: each element is counted exactly once, on every stage,
@@ -32,31 +32,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moezero.distributed.topology import Topology
-from moezero.plan.layout import STATES
 from moezero.plan.partition import Partition
 from moezero.zero.adamw import clip_coef
+from moezero.zero.behind import StepBehind
 from moezero.zero.buckets import GroupColumns, plan_windows
 from moezero.zero.buffers import attach_grad_views, build_kinds, flatten_params, param_positions
-from moezero.zero.frozen import FrozenWeights
 from moezero.zero.gradtier import square_sum
 from moezero.zero.groups import OptimizerGroups
 from moezero.zero.hostadam import adamw_step_, load_compiled
 from moezero.zero.options import ZeroOptions
 from moezero.zero.reduce import GradReduction
-from moezero.zero.shards import MemoryMeter, Slot, StateShard, nbytes
+from moezero.zero.shards import MemoryMeter, Slot, nbytes
+from moezero.zero.state_view import StateView
 from moezero.zero.transfer import HostTransfer, Staged
 
 ADAMW_TEMPORARIES = 0  # adamw_step_ allocates nothing per element (its torch-ops fallback: a
 # few chunks of ``hostadam.CHUNK`` elements)
 
 
-class Optimizer(FrozenWeights):
+class Optimizer(StateView):
     """Gradient reduction, fp32 state and the (tiled) step of the local optimizer groups.
 
     Subclasses build the slots' state and say where this rank's range of a slot lies
@@ -82,6 +83,7 @@ class Optimizer(FrozenWeights):
         self.full_grads = False
         self.transfer = HostTransfer(self._device)
         self.host_windows: tuple[tuple[Slot, ...], ...] | None = None  # the offloaded step's
+        self.behind: StepBehind | None = None  # ``step_in_forward`` (set by a subclass)
 
     def _build_buffers(self, groups: OptimizerGroups, columns: Callable[[Partition], GroupColumns],
                        *, flat: bool, full_grads: bool) -> None:
@@ -104,12 +106,14 @@ class Optimizer(FrozenWeights):
         if full_grads:
             attach_grad_views(self.trained, self.kinds, self.where)
 
-    def _plan_host_step(self, options: ZeroOptions) -> None:
-        """With ``options.host_step``: the windows of the offloaded step, in plan order."""
+    def _plan_host_step(self, options: ZeroOptions, order: list[Slot] | None = None) -> None:
+        """With ``options.host_step``: the windows of the offloaded step over ``order``'s
+        slots (default: plan order; any order, the same numbers)."""
+        order = order or self.slots
         if options.host_step:
             self.host_windows = tuple(
-                tuple(self.slots[i] for i in w)
-                for w in plan_windows([s.shard for s in self.slots], options.host_window))
+                tuple(order[i] for i in w)
+                for w in plan_windows([s.shard for s in order], options.host_window))
 
     def _build_reduction(self, options: ZeroOptions, *, all_reduce: bool, release: bool) -> None:
         self.reduction = GradReduction(self.trained, [k for k in self.kinds if not k.frozen],
@@ -125,6 +129,7 @@ class Optimizer(FrozenWeights):
     # ------------------------------------------------------------------ gradients
     def before_backward(self, *, final: bool) -> None:
         """Called before each micro-batch's backward; ``final`` = the step's last one."""
+        self.finish_step()
         self.reduction.before_backward(final=final)
         if self.full_grads:
             attach_grad_views(self.trained, self.kinds, self.where)
@@ -154,6 +159,7 @@ class Optimizer(FrozenWeights):
 
         Returns (grad norm of the unscaled gradients, overflow); on overflow nothing changes.
         """
+        self.finish_step()
         self.meter.start()
         upcast = None if tiled else [self._upcast(s) for s in self.slots]
         sq, overflow = self._square_sum(upcast)
@@ -164,6 +170,9 @@ class Optimizer(FrozenWeights):
         grad_norm = math.sqrt(sq) / scale
         grad_mul = clip_coef(grad_norm, max_norm) / scale  # applied inside the AdamW pass
         adam = {"step": step, "beta1": betas[0], "beta2": betas[1], "eps": eps}
+        if self.host_windows is not None and self.behind is not None:  # zero.behind
+            self.behind.start(self.slots, partial(self._step_host, upcast, grad_mul, lr, adam))
+            return grad_norm, False
         if self.host_windows is not None:
             self._step_host(upcast, grad_mul, lr, adam)
         else:
@@ -180,14 +189,15 @@ class Optimizer(FrozenWeights):
             self._adamw(slot, st, grad, held, grad_mul, lr, adam)
             del grad
 
-    def _step_host(self, upcast: list | None, grad_mul: float, lr: float, adam: dict) -> None:
+    def _step_host(self, upcast: list | None, grad_mul: float, lr: float, adam: dict,
+                   **hooks) -> None:
         """The offloaded step, window by window: the next window's gradients travel to the
         host (and its swapped state is read) while this one is stepped there, and its masters
-        travel back."""
+        travel back; ``hooks``: ``SwapState.stepping``'s ``written`` and ``issued``."""
         index = {slot: i for i, slot in enumerate(self.slots)}
         windows = self.host_windows
         staged = self._stage(windows[0], upcast, index)
-        for w, pairs in enumerate(self._window_states(windows)):
+        for w, pairs in enumerate(self._window_states(windows, **hooks)):
             ahead = (self._stage(windows[w + 1], upcast, index)
                      if w + 1 < len(windows) else None)
             (host, held), staged = staged, ahead
@@ -196,6 +206,11 @@ class Optimizer(FrozenWeights):
             self.meter.drop(held)
             del host
         self.transfer.finish()
+
+    def finish_step(self) -> None:
+        """Wait for a step running behind the forward (``zero.behind``); raise its error."""
+        if self.behind is not None:
+            self.behind.finish()
 
     def _stage(self, window: tuple[Slot, ...], upcast: list | None,
                index: dict) -> tuple[Staged, int]:
@@ -214,11 +229,11 @@ class Optimizer(FrozenWeights):
         self.meter.hold(copies)
         return staged, held + copies
 
-    def _window_states(self, windows) -> Iterator[list[tuple[Slot, dict[str, torch.Tensor]]]]:
+    def _window_states(self, windows, **hooks) -> Iterator[list[tuple[Slot, dict]]]:
         """Each window's (slot, states) pairs: the tensors, or swap files' contents in host
         buffers (read a window ahead, written back a window behind)."""
         if self.optim_swap is not None:
-            for window, bufs in zip(windows, self.optim_swap.stepping(windows), strict=True):
+            for window, bufs in zip(windows, self.optim_swap.stepping(windows, **hooks), strict=True):
                 yield list(zip(window, bufs, strict=True))
             return
         for window in windows:
@@ -305,6 +320,7 @@ class Optimizer(FrozenWeights):
 
     def _read_states(self) -> Iterator[tuple[Slot, dict[str, torch.Tensor]]]:
         """Like ``_states``, but swapped states are read into host buffers and not written back."""
+        self.finish_step()
         if self.optim_swap is None:
             yield from self._states()
             return
@@ -314,35 +330,6 @@ class Optimizer(FrozenWeights):
             self.optim_swap.drop(bufs)
 
     # ------------------------------------------------------------------ checkpoints
-    def shards(self, *, frozen: bool = True) -> list[StateShard]:
-        """What this rank saves: its fp32 range of every local group, in plan order (views of
-        the live state, or with NVMe offload the swap files, which hold the same range); of a
-        frozen group its weights only."""
-        out = self._swapped_shards() if self.optim_swap is not None else []
-        for slot, st in self._states() if self.optim_swap is None else ():
-            lo, hi = self._local(slot)
-            out.append(StateShard(slot.partition, slot.dp_rank,
-                                  tensors={s: t[lo:hi] for s, t in st.items()}))
-        return out + list(self._frozen_shards(load=False) if frozen else ())
-
-    def load_targets(self, *, trained: bool = True, frozen: bool = True) -> Iterator[StateShard]:
-        """What this rank fills from a checkpoint: every DP rank's range it holds (views of
-        the live state, or the swap files), of the trained and/or the frozen groups; call
-        ``after_load`` once they are filled."""
-        if trained and self.optim_swap is not None:
-            yield from self._swapped_shards()
-        elif trained:
-            for slot, st in self._states():
-                for d, lo, hi in self._load_ranges(slot):
-                    yield StateShard(slot.partition, d,
-                                     tensors={s: t[lo:hi] for s, t in st.items()})
-        yield from self._frozen_shards(load=True) if frozen else ()
-
-    def _swapped_shards(self) -> list[StateShard]:
-        return [StateShard(slot.partition, slot.dp_rank,
-                           files={s: self.optim_swap.path(slot, s) for s in STATES})
-                for slot in self.slots]
-
     def after_load(self) -> None:
         """Derive the compute-dtype params from the loaded masters (collective)."""
         self.params_from_master()
@@ -352,15 +339,6 @@ class Optimizer(FrozenWeights):
         for slot, st in self._read_states():
             self._downcast(slot, st["master"])
         self._after_step()
-
-    def state_pieces(self):
-        """(Slice of a param, {"master", "exp_avg", "exp_avg_sq": views}) for every element
-        range this rank owns, in plan order (padding omitted)."""
-        for slot, st in self._read_states():
-            base = self._local(slot)[0]
-            for piece, at in slot.partition.rank_slices(slot.dp_rank):
-                yield piece, {name: t[base + at:base + at + piece.numel]
-                              for name, t in st.items()}
 
     def swap_traffic(self) -> dict[str, int]:
         """Bytes read from / written to this rank's swap files so far and seconds blocked on

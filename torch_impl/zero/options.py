@@ -37,6 +37,9 @@ class ZeroOptions:
             in memory rather than in swap files (``moezero.zero.gradtier``; 0: none).
         read_in_backward: NVMe optimizer state: bytes of the step's first windows read during
             the step's last backward (``SwapState.read_early``; 0: read at the step).
+        step_in_forward: Stage 3 with NVMe state and params: the step's windows run on a
+            background thread behind the next forward, whose gathers wait per group for its
+            written master (``Optimizer.finish_step``).
     """
 
     reduce_bucket_size: int = int(5e7)
@@ -49,6 +52,7 @@ class ZeroOptions:
     param_keep_for_backward: int = 0
     keep_grads: int = 0
     read_in_backward: int = 0
+    step_in_forward: bool = False
     compiled_adamw: bool = True
 
     @classmethod
@@ -61,4 +65,5 @@ class ZeroOptions:
                    param_read_ahead=zero.offload_param.read_ahead,
                    param_keep_for_backward=zero.offload_param.keep_for_backward,
                    keep_grads=zero.offload_optimizer.keep_grads,
-                   read_in_backward=zero.offload_optimizer.read_in_backward)
+                   read_in_backward=zero.offload_optimizer.read_in_backward,
+                   step_in_forward=zero.steps_in_forward)

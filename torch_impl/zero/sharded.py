@@ -46,6 +46,7 @@ from torch import nn
 
 from moezero.distributed.topology import Topology, gather_groups
 from moezero.zero.allgather import gather_all
+from moezero.zero.behind import StepBehind
 from moezero.zero.buckets import plan_gathers, scatter_columns
 from moezero.zero.gather import ParamGatherer
 from moezero.zero.gradtier import GradTier
@@ -112,8 +113,29 @@ class ShardedOptimizer(Optimizer):
                                           hint=swap.hint if swap is not None else None,
                                           read_ahead=options.param_read_ahead,
                                           keep_bytes=options.param_keep_for_backward)
+            if options.step_in_forward and swap is not None and self.host_windows:
+                self._step_in_forward_order(options)
 
     # ------------------------------------------------------------------ construction
+    def _step_in_forward_order(self, options: ZeroOptions) -> None:
+        """``step_in_forward``: step the groups in the order the next forward first gathers
+        them (its units' order), so each gather finds its group stepped, and handed over,
+        soonest; the gradient tier reads ahead in that order too. The masters handed over
+        and not yet gathered are bounded like the reads ahead they replace: ``read_ahead``
+        units (at least one) of this rank's shards, or two windows."""
+        units = self.gatherer.units
+        first = dict.fromkeys(i for unit in units for i in unit.slots if i < len(self.slots))
+        unit_bytes = max(sum(4 * self.slots[i].shard for i in u.slots if i < len(self.slots))
+                         for u in units)
+        window_bytes = max(4 * sum(s.shard for s in w) for w in self.host_windows)
+        self.behind = StepBehind(self.param_swap, max(max(1, options.param_read_ahead)
+                                                      * unit_bytes, 2 * window_bytes))
+        order = [self.slots[i] for i in first]
+        order += [s for i, s in enumerate(self.slots) if i not in first]
+        self._plan_host_step(options, order)
+        if self.grad_tier is not None:
+            self.grad_tier.slots = order
+
     def _swaps(self, swap_factory) -> tuple:
         """(optimizer, param, grad swap files or None each); frozen slots have param files
         only (``swap_factory``'s ``frozen``)."""
@@ -216,6 +238,7 @@ class ShardedOptimizer(Optimizer):
 
     def close(self) -> None:
         """Drop gathers in flight and remove the swap files (a clean exit)."""
+        self.finish_step()
         if self.gatherer is not None:
             self.gatherer.drain()
         if self.grad_tier is not None:
@@ -227,6 +250,7 @@ class ShardedOptimizer(Optimizer):
     def after_load(self) -> None:
         """The swap files were filled behind the I/O engine's back: reopen them; then derive
         the params from the masters (collective)."""
+        self.finish_step()
         if self.optim_swap is not None:
             self.optim_swap.reopen()
         self.params_from_master()
@@ -308,6 +332,7 @@ class ShardedOptimizer(Optimizer):
     # ------------------------------------------------------------------ inspection
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """The reduced gradients by FQN, all-gathered (collective; after ``reduce_gradients``)."""
+        self.finish_step()
         if self.grad_tier is not None:
             return self._full(lambda slot: self.grad_tier.load(slot).to(self._device))
         return self._full(lambda slot: slot.grad)
@@ -315,6 +340,7 @@ class ShardedOptimizer(Optimizer):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The parameters by FQN: the params themselves at stages 1-2; at stage 3 copies
         all-gathered from the shards (collective)."""
+        self.finish_step()
         if self.stage < 3:
             return dict(self.params)
         return self._full(self.param_shard, self.slots + self.frozen)

@@ -9,6 +9,7 @@ Reference counterpart: ``reference/plan/partition.py``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ class MemoryMeter:
 
     def __init__(self) -> None:
         self.persistent = self.current = self.peak = 0
+        self._lock = threading.Lock()  # a step behind the forward holds and drops too
 
     def add_persistent(self, *tensors: torch.Tensor) -> None:
         self.persistent += sum(nbytes(t) for t in tensors)
@@ -39,11 +41,13 @@ class MemoryMeter:
         self.current, self.peak = 0, self.persistent
 
     def hold(self, nbytes: int) -> None:
-        self.current += nbytes
-        self.peak = max(self.peak, self.persistent + self.current)
+        with self._lock:
+            self.current += nbytes
+            self.peak = max(self.peak, self.persistent + self.current)
 
     def drop(self, nbytes: int) -> None:
-        self.current -= nbytes
+        with self._lock:
+            self.current -= nbytes
 
 
 @dataclass(eq=False)
