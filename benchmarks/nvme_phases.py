@@ -33,8 +33,8 @@ PHASES = ("forward", "backward", "reduce", "step")
 def run_nvme(args, work: Path) -> dict:
     """dd, each variant once (``--repeats`` rounds, alternating), dd again."""
     mode = getattr(args, "nvme_size", None) or ("quick" if args.quick else "mid")
-    variants = {k: v for k, v in NVME_VARIANTS.items()
-                if not args.only or any(text in k for text in args.only)}
+    variants = {k: v for k, v in NVME_VARIANTS.items() if not args.only or any(
+        text == k or (text in k and text not in NVME_VARIANTS) for text in args.only)}
     swap = work / "scale-nvme"
     swap.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine_info(), "command": command_line(), "mode": mode,

@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, help="rounds of the main configurations")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
     p.add_argument("--only", action="append", default=[], metavar="TEXT",
-                   help="run only configurations whose name contains TEXT (repeatable)")
+                   help="run only configurations named TEXT, or whose name contains it "
+                        "(repeatable)")
     p.add_argument("--series", action="append", default=[], metavar="NAME",
                    help="run only this series: main, sweep, tiled, state, ckpt, grouped, "
                         "data, collectives, estimate (repeatable), or one of scale, nvme, "

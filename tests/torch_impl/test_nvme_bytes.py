@@ -195,6 +195,12 @@ def test_a_gated_slot_loads_once_written_and_is_never_read_ahead(tmp_path):
     assert float(swap.load(slot)["param"][0]) == 2.0
     writer.join()
     assert swap.written(slot) and swap.traffic["wait_s"] > 0.1
+    # handed over (``offer``) and written: a hint reads nothing, the load takes the buffer
+    swap.offer(slot, {"param": torch.full((1024,), 3.0)})
+    reads = swap.traffic["read"]
+    swap.hint([slot])
+    assert swap.ahead.pending == {} and swap.traffic["read"] == reads
+    assert float(swap.load(slot)["param"][0]) == 3.0 and swap.offered == {}
     swap.close(remove=True)
 
 

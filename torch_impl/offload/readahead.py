@@ -40,8 +40,9 @@ class ReadAhead:
         for slot in [s for s in self.pending if s not in keep]:
             self.forget(slot)
             self.stats["dropped"] += 1
-        for slot in slots:  # a slot a step behind the forward still rewrites: read at load
-            if slot not in self.pending and self.swap.written(slot):
+        for slot in slots:  # one a step behind the forward rewrites, or handed over: not read
+            if slot not in self.pending and self.swap.written(slot) \
+                    and slot not in self.swap.offered:
                 bufs = self.swap.buffers(slot)
                 self.pending[slot] = (bufs, self.swap.read(slot, bufs))
         self.stats["peak_bytes"] = max(self.stats["peak_bytes"], self.nbytes())
