@@ -240,10 +240,14 @@ class ZeroConfig(_Section):
     def steps_in_forward(self) -> bool:
         """``offload_optimizer.step_in_forward`` resolved: null means on wherever it applies
         (stage 3 with the optimizer and the params on nvme)."""
-        applies = self.stage == 3 and self.offload_optimizer.device == "nvme" \
-            and self.offload_param.device == "nvme"
         chosen = self.offload_optimizer.step_in_forward
-        return applies if chosen is None else chosen
+        return self._nvme_state_and_params if chosen is None else chosen
+
+    @property
+    def _nvme_state_and_params(self) -> bool:
+        """Where ``step_in_forward`` applies: stage 3, optimizer and params on nvme."""
+        return self.stage == 3 and self.offload_optimizer.device == "nvme" \
+            and self.offload_param.device == "nvme"
 
     def _nvme_budgets(self) -> None:
         """The stage-3/NVMe byte budgets, refused where they would do nothing."""
@@ -257,7 +261,7 @@ class ZeroConfig(_Section):
                   nvme_state, "reads swapped optimizer state early: needs "
                   "offload_optimizer.device nvme"),
                  ("offload_optimizer.step_in_forward", self.offload_optimizer.step_in_forward,
-                  self.stage == 3 and nvme_state and self.offload_param.device == "nvme",
+                  self._nvme_state_and_params,
                   "steps behind the next forward's gathers: needs zero_optimization.stage 3 "
                   "with offload_optimizer.device and offload_param.device nvme"))
         for key, value, applies, why in rules:

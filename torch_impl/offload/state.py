@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 import torch
 
@@ -112,9 +113,15 @@ class SwapState:
 
     def wait(self, futures: Sequence[Future]) -> None:
         """Wait for transfers of these files, counting the time blocked (``wait_s``)."""
+        with self._blocked():
+            wait(futures)
+
+    @contextmanager
+    def _blocked(self):
+        """Count the time inside as blocked on these files (``traffic["wait_s"]``)."""
         start = time.perf_counter()
         try:
-            wait(futures)
+            yield
         finally:
             with self._lock:
                 self.traffic["wait_s"] += time.perf_counter() - start
@@ -160,10 +167,8 @@ class SwapState:
     def _await(self, slot, what: str) -> None:
         gate = self.unwritten.get(slot)
         if gate is not None:
-            start = time.perf_counter()
-            getattr(gate, what).wait()
-            with self._lock:
-                self.traffic["wait_s"] += time.perf_counter() - start
+            with self._blocked():
+                getattr(gate, what).wait()
 
     def load(self, slot) -> dict[str, torch.Tensor]:
         """``slot``'s states in fresh buffers: its read ahead once done, else read now (once

@@ -170,7 +170,7 @@ class Optimizer(StateView):
         grad_norm = math.sqrt(sq) / scale
         grad_mul = clip_coef(grad_norm, max_norm) / scale  # applied inside the AdamW pass
         adam = {"step": step, "beta1": betas[0], "beta2": betas[1], "eps": eps}
-        if self.host_windows is not None and self.behind is not None:  # zero.behind
+        if self.behind is not None:  # zero.behind (only with host_windows)
             self.behind.start(self.slots, partial(self._step_host, upcast, grad_mul, lr, adam))
             return grad_norm, False
         if self.host_windows is not None:

@@ -123,11 +123,11 @@ class ShardedOptimizer(Optimizer):
         soonest; the gradient tier reads ahead in that order too. The masters handed over
         and not yet gathered are bounded like the reads ahead they replace: ``read_ahead``
         units (at least one) of this rank's shards, or two windows."""
-        units = self.gatherer.units
+        units, size = self.gatherer.units, self.param_swap.dtype.itemsize
         first = dict.fromkeys(i for unit in units for i in unit.slots if i < len(self.slots))
-        unit_bytes = max(sum(4 * self.slots[i].shard for i in u.slots if i < len(self.slots))
+        unit_bytes = max(sum(size * self.slots[i].shard for i in u.slots if i < len(self.slots))
                          for u in units)
-        window_bytes = max(4 * sum(s.shard for s in w) for w in self.host_windows)
+        window_bytes = max(size * sum(s.shard for s in w) for w in self.host_windows)
         self.behind = StepBehind(self.param_swap, max(max(1, options.param_read_ahead)
                                                       * unit_bytes, 2 * window_bytes))
         order = [self.slots[i] for i in first]
