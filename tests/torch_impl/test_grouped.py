@@ -245,7 +245,7 @@ def test_view_path_gradients_equal_the_loop():
     assert all(rel_err(a, b) <= GROUPED_RTOL["fp32"] for a, b in zip(grouped, loop, strict=True))
 
 
-def _engine_modes(stage: int, **moe) -> list[str]:
+def _engine(stage: int, **moe):
     from moezero.distributed.topology import build_topology
     from moezero.engine import initialize
     from moezero.train import build_model
@@ -254,14 +254,35 @@ def _engine_modes(stage: int, **moe) -> list[str]:
     cfg = small_config(ep_size=1, **moe)
     cfg.zero_optimization.stage = stage
     topo = build_topology([1], num_experts=cfg.moe.num_experts)
-    engine = initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu")
+    return initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu"), cfg
+
+
+def _engine_modes(stage: int, **moe) -> list[str]:
+    engine, _ = _engine(stage, **moe)
     return [stacking_mode(list(m.experts.values())) for m in engine.model.modules()
             if isinstance(m, MoE)]
 
 
-@pytest.mark.parametrize("stage, mode", [(0, "view"), (1, "view"), (2, "view"), (3, "copy")])
-def test_engine_flat_buffers_give_views_at_stages_0_to_2(stage, mode):
-    assert _engine_modes(stage) == [mode, mode]
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_engine_flat_buffers_give_views_at_stages_0_to_2(stage):
+    assert _engine_modes(stage) == ["view", "view"]  # stage 3: gathered, the test below
+
+
+@pytest.mark.parametrize("moe", [{}, {"split_groups_by_expert": False}])
+def test_stage3_gathers_a_layers_experts_at_one_stride(monkeypatch, moe):
+    """Gathered at stage 3 (one storage per gather unit), a layer's experts stack as views in
+    the forward and again in backward: no copy of the layer's expert weights per pass."""
+    from moezero.model import experts
+
+    engine, cfg = _engine(3, **moe)
+    views = []
+    monkeypatch.setattr(experts, "strided_view", lambda ws: views.append(strided_view(ws)) or views[-1])
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1))
+    loss, _ = engine.forward(tokens)
+    engine.backward(loss)
+    engine.step()
+    # 2 MoE layers x (forward + backward) x (w1, w3, w2)
+    assert len(views) == 12 and all(v is not None for v in views), [v is None for v in views]
 
 
 @pytest.mark.parametrize("moe", [{"max_group_size": 1000}, {"split_groups_by_expert": False},

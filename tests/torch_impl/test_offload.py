@@ -57,6 +57,32 @@ def test_aligned_empty_is_aligned_exact_and_rounded(numel, dtype):
     assert not t.is_pinned() or torch.cuda.is_available()
 
 
+def _mapping_of(ptr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds address ``ptr``."""
+    fields, inside = {}, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if inside:
+                break
+            inside = lo <= ptr < hi
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc smaps")
+def test_mapped_buffers_are_private_anonymous_memory():
+    """A large buffer is the process's own anonymous memory, not shmem: Python's default
+    shared mapping faulted every page through shmem (no huge pages, counted as shared)."""
+    t = aligned_empty(8 << 20, torch.uint8).fill_(1)
+    fields = _mapping_of(t.data_ptr())
+    assert fields["Anonymous"] == fields["Rss"] != "0 kB", fields
+    assert fields["Shared_Dirty"] == "0 kB", fields
+
+
 # ---------------------------------------------------------------- AsyncIO
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import threading
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moezero.plan.bytes_io import CHUNK, byte_view
-from moezero.zero.pinned import ALIGN, PinnedPool, aligned_size
+from moezero.zero.pinned import ALIGN, PinnedPool, aligned_size, host_map
 
 __all__ = ["ALIGN", "AsyncIO", "OffloadIOError", "aligned_empty", "aligned_size", "wait"]
 
@@ -50,7 +49,7 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch
     nbytes = aligned_size(numel * dtype.itemsize)
     pin = pin and torch.cuda.is_available()
     if not pin and nbytes >= MAPPED_BYTES:  # its own pages, back to the OS when freed
-        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype)[:numel]
+        return torch.frombuffer(host_map(nbytes), dtype=torch.uint8).view(dtype)[:numel]
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
     start = -raw.data_ptr() % ALIGN
     return raw[start:start + nbytes].view(dtype)[:numel]

@@ -16,10 +16,10 @@ slot's param shard on the compute device; it never calls back into the optimizer
 **Forward.** A unit's forward pre-hook gathers its groups (the groups neither resident nor in
 flight, in buckets of ``allgather_bucket_size`` elements: ``moezero.zero.buckets.plan_gathers``,
 so one all-gather per unit and pass rather than one per group; each bucket's receive buffer is
-copied into the params' own storage, which is re-allocated for the purpose) and starts the
-next unit's gathers asynchronously (prefetch); its forward hook
-releases them (``untyped_storage().resize_(0)``: the params keep their shape, autograd keeps
-its references) and, when grad is enabled, routes the outputs through ``UnitHook``, whose
+copied into the params' storage, re-allocated for the purpose: one per unit where its groups
+allow, ``moezero.zero.group_storage``) and starts the next unit's gathers asynchronously
+(prefetch); its forward hook releases them (``untyped_storage().resize_(0)``: the params keep
+their shape, autograd keeps its references) and, when grad is enabled, routes the outputs through ``UnitHook``, whose
 backward gathers the unit again before the unit's own backward runs (and prefetches the unit
 before it). A unit is released in backward once every param it owns has accumulated its
 gradient; whatever is still held (e.g. a param that got no gradient) is released by
@@ -75,6 +75,7 @@ from moezero.model.recompute import recomputing
 from moezero.zero.allgather import Launched, launch
 from moezero.zero.buckets import GatherBucket, plan_gathers
 from moezero.zero.gather_grad import UnitHook, flatten, rebuild
+from moezero.zero.group_storage import GroupStorage
 from moezero.zero.shards import Slot
 
 
@@ -198,8 +199,7 @@ class ParamGatherer:
         for fqn, p in params.items():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda _p, fqn=fqn: self._on_grad(fqn))
-        for p in params.values():
-            p.data.untyped_storage().resize_(0)
+        self.storage = GroupStorage(params, slots, [u.slots for u in self.units])  # all freed
 
     # ------------------------------------------------------------------ hooks
     def _pre_forward(self, units: list[int], args: tuple) -> tuple | None:
@@ -350,10 +350,7 @@ class ParamGatherer:
             st.refs[i] -= 1
             if st.refs[i] == 0 and i in st.resident:
                 st.resident.discard(i)
-                for member in self.slots[i].group.members:
-                    storage = self.params[member.fqn].data.untyped_storage()
-                    if storage.nbytes():
-                        storage.resize_(0)
+                self.storage.release(self.slots[i])
 
     def _start(self, slots: tuple[int, ...]) -> None:
         """Launch the all-gathers of the listed groups neither resident nor in flight, in
@@ -384,17 +381,8 @@ class ParamGatherer:
     def _scatter(self, i: int, launched: list[Launched]) -> None:
         """Wait for group ``i``'s buckets and copy it into its members' (re-allocated) storage."""
         columns = self.slots[i].columns
+        self.storage.allocate(self.slots[i], i)
         with torch.no_grad():
-            for member, _ in self.slots[i].partition.offsets:
-                storage = self.params[member.fqn].data.untyped_storage()
-                if storage.nbytes() == 0:
-                    storage.resize_(self.params[member.fqn].numel()
-                                    * self.params[member.fqn].element_size())
             for bucket in launched:
-                bucket.unpack(i, columns, lambda lo, hi, v: self._write(columns, lo, hi, v))
+                bucket.unpack(i, columns, lambda lo, hi, v: self.storage.write(i, columns, lo, hi, v))
         self.state.resident.add(i)
-
-    def _write(self, columns, lo: int, hi: int, values: torch.Tensor) -> None:
-        """Group elements [lo, hi) into the members' storage."""
-        for fqn, start, at, count in columns.members_in(lo, hi):
-            self.params[fqn].data.view(-1)[start:start + count].copy_(values[at:at + count])

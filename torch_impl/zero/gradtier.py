@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -73,11 +74,15 @@ class GradTier:
     def land(self, slot: Slot, a: int, b: int, values: torch.Tensor) -> None:
         """Columns [a, b) of ``slot``'s reduced gradient (thread-safe across slots); the
         last columns to land finish the partition: its sums, then its write."""
+        self.land_into(slot, a, b, lambda dst: dst.copy_(values))
+
+    def land_into(self, slot: Slot, a: int, b: int, fill: Callable[[torch.Tensor], object]) -> None:
+        """``land``, the columns written by ``fill(view of the landing buffer)``."""
         with self._lock:
             entry = self._landing.get(slot)
             if entry is None:
                 entry = self._landing[slot] = [self.swap.buffers(slot)["grad"], 0]
-        entry[0][a:b].copy_(values)
+        fill(entry[0][a:b])
         with self._lock:
             entry[1] += b - a
             done = entry[1] == slot.shard

@@ -29,6 +29,7 @@ import queue
 import threading
 from collections import defaultdict
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -139,6 +140,13 @@ class GradReduction:
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
         kind = self.kinds[bucket.kind]
+        if kind.dp_size == 1 and self._tier is not None and self.dtype == torch.float32:
+            for si, a, b in bucket.pieces:
+                slot = kind.slots[si]
+                self._tier.land_into(slot, a, b, partial(self._land_own, kind, slot, a, b))
+            if self._release_sent:
+                self._release(bucket)
+            return
         rows = kind.slots[0].columns.rows
         send = torch.zeros(rows, bucket.cols, dtype=self.dtype, device=self._device)
         col = 0
@@ -163,6 +171,20 @@ class GradReduction:
             return send[0], dist.all_reduce(send[0], group=kind.group, async_op=True)
         out = torch.empty(send.shape[1], dtype=self.dtype, device=self._device)
         return out, _reduce_scatter(out, send.view(-1), group=kind.group, async_op=True)
+
+    def _land_own(self, kind: Kind, slot: Slot, a: int, b: int, dst: torch.Tensor) -> None:
+        """Columns [a, b) of a group no other rank holds (an expert's at ep = W: one row),
+        reduced in fp32 straight into its landing buffer ``dst``: the gradients upcast, zero
+        where none arrived and in the padding, divided by W. The same numbers as through a
+        send buffer, without one (a zeroed copy of every expert gradient, per step)."""
+        hi = min(b, slot.columns.numel)
+        if kind.grads is None and any(self.params[fqn].grad is None
+                                      for fqn, *_ in slot.columns.members_in(a, hi)):
+            dst.zero_()
+        else:
+            dst[hi - a:].zero_()
+        self._read_grads(kind, slot, a, hi, dst[:hi - a])
+        dst.div_(self.world_size)
 
     def _read_grads(self, kind: Kind, slot: Slot, lo: int, hi: int, dst: torch.Tensor) -> None:
         """Copy (upcasting) the group elements [lo, hi) of the local gradients into ``dst``."""
