@@ -19,9 +19,9 @@ so one all-gather per unit and pass rather than one per group; each bucket's rec
 copied into the params' storage, re-allocated for the purpose: one per unit where its groups
 allow, ``moezero.zero.group_storage``) and starts the next unit's gathers asynchronously
 (prefetch); its forward hook releases them (``untyped_storage().resize_(0)``: the params keep
-their shape, autograd keeps its references) and, when grad is enabled, routes the outputs through ``UnitHook``, whose
-backward gathers the unit again before the unit's own backward runs (and prefetches the unit
-before it). A unit is released in backward once every param it owns has accumulated its
+their shape, autograd keeps its references) and, when grad is enabled, routes the outputs
+through ``UnitHook``, whose backward gathers the unit again before the unit's own backward
+runs (and prefetches the unit before it). A unit is released in backward once every param it owns has accumulated its
 gradient; whatever is still held (e.g. a param that got no gradient) is released by
 ``after_backward``, which then checks that no group is still referenced (a pre-hook without
 its hook would leave a group resident, and the next forward would read it instead of the
