@@ -14,12 +14,9 @@ environment variable ``MALLOC_MMAP_THRESHOLD_`` does at start-up.
 from __future__ import annotations
 
 import ctypes
-import functools
 import sys
 
 M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
-MADV_HUGEPAGE = 14  # Linux <asm-generic/mman-common.h>
-HUGE_PAGE = 2 << 20
 
 
 def map_large_blocks(threshold: int) -> bool:
@@ -33,24 +30,3 @@ def map_large_blocks(threshold: int) -> bool:
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, int(threshold)))
 
-
-def advise_huge_pages(ptr: int, nbytes: int) -> bool:
-    """Ask Linux for transparent huge pages over the 2 MiB-aligned part of ``nbytes`` at
-    ``ptr`` (``madvise(MADV_HUGEPAGE)``), memory not yet touched: its faults then map 2 MiB
-    at a time instead of 4 KiB (the kernel's default policy, ``madvise``, gives huge pages
-    only where asked). False where nothing was advised (too small, not Linux, refused)."""
-    lo, hi = -(-ptr // HUGE_PAGE) * HUGE_PAGE, (ptr + nbytes) // HUGE_PAGE * HUGE_PAGE
-    if hi <= lo or not sys.platform.startswith("linux"):
-        return False
-    madvise = _madvise()
-    return madvise is not None and madvise(lo, hi - lo, MADV_HUGEPAGE) == 0
-
-
-@functools.cache
-def _madvise():
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return madvise

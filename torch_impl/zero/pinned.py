@@ -8,13 +8,18 @@ they use and never give it back. A ``PinnedPool`` maps each buffer at its exact
 ``cudaHostRegister`` and hands it out again to the next request of the same size: pinned
 bytes are bounded by the most bytes of each size in use at once (``pinned_bytes``), all of it
 counted by the offload meter while in use, and unregistered on ``close``. Without CUDA nothing
-is pinned (``aligned_empty``). Used by ``moezero.offload.state``, ``moezero.offload.aio`` and
+is pinned (``aligned_empty``). The host memory behind them, and behind the unpinned swap
+buffers, is ``host_map``'s (private, huge pages asked for); ``advise_huge_pages`` asks the
+same of memory already allocated (the stage-3 gathered storages, ``zero.group_storage``). Used by ``moezero.offload.state``, ``moezero.offload.aio`` and
 ``moezero.zero.transfer`` (and ``sharded`` for its pinned param copies).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -22,6 +27,8 @@ from collections.abc import Callable
 import torch
 
 ALIGN = 4096  # O_DIRECT granularity of buffer address, file offset and length (512e and 4Kn)
+MADV_HUGEPAGE = 14  # Linux <asm-generic/mman-common.h>
+HUGE_PAGE = 2 << 20
 
 
 def aligned_size(nbytes: int) -> int:
@@ -39,6 +46,28 @@ def host_map(nbytes: int) -> mmap.mmap:
     if hasattr(mmap, "MADV_HUGEPAGE"):
         mapped.madvise(mmap.MADV_HUGEPAGE)
     return mapped
+
+
+def advise_huge_pages(ptr: int, nbytes: int) -> bool:
+    """Ask Linux for transparent huge pages over the 2 MiB-aligned part of ``nbytes`` at
+    ``ptr`` (``madvise(MADV_HUGEPAGE)``), memory not yet touched: its faults then map 2 MiB
+    at a time instead of 4 KiB (the kernel's default policy, ``madvise``, gives huge pages
+    only where asked). False where nothing was advised (too small, not Linux, refused)."""
+    lo, hi = -(-ptr // HUGE_PAGE) * HUGE_PAGE, (ptr + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if hi <= lo or not sys.platform.startswith("linux"):
+        return False
+    madvise = _madvise()
+    return madvise is not None and madvise(lo, hi - lo, MADV_HUGEPAGE) == 0
+
+
+@functools.cache
+def _madvise():
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
 
 
 def cuda_register(ptr: int, nbytes: int) -> None:
