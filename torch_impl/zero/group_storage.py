@@ -17,6 +17,7 @@ transparent huge pages before their first touch (``moezero.zero.pinned``).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -27,11 +28,18 @@ from moezero.zero.pinned import advise_huge_pages
 from moezero.zero.shards import Slot
 
 
+def _kind(params: dict[str, nn.Parameter], slot: Slot) -> tuple:
+    """(dtype, device) of the group's first member."""
+    first = params[slot.partition.offsets[0][0].fqn]
+    return first.dtype, first.device
+
+
 def _whole(params: dict[str, nn.Parameter], slot: Slot) -> bool:
-    members = slot.partition.offsets
-    first = params[members[0][0].fqn]
-    return all(m.start == 0 and m.stop == params[m.fqn].numel() and params[m.fqn].dtype == first.dtype
-               and params[m.fqn].device == first.device for m, _ in members)
+    """Every member a whole param of the group's dtype and device."""
+    kind = _kind(params, slot)
+    return all(m.start == 0 and m.stop == params[m.fqn].numel()
+               and (params[m.fqn].dtype, params[m.fqn].device) == kind
+               for m, _ in slot.partition.offsets)
 
 
 def _numel(slot: Slot) -> int:
@@ -49,17 +57,11 @@ def storage_sets(params: dict[str, nn.Parameter], slots: Sequence[Slot],
             owners[member.fqn] = -1 if member.fqn in owners else i
     flat = {i for i, slot in enumerate(slots) if _whole(params, slot)
             and all(owners[m.fqn] == i for m, _ in slot.partition.offsets)}
-    needed: dict[int, int] = {}
-    for unit in units:
-        for i in unit:
-            needed[i] = needed.get(i, 0) + 1
+    needed = Counter(i for unit in units for i in unit)
     sets = []
     for unit in units:
         own = [i for i in unit if i in flat and needed[i] == 1]
-        first = params[slots[own[0]].partition.offsets[0][0].fqn] if own else None
-        if own and all(params[slots[i].partition.offsets[0][0].fqn].dtype == first.dtype
-                       and params[slots[i].partition.offsets[0][0].fqn].device == first.device
-                       for i in own):
+        if len({_kind(params, slots[i]) for i in own}) == 1:
             sets.append(own)
         else:
             sets += [[i] for i in own]
