@@ -29,4 +29,3 @@ def map_large_blocks(threshold: int) -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, int(threshold)))
-

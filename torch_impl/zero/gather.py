@@ -21,8 +21,9 @@ allow, ``moezero.zero.group_storage``) and starts the next unit's gathers asynch
 (prefetch); its forward hook releases them (``untyped_storage().resize_(0)``: the params keep
 their shape, autograd keeps its references) and, when grad is enabled, routes the outputs
 through ``UnitHook``, whose backward gathers the unit again before the unit's own backward
-runs (and prefetches the unit before it). A unit is released in backward once every param it owns has accumulated its
-gradient; whatever is still held (e.g. a param that got no gradient) is released by
+runs (and prefetches the unit before it). A unit is released in backward once every param it
+owns has accumulated its gradient; whatever is still held (e.g. a param that got no gradient)
+is released by
 ``after_backward``, which then checks that no group is still referenced (a pre-hook without
 its hook would leave a group resident, and the next forward would read it instead of the
 updated shard). Groups are reference-counted, so a group two active units share stays.
@@ -350,7 +351,7 @@ class ParamGatherer:
             st.refs[i] -= 1
             if st.refs[i] == 0 and i in st.resident:
                 st.resident.discard(i)
-                self.storage.release(self.slots[i])
+                self.storage.release(i)
 
     def _start(self, slots: tuple[int, ...]) -> None:
         """Launch the all-gathers of the listed groups neither resident nor in flight, in
@@ -380,9 +381,9 @@ class ParamGatherer:
 
     def _scatter(self, i: int, launched: list[Launched]) -> None:
         """Wait for group ``i``'s buckets and copy it into its members' (re-allocated) storage."""
-        columns = self.slots[i].columns
-        self.storage.allocate(self.slots[i], i)
+        self.storage.allocate(i)
         with torch.no_grad():
             for bucket in launched:
-                bucket.unpack(i, columns, lambda lo, hi, v: self.storage.write(i, columns, lo, hi, v))
+                bucket.unpack(i, self.slots[i].columns,
+                              lambda lo, hi, v: self.storage.write(i, lo, hi, v))
         self.state.resident.add(i)

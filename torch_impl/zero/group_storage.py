@@ -23,7 +23,6 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from moezero.zero.buckets import GroupColumns
 from moezero.zero.pinned import advise_huge_pages
 from moezero.zero.shards import Slot
 
@@ -81,7 +80,7 @@ class GroupStorage:
 
     def __init__(self, params: dict[str, nn.Parameter], slots: Sequence[Slot],
                  units: Sequence[Sequence[int]]):
-        self.params = params
+        self.params, self.slots = params, slots
         self.size: dict[int, int] = {}  # group -> elements of the storage it shares
         self.numel: dict[int, int] = {}  # group -> its own elements (of a shared storage)
         for groups in storage_sets(params, slots, units):
@@ -105,9 +104,9 @@ class GroupStorage:
             cursor += _numel(slot)
         flat.untyped_storage().resize_(0)  # one unit at a time
 
-    def allocate(self, slot: Slot, i: int) -> None:
+    def allocate(self, i: int) -> None:
         """Re-allocate group ``i``'s storage(s) (uninitialised)."""
-        for member, _ in slot.partition.offsets:
+        for member, _ in self.slots[i].partition.offsets:
             p = self.params[member.fqn]
             storage = p.data.untyped_storage()
             if storage.nbytes() == 0:
@@ -115,16 +114,17 @@ class GroupStorage:
                 if p.device.type == "cpu":
                     advise_huge_pages(storage.data_ptr(), storage.nbytes())
 
-    def release(self, slot: Slot) -> None:
-        """Free the group's storage(s) (a shared one: every group sharing it is released
+    def release(self, i: int) -> None:
+        """Free group ``i``'s storage(s) (a shared one: every group sharing it is released
         in the same call of the gatherer)."""
-        for member, _ in slot.partition.offsets:
+        for member, _ in self.slots[i].partition.offsets:
             storage = self.params[member.fqn].data.untyped_storage()
             if storage.nbytes():
                 storage.resize_(0)
 
-    def write(self, i: int, columns: GroupColumns, lo: int, hi: int, values: torch.Tensor) -> None:
+    def write(self, i: int, lo: int, hi: int, values: torch.Tensor) -> None:
         """Group ``i``'s elements [lo, hi) into its storage (one copy where it shares one)."""
+        columns = self.slots[i].columns
         if i in self.numel:
             first = self.params[columns.partition.offsets[0][0].fqn].data
             flat = first.as_strided((self.numel[i],), (1,), first.storage_offset())

@@ -10,8 +10,9 @@ bytes are bounded by the most bytes of each size in use at once (``pinned_bytes`
 counted by the offload meter while in use, and unregistered on ``close``. Without CUDA nothing
 is pinned (``aligned_empty``). The host memory behind them, and behind the unpinned swap
 buffers, is ``host_map``'s (private, huge pages asked for); ``advise_huge_pages`` asks the
-same of memory already allocated (the stage-3 gathered storages, ``zero.group_storage``). Used by ``moezero.offload.state``, ``moezero.offload.aio`` and
-``moezero.zero.transfer`` (and ``sharded`` for its pinned param copies).
+same of memory already allocated (the stage-3 gathered storages, ``zero.group_storage``).
+Used by ``moezero.offload.state``, ``moezero.offload.aio`` and ``moezero.zero.transfer`` (and
+``sharded`` for its pinned param copies).
 """
 
 from __future__ import annotations
