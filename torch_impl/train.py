@@ -239,7 +239,7 @@ def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None
     tqdm.set_lock(threading.RLock())  # not its multiprocessing lock: a killed rank leaks that
     bar = tqdm(total=steps, initial=start, disable=run_dir is None or log_lines,
                dynamic_ncols=True, mininterval=1.0, desc="train")
-    metrics_file = open(run_dir / "metrics.jsonl", "a") if run_dir else None  # noqa: SIM115
+    metrics_file = open(run_dir / "metrics.jsonl", "a") if run_dir else None
     try:
         for step in range(start + 1, steps + 1):
             history.append(row := _step(cfg, engine, batches, tele, step))

@@ -74,7 +74,7 @@ def load_compiled(source: Path = SOURCE) -> tuple[object | None, str]:
             if built is not None:
                 return kernel_cache.import_library(name, built), ""
             return _build(name, source), ""
-    except Exception as e:  # noqa: BLE001 - any build failure falls back to torch ops
+    except Exception as e:  # any build failure falls back to torch ops
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         why = f"{type(e).__name__}: {lines[-1] if lines else ''}"
         log.warning("the compiled AdamW kernel (%s) is not available, the step runs torch ops "
