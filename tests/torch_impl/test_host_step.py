@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.adamw_foreach import adamw_foreach_
 from moezero.config import Config
 from moezero.distributed.topology import build_topology
 from moezero.offload import state as offload_state
@@ -28,7 +29,6 @@ from moezero.zero.groups import build_groups
 from moezero.zero.options import ZeroOptions
 from moezero.zero.sharded import ShardedOptimizer
 from moezero.zero.transfer import HostTransfer
-from benchmarks.adamw_foreach import adamw_foreach_
 from tests.support.adamw import adamw_
 from tests.torch_impl.test_zero import CAP, zcfg
 from tests.torch_impl.tolerances import HOST_VS_DEVICE

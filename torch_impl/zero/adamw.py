@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 
 
-
 def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """Linear warmup from 0 to ``lr`` over ``warmup_steps``, then cosine to ``lr*min_lr_ratio``.
 
