@@ -86,6 +86,23 @@ def test_injected_enospc_fails_only_its_rank_and_step(tmp_path):
                                                           "step_00000003"]
 
 
+def test_save_faults_reach_the_save_only_through_its_writer():
+    """Issue 35 item 5: no production signature carries a fault-hook parameter; a test's
+    faults travel as the I/O options' ``save_writer`` (the seam every save writes through)."""
+    import inspect
+
+    from moezero import cli, engine, train
+    from moezero.checkpoint import core, save
+
+    for fn in (cli.main, train.launch_training, train._train_rank, train.train, train.setup,
+               engine.initialize, engine.Engine.__init__, core.Checkpointer.__init__,
+               save.write):
+        assert "hooks" not in inspect.signature(fn).parameters, fn.__qualname__
+    assert IOOptions().save_writer is None  # a run writes through checkpoint.writer.SaveWriter
+    assert isinstance(faulty_io(delay_s=1).save_writer(IOOptions(), set(), rank=0, step=1),
+                      cw.SaveWriter)
+
+
 # ---------------------------------------------------------------------------- one run dir
 def _rank_with_its_own_dir(cfg_data: dict, tmp: str) -> None:
     """Each rank proposes its own run directory, as torchrun workers without --out do."""

@@ -5,10 +5,11 @@ optimizer groups), this rank's fp32 shards (``zero.shards.StateShard``: tensors,
 swap files that hold the same ranges) and the engine's small JSON state (``Engine.state_dict``
 plus the caller's). Rank 0 creates the ``step_XXXXXXXX.partial/`` directory and every file's
 header; each rank writes its own fp32 partition of every group it holds (master, exp_avg,
-exp_avg_sq) through its ``writer.SaveWriter`` (``store.write_partition`` with the aligned bulk of
-each large range written with O_DIRECT by ``writer.RangeWriter``, or its swap files copied file
-to file), and flushes once (``writer.FolderFlush``); rank 0 gathers the checksummed ranges and the per-rank state
-(``RANK_KEYS``), writes the manifest and commits atomically. Every failure is agreed on over
+exp_avg_sq) through its ``writer.SaveWriter`` (``store.write_partition``, the aligned bulk of
+each large range with O_DIRECT by ``writer.RangeWriter``, or its swap files copied file to
+file) and flushes once (``writer.FolderFlush``); rank 0 gathers the checksummed ranges and the
+per-rank state (``RANK_KEYS``), writes the manifest and commits atomically (through the same
+``SaveWriter``). Every failure is agreed on over
 the checkpoint group, so every rank raises the same one-line ``CheckpointError``.
 Reference counterpart: ``moezero.plan.store`` (the byte mover this module drives) and
 ``moezero.reference.checkpoint.save_train_state``.
