@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.adamw_foreach import adamw_foreach_
 from benchmarks.fmt import table, verdict, write_section
 from benchmarks.hoststep_tensors import BYTES_PER_ELEMENT, HYPER, best_ms, state
 from benchmarks.machine import machine_info
@@ -61,7 +62,6 @@ def _moezero(compiled: bool):
 
 
 def _foreach(p, g, m, v):
-    from moezero.zero.adamw import adamw_foreach_
     return lambda: adamw_foreach_([p], [g], [m], [v], step=10, lr=HYPER["lr"],
                                   weight_decay=HYPER["weight_decay"], **ADAM)
 
@@ -90,7 +90,7 @@ def _kernels(cfg: dict) -> dict[str, dict | str]:
     for name, make in ROWS:
         try:
             out[name] = best_ms(make(*state(cfg["numel"])), cfg["repeats"])
-        except Exception as e:  # noqa: BLE001 - one row's failure is reported, not fatal
+        except Exception as e:  # one row's failure is reported, not fatal
             out[name] = f"{type(e).__name__}: {e}"
     return out
 
@@ -171,7 +171,7 @@ def legacy_step(opt, *, lr: float, scale: float, max_norm: float | None, step: i
     gradient (the non-finite count left out), then per window an fp32 copy of each gradient,
     unscale and clip as two passes, ``adamw_foreach_`` per hyperparameter set, the downcast
     copy."""
-    from moezero.zero.adamw import adamw_foreach_, clip_coef
+    from moezero.zero.adamw import clip_coef
 
     sq = sum(float(s.grad.float().clone().square().sum(dtype=torch.float64)) for s in opt.slots)
     clip = clip_coef(math.sqrt(sq) / scale, max_norm)

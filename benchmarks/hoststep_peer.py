@@ -32,7 +32,7 @@ def main() -> None:
         opt.state[param]["exp_avg_sq"].copy_(v)
         del m, v
         print(json.dumps({"ms": best_ms(opt.step, repeats)}))
-    except Exception as e:  # noqa: BLE001 - one line for the report, whatever failed
+    except Exception as e:  # one line for the report, whatever failed
         print(json.dumps({"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}))
 
 

@@ -294,7 +294,7 @@ NOTES_OPT = [
     "where the master is the params' own range); 28 B at stage 0 in fp32 and for "
     "FSDP2/DeepSpeed rows (the fp32 parameter is the master, nothing else to write). Bound = "
     "bytes × elements / the measured memory-copy bandwidth (which counts read + write bytes).",
-    "- adamw_: the update math alone (`moezero.zero.adamw.adamw_`, summed over groups); "
+    "- adamw_: the update math alone (`moezero.zero.hostadam.adamw_step_`, summed over groups); "
     "optimizer_step(): moezero's `engine.optimizer_step()` — grad norm (one all-reduce), "
     "upcast, clip, AdamW, downcast and, at stages 1–2, the parameter all-gather; step(): "
     "`reduce_gradients()` + `optimizer_step()` for moezero, `optimizer.step()` for FSDP2, "

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from moezero.model.decoder import Decoder
-from moezero.model.weights import load_weights, save_weights
 from moezero.reference.weights import from_fqn_dict, load_params, param_shapes, save_params
 from parity_tests.models import TINY, jax_run, to_jax, tokens, torch_args, torch_model, torch_run
 from parity_tests.tolerances import FP32
+from parity_tests.weights import load_weights, save_weights
 from tests.support.compare import assert_max_abs, torch_fqns
 
 CFG = TINY  # the model tier's "dropless-k2": its compiled reference is reused

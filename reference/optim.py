@@ -1,6 +1,7 @@
 """AdamW train step (optax): warmup + cosine schedule, global-norm clipping, masked decay.
 
-Torch counterpart: ``moezero.zero.adamw`` (schedule, clipping, AdamW math) as driven by
+Torch counterpart: ``moezero.zero.adamw`` (schedule, clipping) and ``moezero.zero.hostadam``
+(the AdamW math) as driven by
 ``moezero.zero.optimizer`` and ``moezero.engine``: this is the unsharded meaning of the ZeRO
 step in docs/design.md, "Semantics" (fp16 loss scaling and per-group lr scales are not modelled here).
 

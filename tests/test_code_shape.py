@@ -1,5 +1,7 @@
-"""The library's shape (HELPERS.md, STYLE.md): no function over 50 lines and no file over 400
-lines under torch_impl/ or reference/, measured on the syntax tree like scripts/sizes.py."""
+"""The library's shape: no function over 50 lines and no file over 400 lines under torch_impl/
+or reference/, measured on the syntax tree (``oversized``: a function from its ``def`` to its
+end). The project's style asks for functions mostly under 30 lines and files under ~400; these
+are its hard caps."""
 
 from __future__ import annotations
 

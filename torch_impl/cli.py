@@ -29,11 +29,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from moezero.checkpoint.hooks import SaveHooks
 from moezero.config import ConfigError, load_config
 from moezero.data import DataError
 from moezero.plan.store import CheckpointError, read_manifest
+
+if TYPE_CHECKING:  # torch-free at import: the CLI's early errors stay fast
+    from moezero.offload.options import IOOptions
 
 HF_FORMATS = ("hf-mixtral", "hf-qwen2_moe", "hf-qwen3_moe", "hf-olmoe")
 """``checkpoint export --format`` values of the Hugging Face families (``checkpoint.hf``)."""
@@ -259,7 +262,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace, hooks: SaveHooks | None = None) -> int:
+def _train(args: argparse.Namespace, io: IOOptions | None = None) -> int:
     overrides = list(args.overrides)
     if args.data:
         overrides.append(f"data.path={args.data}")
@@ -302,7 +305,7 @@ def _train(args: argparse.Namespace, hooks: SaveHooks | None = None) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     check_run(run_dir, cfg.checkpoint.resolve_dir(run_dir), checkpoint_size(cfg),
               lock=int(os.environ.get("RANK", "0")) == 0)  # torchrun: rank 0 holds the lock
-    return launch_training(cfg, run_dir, args.nproc, hooks=hooks)
+    return launch_training(cfg, run_dir, args.nproc, io)
 
 
 def _check_devices(cfg, nproc: int | None) -> int:
@@ -330,13 +333,13 @@ def _note(line: str) -> None:
     print(f"moezero: note: {line}", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None, hooks: SaveHooks | None = None) -> int:
-    """Run one command; returns its exit code. ``hooks``: a test's fault injection into the
-    checkpoint saves of ``train`` (``moezero.checkpoint.hooks.SaveHooks``); a run has none."""
+def main(argv: list[str] | None = None, io: IOOptions | None = None) -> int:
+    """Run one command; returns its exit code. ``io``: the ``train`` engines' I/O options
+    (``moezero.offload.options.IOOptions``; a test's ``save_writer`` injects save faults)."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "train":
-            return _train(args, hooks)
+            return _train(args, io)
         if args.command == "checkpoint":
             return _checkpoint(args)
         if args.command == "import-hf":

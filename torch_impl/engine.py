@@ -29,7 +29,6 @@ from torch import nn
 from moezero.checkpoint import base as adapter_ckpt
 from moezero.checkpoint.buffers import buffer_shapes, buffer_targets, buffer_values
 from moezero.checkpoint.core import Checkpointer, model_shapes
-from moezero.checkpoint.hooks import SaveHooks
 from moezero.checkpoint.options import CheckpointOptions
 from moezero.config import Config
 from moezero.distributed.agree import all_gather_json
@@ -75,13 +74,11 @@ class Engine:
 
     ``io`` sets how checkpoints and swap files reach the disk (default ``IOOptions()``).
     ``init`` (sharded construction, ``moezero.model.materialize``): ``model`` is on the meta
-    device and this rank materialises only what it keeps, with ``init``'s values. ``hooks``:
-    a test's fault injection into checkpoint saves (``checkpoint.hooks.SaveHooks``).
+    device and this rank materialises only what it keeps, with ``init``'s values.
     """
 
     def __init__(self, model: nn.Module, cfg: Config, topology: Topology, device: torch.device,
-                 io: IOOptions | None = None, init: KeyedInit | None = None,
-                 hooks: SaveHooks | None = None):
+                 io: IOOptions | None = None, init: KeyedInit | None = None):
         self.cfg, self.topology, self.device = cfg, topology, device
         determinism.configure(cfg.train.deterministic, device)
         self.io = io or IOOptions()
@@ -108,8 +105,7 @@ class Engine:
         self.global_steps = 0  # optimizer_step calls, skipped ones included (checkpoint names)
         self.micro_steps = 0
         self.checkpointer = Checkpointer(topology.rank, topology.world_size,
-                                         CheckpointOptions.from_config(cfg.checkpoint, self.io),
-                                         hooks)
+                                         CheckpointOptions.from_config(cfg.checkpoint, self.io))
         self.shapes = model_shapes(self.model)  # of the global model (every expert)
         self.lora = cfg.peft.method == "lora"
         self.base: dict | None = None  # LoRA: the checkpoint holding the frozen base weights
@@ -369,13 +365,12 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def initialize(model: nn.Module, config: Config, *, topology: Topology | None = None,
                device: torch.device | str | None = None, io: IOOptions | None = None,
-               init: KeyedInit | None = None, hooks: SaveHooks | None = None) -> Engine:
+               init: KeyedInit | None = None) -> Engine:
     """Wrap ``model`` (already holding its MoE layers' EP groups) in a training engine.
 
     ``topology`` defaults to one built from the model's MoE layers; ``device`` to CUDA when
     available (this rank's local device), else CPU; ``io`` to ``IOOptions()``; ``init``: the
-    model is on the meta device, materialised by the engine (sharded construction);
-    ``hooks``: a test's fault injection into checkpoint saves.
+    model is on the meta device, materialised by the engine (sharded construction).
     """
     if topology is None:
         eps = sorted({t.ep_size for p in model.parameters() if (t := expert_tag(p))} or {1})
@@ -383,4 +378,4 @@ def initialize(model: nn.Module, config: Config, *, topology: Topology | None = 
     if device is None:
         device = torch.device(f"cuda:{torch.cuda.current_device()}"
                               if torch.cuda.is_available() else "cpu")
-    return Engine(model, config, topology, torch.device(device), io, init, hooks)
+    return Engine(model, config, topology, torch.device(device), io, init)

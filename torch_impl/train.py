@@ -29,7 +29,6 @@ from tqdm import tqdm
 
 from moezero.checkpoint import base as adapter_ckpt
 from moezero.checkpoint.core import CheckpointError, check_shapes, model_shapes, resolve_load
-from moezero.checkpoint.hooks import SaveHooks
 from moezero.checkpoint.schedule import SaveClock, agree_step
 from moezero.config import Config, ConfigError, dump_config
 from moezero.data import DataError
@@ -100,15 +99,14 @@ def sharded_model(cfg: Config, topology: Topology) -> tuple[Decoder, KeyedInit]:
     return model, KeyedInit(cfg.train.seed, cfg.model.init_std, args)
 
 
-def setup(cfg: Config, device: torch.device, io: IOOptions | None = None,
-          hooks: SaveHooks | None = None) -> tuple[Engine, DataStream]:
-    """Topology, model, engine (with ``io`` and a test's ``hooks``) and this rank's data
-    stream (collective: every rank calls it)."""
+def setup(cfg: Config, device: torch.device,
+          io: IOOptions | None = None) -> tuple[Engine, DataStream]:
+    """Topology, model, engine (with ``io``) and this rank's data stream (collective: every
+    rank calls it)."""
     topology = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
     torch.manual_seed(cfg.train.seed)
     model, init = sharded_model(cfg, topology)
-    engine = initialize(model, cfg, topology=topology, device=device, io=io, init=init,
-                        hooks=hooks)
+    engine = initialize(model, cfg, topology=topology, device=device, io=io, init=init)
     batches = build_batches(cfg, dp_rank=topology.rank, dp_size=topology.world_size)
     return engine, batches
 
@@ -168,15 +166,14 @@ def resume(cfg: Config, engine: Engine, batches: DataStream, root: Path) -> Path
 
 
 def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
-          io: IOOptions | None = None, stop: StopRequest | None = None,
-          hooks: SaveHooks | None = None) -> dict:
+          io: IOOptions | None = None, stop: StopRequest | None = None) -> dict:
     """Train ``cfg.train.steps`` steps; returns the summary (rank 0's is the one printed).
 
     ``stop``: when any rank's request is set (a preemption signal), every rank finishes its
     step, saves and raises ``Preempted`` (docs/reliability.md)."""
     run_dir = Path(run_dir)
     device = device or torch.device("cpu")
-    engine, batches = setup(cfg, device, io, hooks)
+    engine, batches = setup(cfg, device, io)
     root = cfg.checkpoint.resolve_dir(run_dir)
     try:
         resumed = resume(cfg, engine, batches, root)
@@ -242,7 +239,7 @@ def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None
     tqdm.set_lock(threading.RLock())  # not its multiprocessing lock: a killed rank leaks that
     bar = tqdm(total=steps, initial=start, disable=run_dir is None or log_lines,
                dynamic_ncols=True, mininterval=1.0, desc="train")
-    metrics_file = open(run_dir / "metrics.jsonl", "a") if run_dir else None  # noqa: SIM115
+    metrics_file = open(run_dir / "metrics.jsonl", "a") if run_dir else None
     try:
         for step in range(start + 1, steps + 1):
             history.append(row := _step(cfg, engine, batches, tele, step))
@@ -328,20 +325,20 @@ def _previous_metrics(run_dir: Path, start: int) -> list[dict]:
     return rows
 
 
-def launch_training(cfg: Config, run_dir: Path, nproc: int, io: IOOptions | None = None,
-                    hooks: SaveHooks | None = None) -> int:
+def launch_training(cfg: Config, run_dir: Path, nproc: int,
+                    io: IOOptions | None = None) -> int:
     """Train with ``nproc`` local ranks (or join the torchrun world); returns an exit code.
-    ``io``: the engines' I/O options; ``hooks``: a test's fault injection into saves."""
+    ``io``: the engines' I/O options (a test's ``save_writer`` injects save faults)."""
     backend = resolve_backend(cfg.dist.backend, cuda_device_count())
-    return launch(_train_rank, (cfg.model_dump(by_alias=True), str(run_dir), io, hooks),
+    return launch(_train_rank, (cfg.model_dump(by_alias=True), str(run_dir), io),
                   nproc=nproc,
                   backend=backend, timeout_s=cfg.dist.timeout_s,
                   preempt=PreemptOptions.from_names(cfg.train.preempt_signals),
                   watch=WatchOptions(cfg.dist.heartbeat_s, run_dir / "logs"))
 
 
-def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None,
-                hooks: SaveHooks | None = None, *, stop: StopRequest | None = None) -> None:
+def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None, *,
+                stop: StopRequest | None = None) -> None:
     """One rank of ``moezero train``: rank 0's run directory on every rank (each torchrun
     worker's CLI picked its own), expected errors as one line (``EXPECTED_ERRORS``)."""
     cfg = Config.model_validate(cfg_data)
@@ -350,7 +347,7 @@ def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None,
     run_dir, lock = agree_run_dir(run_dir, rank=rank, device=device)
     try:
         with rank_errors(rank, run_dir / "logs", EXPECTED_ERRORS):
-            train(cfg, run_dir, device, io, stop, hooks)
+            train(cfg, run_dir, device, io, stop)
     finally:
         if lock is not None:
             lock.release()

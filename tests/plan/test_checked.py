@@ -47,7 +47,7 @@ def test_checked_reads_equal_plain_reads_and_check_every_range(saved, plan, chun
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
     data = {r for r in manifest.checksums if r.offset and r.length}
-    assert data and checked._verified == data  # noqa: SLF001 (every data range was checked)
+    assert data and checked._verified == data  # every data range was checked
 
 
 def _flip(path, pos):
@@ -148,7 +148,7 @@ def test_copy_to_across_several_ranges_checks_each(saved, tmp_path):
     reader = CheckedReader(ckpt, manifest, chunk=8)
     reader.copy_to(name, offset, length, dst, 8)
     assert dst.read_bytes()[8:] == src[offset:offset + length]
-    assert set(records) <= reader._verified  # noqa: SLF001 (every range was checked)
+    assert set(records) <= reader._verified  # every range was checked
     bad = records[1]
     _flip(ckpt / name, bad.offset + bad.length // 2)
     with pytest.raises(CheckpointError, match=rf"bytes \[{bad.offset}, {bad.offset + bad.length}\)"):

@@ -2,8 +2,9 @@
 that is not a directory, a damaged checkpoint) ends ``moezero train`` with one line naming the
 rank, the path and the cause, exit code 2, and the traceback in ``<run>/logs/rank<r>.log``; a
 failed save removes its ``.partial`` directory and leaves ``latest`` alone; every rank writes
-into rank 0's run directory. Faults are injected through ``SaveHooks(enospc=...)`` (passed to
-``setup``, or to the CLI by ``tests.support.hooked_cli``), a regular file where a directory
+into rank 0's run directory. Faults are injected through a save writer in the I/O options
+(``tests.support.faulty_save.faulty_io(enospc=...)``, passed to ``setup``, or to the CLI by
+``tests.support.hooked_cli``), a regular file where a directory
 should be, flipped bytes, or a writer that raises.
 """
 
@@ -21,12 +22,12 @@ import torch
 
 import moezero.checkpoint.writer as cw
 from moezero.checkpoint.core import CheckpointError
-from moezero.checkpoint.hooks import SaveHooks
 from moezero.config import Config
 from moezero.distributed.launcher import spawn
 from moezero.offload.options import IOOptions
 from moezero.plan import store
 from moezero.train import _train_rank, setup
+from tests.support.faulty_save import faulty_io
 from tests.support.hooked_cli import hooked
 from tests.support.world import run_world
 from tests.torch_impl.test_checkpoint import ccfg
@@ -71,9 +72,9 @@ def test_a_failed_save_removes_its_partial_and_keeps_latest(tmp_path, monkeypatc
 
 
 def test_injected_enospc_fails_only_its_rank_and_step(tmp_path):
-    """``SaveHooks(enospc=(rank, step))``: the hook the CLI tests use."""
+    """``faulty_io(enospc=(rank, step))``: the fault the CLI tests use."""
     cfg = Config.model_validate(ccfg(world=1, stage=2))
-    engine, batches = setup(cfg, torch.device("cpu"), hooks=SaveHooks(enospc=(0, 2)))
+    engine, batches = setup(cfg, torch.device("cpu"), faulty_io(enospc=(0, 2)))
     for step in (1, 2, 3):
         engine.train_step([torch.from_numpy(batches.next())])
         if step == 2:
@@ -83,6 +84,23 @@ def test_injected_enospc_fails_only_its_rank_and_step(tmp_path):
             engine.save_checkpoint(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001",
                                                           "step_00000003"]
+
+
+def test_save_faults_reach_the_save_only_through_its_writer():
+    """Issue 35 item 5: no production signature carries a fault-hook parameter; a test's
+    faults travel as the I/O options' ``save_writer`` (the seam every save writes through)."""
+    import inspect
+
+    from moezero import cli, engine, train
+    from moezero.checkpoint import core, save
+
+    for fn in (cli.main, train.launch_training, train._train_rank, train.train, train.setup,
+               engine.initialize, engine.Engine.__init__, core.Checkpointer.__init__,
+               save.write):
+        assert "hooks" not in inspect.signature(fn).parameters, fn.__qualname__
+    assert IOOptions().save_writer is None  # a run writes through checkpoint.writer.SaveWriter
+    assert isinstance(faulty_io(delay_s=1).save_writer(IOOptions(), set(), rank=0, step=1),
+                      cw.SaveWriter)
 
 
 # ---------------------------------------------------------------------------- one run dir

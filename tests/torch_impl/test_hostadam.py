@@ -1,6 +1,6 @@
 """The one-pass AdamW every tier runs (torch_impl/zero/hostadam.py, csrc/adamw_host.cpp).
 
-Against independent oracles: ``adamw.adamw_`` (the update math the JAX reference mirrors) and
+Against independent oracles: ``tests/support/adamw.py: adamw_`` (the update math the JAX reference mirrors) and
 optax's formula in float64 numpy, within fp32 rounding, for random shapes, weight decay on and
 off, step 1 and step 10⁴ (bias correction). The compiled kernel and its torch-ops fallback agree
 to rounding (the moments bit for bit); an element's result does not depend on where it lies in the tensor (the tiers
@@ -20,8 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moezero.zero.adamw import adamw_
 from moezero.zero.hostadam import adamw_step_, load_compiled
+from tests.support.adamw import adamw_
 from tests.torch_impl.tolerances import HOST_ADAMW
 
 ADAM = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8}

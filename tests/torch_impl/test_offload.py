@@ -453,7 +453,7 @@ def test_large_aligned_buffers_go_back_to_the_os_when_freed():
     """Buffers of ``aio.MAPPED_BYTES`` (1 MiB) or more are mappings of their own: freeing the last view (here a
     slice in another dtype) returns their pages at once, even after glibc has raised its mmap
     threshold (as freeing a 30 MiB block does), when a 16 MiB malloc block would stay."""
-    MiB = 1 << 20  # noqa: N806  (aio.MAPPED_BYTES: buffers from this size on are mapped)
+    MiB = 1 << 20  # aio.MAPPED_BYTES: buffers from this size on are mapped
 
     def rss() -> int:
         return int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) << 10

@@ -107,8 +107,9 @@ def test_a_finished_runs_directory_can_be_resumed(tmp_path):
 
 
 def test_fault_hooks_are_not_production_options():
-    """Issue 25 item 8: fault injection lives in ``SaveHooks``, passed in by tests; the I/O
-    options carry no test fields and the CLI reads no test variables."""
+    """Issue 25 item 8: fault injection lives in a test's save writer
+    (``tests.support.faulty_save``), passed in by tests; the I/O options carry no test fields
+    and the CLI reads no test variables."""
     import dataclasses
     import inspect
 

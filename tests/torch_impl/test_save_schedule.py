@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from moezero.checkpoint.core import CheckpointError
-from moezero.checkpoint.hooks import SaveHooks
 from moezero.checkpoint.schedule import SaveClock
 from moezero.config import Config
 from moezero.distributed.signals import PreemptOptions, StopRequest
 from moezero.offload.options import IOOptions
 from moezero.plan import store
 from moezero.train import setup, train
+from tests.support.faulty_save import faulty_io
 from tests.support.world import run_world
 from tests.torch_impl.test_checkpoint import ccfg
 
@@ -67,7 +67,7 @@ def _train_until_a_save_fails(cfg_data: dict, run_dir: str) -> tuple[str, int]:
     disk full in the async save of step 10."""
     try:
         train(Config.model_validate(cfg_data), Path(run_dir),
-              stop=StopRequest(PreemptOptions(())), hooks=SaveHooks(enospc=(1, 10)))
+              io=faulty_io(enospc=(1, 10)), stop=StopRequest(PreemptOptions(())))
     except CheckpointError as exc:
         rows = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
         return str(exc), json.loads(rows[-1])["step"]

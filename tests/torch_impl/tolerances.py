@@ -39,7 +39,7 @@ load, ``import-hf`` or export, as a fraction of the model's fp32 bytes. The mode
 tensor or group is over it; a streaming one holds a few 8 MiB chunks, far under it."""
 
 HOST_ADAMW = {"rtol": 2e-6, "atol": 1e-7}
-"""The one-pass AdamW (``moezero.zero.hostadam``) against ``adamw.adamw_`` and against optax's
-formula in float64, one step, fp32 state (``np.testing.assert_allclose`` arguments): a few fp32
+"""The one-pass AdamW (``moezero.zero.hostadam``) against ``tests/support/adamw.py: adamw_``
+and against optax's formula in float64, one step, fp32 state (``np.testing.assert_allclose`` arguments): a few fp32
 roundings of each element; the absolute term (an fp32 ulp at 1) covers moments that cancel
 to near zero. A wrong bias correction, decay or lr moves the params by ~1e-4 or more."""

@@ -235,7 +235,7 @@ def finetune_example(work: Path) -> None:
         moezero(*command[1:])
     space: dict = {}
     start = time.monotonic()
-    exec(compile(python, "README.md (Fine-tune)", "exec"), space)  # noqa: S102
+    exec(compile(python, "README.md (Fine-tune)", "exec"), space)
     print(f"ok {time.monotonic() - start:5.1f}s  the README's Python block", flush=True)
     ids = space["ids"]
     with torch.no_grad():

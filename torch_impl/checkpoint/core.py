@@ -27,7 +27,6 @@ import torch
 
 from moezero.checkpoint import save as saving
 from moezero.checkpoint.group import CheckpointGroup, one_line
-from moezero.checkpoint.hooks import SaveHooks
 from moezero.checkpoint.load import read_checkpoint, resolve_load
 from moezero.checkpoint.options import CheckpointOptions
 from moezero.plan import store
@@ -43,12 +42,10 @@ __all__ = ["CheckpointError", "Checkpointer", "check_shapes", "find_checkpoint",
 
 class Checkpointer:
     """Saves and loads one engine's state. Create it on every rank (``new_group`` is
-    collective). ``hooks``: a test's fault injection into saves (none in a run)."""
+    collective). Saves write through ``options.io.save_writer`` (``writer.SaveWriter``)."""
 
-    def __init__(self, rank: int, world_size: int, options: CheckpointOptions | None = None,
-                 hooks: SaveHooks | None = None):
+    def __init__(self, rank: int, world_size: int, options: CheckpointOptions | None = None):
         self.rank, self.options = rank, options or CheckpointOptions()
-        self.hooks = hooks or SaveHooks()
         self.group = CheckpointGroup(rank, world_size)
         self.refused: set[int] = set()  # st_dev of filesystems that refused O_DIRECT
         self._thread: threading.Thread | None = None
@@ -87,7 +84,7 @@ class Checkpointer:
                                copy=background)
         self.wait()
         if not background:
-            return saving.write(self.group, job, self.options, self.refused, self.hooks)
+            return saving.write(self.group, job, self.options, self.refused)
         self._thread = threading.Thread(target=self._run, args=(job,), daemon=True,
                                         name="moezero-checkpoint")
         self._thread.start()
@@ -95,7 +92,7 @@ class Checkpointer:
 
     def _run(self, job: saving.SaveJob) -> None:
         try:
-            self._result = saving.write(self.group, job, self.options, self.refused, self.hooks)
+            self._result = saving.write(self.group, job, self.options, self.refused)
         except BaseException as exc:  # re-raised on the training thread by wait()
             self._error = exc
 

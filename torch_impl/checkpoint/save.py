@@ -5,10 +5,11 @@ optimizer groups), this rank's fp32 shards (``zero.shards.StateShard``: tensors,
 swap files that hold the same ranges) and the engine's small JSON state (``Engine.state_dict``
 plus the caller's). Rank 0 creates the ``step_XXXXXXXX.partial/`` directory and every file's
 header; each rank writes its own fp32 partition of every group it holds (master, exp_avg,
-exp_avg_sq) with ``store.write_partition`` (the aligned bulk of each large range with O_DIRECT:
-``writer.RangeWriter``), or copies its swap files file to file, and flushes once
-(``writer.FolderFlush``); rank 0 gathers the checksummed ranges and the per-rank state
-(``RANK_KEYS``), writes the manifest and commits atomically. Every failure is agreed on over
+exp_avg_sq) through its ``writer.SaveWriter`` (``store.write_partition``, the aligned bulk of
+each large range with O_DIRECT by ``writer.RangeWriter``, or its swap files copied file to
+file) and flushes once (``writer.FolderFlush``); rank 0 gathers the checksummed ranges and the
+per-rank state (``RANK_KEYS``), writes the manifest and commits atomically (through the same
+``SaveWriter``). Every failure is agreed on over
 the checkpoint group, so every rank raises the same one-line ``CheckpointError``.
 Reference counterpart: ``moezero.plan.store`` (the byte mover this module drives) and
 ``moezero.reference.checkpoint.save_train_state``.
@@ -28,11 +29,10 @@ import torch
 
 from moezero.checkpoint import writer as ckpt_write
 from moezero.checkpoint.group import CheckpointGroup, failure
-from moezero.checkpoint.hooks import SaveHooks
 from moezero.checkpoint.options import CheckpointOptions
 from moezero.plan import store
 from moezero.plan.buffer_io import write_buffers
-from moezero.plan.layout import STATES, Layout, RangeRecord, rank_ranges
+from moezero.plan.layout import Layout
 from moezero.plan.partition import Partition
 from moezero.plan.store import CheckpointError
 from moezero.zero.shards import StateShard
@@ -91,18 +91,19 @@ def make_job(root, step: int, layout: Layout, shards: Iterable[StateShard], stat
 
 
 def write(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
-          refused: set[int], hooks: SaveHooks | None = None) -> Path:
+          refused: set[int]) -> Path:
     """The save protocol of docs/checkpoint.md; every rank agrees on each failure, and a
     failed save's ``.partial`` directory is removed (by rank 0, once every rank has stopped
     writing: failures are agreed after the writes), so it holds no space; ``latest`` and the
     committed checkpoints are untouched.
 
     ``refused``: ``st_dev`` of filesystems where O_DIRECT was refused (kept by the caller
-    across saves); ``hooks``: a test's fault injection (none in a run).
+    across saves). The writes go through ``options.io.save_writer`` (``writer.SaveWriter``
+    when None; a test's writer injects faults).
     """
     partial = Path(job.root) / (store.step_dir_name(job.step) + store.PARTIAL)
     try:
-        return _protocol(group, job, options, refused, partial, hooks or SaveHooks())
+        return _protocol(group, job, options, refused, partial)
     except CheckpointError:
         if group.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -110,8 +111,10 @@ def write(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
 
 
 def _protocol(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
-              refused: set[int], partial: Path, hooks: SaveHooks) -> Path:
+              refused: set[int], partial: Path) -> Path:
     what = f"checkpoint save of step {job.step} under {job.root}"
+    disk = (options.io.save_writer or ckpt_write.SaveWriter)(options.io, refused,
+                                                             rank=group.rank, step=job.step)
     error, headers, flush = None, [], None
     if group.rank == 0:
         try:
@@ -120,11 +123,10 @@ def _protocol(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
             headers = store.write_headers(job.layout, partial)
             headers += write_buffers(partial, job.layout, job.buffers)
         except Exception as exc:
-            error = failure(_named(exc, partial), 0)
+            error = failure(ckpt_write.named(exc, partial), 0)
     try:
         group.agree(error, what)
-        records, error = _write_partitions(group.rank, job, partial, flush, options, refused,
-                                           hooks)
+        records, error = _write_partitions(disk, job, partial, flush, options)
     finally:
         if flush is not None:
             flush.close()
@@ -133,9 +135,9 @@ def _protocol(group: CheckpointGroup, job: SaveJob, options: CheckpointOptions,
     error = next((g["error"] for g in gathered if g["error"]), None)
     if group.rank == 0 and error is None:
         try:
-            _finish(job, partial, headers, gathered, options, hooks)
+            _finish(disk, job, partial, headers, gathered, options)
         except Exception as exc:
-            error = failure(_named(exc, partial), 0)
+            error = failure(ckpt_write.named(exc, partial), 0)
     outcome = group.all_gather(error)[0]
     if outcome:
         raise CheckpointError(f"{what}: {outcome}")
@@ -147,81 +149,33 @@ def _folder_flush(folder: Path, options: CheckpointOptions) -> ckpt_write.Folder
                                   else None)
 
 
-def _write_partitions(rank: int, job: SaveJob, partial: Path,
-                      flush: ckpt_write.FolderFlush | None, options: CheckpointOptions,
-                      refused: set[int], hooks: SaveHooks) -> tuple[list, str | None]:
+def _write_partitions(disk: ckpt_write.SaveWriter, job: SaveJob, partial: Path,
+                      flush: ckpt_write.FolderFlush | None,
+                      options: CheckpointOptions) -> tuple[list, str | None]:
     """This rank's ranges, flushed: (records, None), or what has been written and the error."""
     records = []
     try:
-        hooks.fault(rank, job.step, partial / job.layout.files[0].name)
         with flush or _folder_flush(partial, options) as flush:
-            with ckpt_write.RangeWriter(options.io, refused) as range_writer:
-                writer = _naming(range_writer)
+            with disk:
                 for shard in job.shards:
-                    hooks.pause()
-                    if shard.files is not None:
-                        records += _copy_partition(partial, job.layout, shard)
-                    else:
-                        records += store.write_partition(partial, job.layout, shard.partition,
-                                                         shard.dp_rank, **shard.arrays,
-                                                         fsync=False, writer=writer)
+                    records += disk.shard(partial, job.layout, shard.partition, shard.dp_rank,
+                                          arrays=shard.arrays, files=shard.files)
             written = {r.file for r in records}  # every write has finished
-            if rank == 0:  # it wrote every header: commit need not flush them again
+            if disk.rank == 0:  # it wrote every header: commit need not flush them again
                 written.update(f.name for f in job.layout.files)
             flush.flush(sorted(written))
     except Exception as exc:
-        return records, failure(_named(exc, partial), rank)
+        return records, failure(ckpt_write.named(exc, partial), disk.rank)
     return records, None
 
 
-def _named(exc: BaseException, path: Path) -> BaseException:
-    """``exc``, or for an OS error that names no file (a plain ``pwrite`` on a full disk:
-    ``[Errno 28] No space left on device``) the same error naming ``path``."""
-    if isinstance(exc, OSError) and exc.filename is None and exc.strerror:
-        return OSError(exc.errno, exc.strerror, os.fspath(path))
-    return exc
-
-
-def _naming(writer):
-    """``writer(path, offset, array)`` whose OS errors name the file they hit."""
-    def write(path: Path, offset: int, array: np.ndarray) -> int:
-        try:
-            return writer(path, offset, array)
-        except OSError as exc:
-            if exc.filename is not None:
-                raise
-            raise _named(exc, path) from exc
-    return write
-
-
-def _copy_partition(ckpt_dir: Path, layout: Layout, shard: _Shard) -> list:
-    """A swapped shard's real elements, swap file -> checkpoint file (``os.copy_file_range``),
-    with the checksum of each range."""
-    ranges = rank_ranges(layout, shard.partition, shard.dp_rank)
-    records = []
-    for state in STATES:
-        where = getattr(ranges, state)
-        if where is not None and where.length:
-            try:
-                crc = store.copy_range(shard.files[state], 0, ckpt_dir / where.file,
-                                       where.offset, where.length)
-            except OSError as exc:
-                if exc.filename is not None:
-                    raise
-                raise _named(exc, ckpt_dir / where.file) from exc
-            records.append(RangeRecord(where.file, where.offset, where.length, crc))
-    return records
-
-
-def _finish(job: SaveJob, partial: Path, headers: list, gathered: list[dict],
-            options: CheckpointOptions, hooks: SaveHooks) -> None:
+def _finish(disk: ckpt_write.SaveWriter, job: SaveJob, partial: Path, headers: list,
+            gathered: list[dict], options: CheckpointOptions) -> None:
     """Rank 0: manifest (the shared state plus every rank's entries), commit, retention."""
     records = headers + [tuple(r) for g in gathered for r in g["records"]]
     state = dict(job.state, **{k: [g["state"].get(k) for g in gathered]
                                for k in RANK_KEYS if k in job.rank_state})
-    hooks.pause()
-    store.write_manifest(partial, job.layout, checksums=records, config=job.meta["config"],
-                         topology=job.meta["topology"], state=state, base=job.meta.get("base"))
-    hooks.pause()
-    final = store.commit(partial, flushed=True, layout=job.layout)  # every rank flushed
+    disk.manifest(partial, job.layout, checksums=records, config=job.meta["config"],
+                  topology=job.meta["topology"], state=state, base=job.meta.get("base"))
+    final = disk.commit(partial, job.layout)  # every rank flushed
     store.apply_retention(job.root, options.keep_last, committed=final)

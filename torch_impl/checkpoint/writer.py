@@ -1,8 +1,8 @@
-"""How a rank's checkpoint bytes reach the disk: the O_DIRECT range writer that
-``store.write_partition`` drives (``RangeWriter``) and the flush after a rank's last write
-(``FolderFlush``). Both take their behaviour from ``moezero.offload.options.IOOptions`` (or
-constructor arguments), never from module state. Used by ``moezero.checkpoint.save``;
-docs/checkpoint.md ("Write path").
+"""How a rank's checkpoint bytes reach the disk: the writes of one save on one rank
+(``SaveWriter``, the storage writer), the O_DIRECT range writer that ``store.write_partition``
+drives (``RangeWriter``) and the flush after a rank's last write (``FolderFlush``). They take
+their behaviour from ``moezero.offload.options.IOOptions`` (or constructor arguments), never
+from module state. Used by ``moezero.checkpoint.save``; docs/checkpoint.md ("Write path").
 """
 
 from __future__ import annotations
@@ -25,8 +25,90 @@ from moezero.offload.aio import ALIGN, AsyncIO, aligned_empty
 from moezero.offload.options import IOOptions
 from moezero.plan import store
 from moezero.plan.bytes_io import byte_view
+from moezero.plan.layout import STATES, Layout, RangeRecord, rank_ranges
+from moezero.plan.partition import Partition
 
-__all__ = ["FolderFlush", "RangeWriter", "system_syncfs"]
+__all__ = ["FolderFlush", "RangeWriter", "SaveWriter", "named", "system_syncfs"]
+
+
+class SaveWriter:
+    """The writes of one save on one rank (DCP's storage writer): this rank's partitions
+    (``shard``: tensors through a ``RangeWriter``, swapped shards file to file), then on rank 0
+    the manifest and the commit. ``save.write`` makes one per save with ``IOOptions.save_writer``
+    (this class when None) and uses it as a context (the range writer's writes are waited for
+    on leaving it). Tests pass a subclass that delays or fails these writes
+    (``tests/support/faulty_save.py``): fault injection is no option of a run.
+    """
+
+    def __init__(self, io: IOOptions, refused: set[int], *, rank: int, step: int):
+        self.io, self.refused, self.rank, self.step = io, refused, rank, step
+        self._ranges: RangeWriter | None = None
+
+    def __enter__(self) -> SaveWriter:
+        self._ranges = RangeWriter(self.io, self.refused)
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        ranges, self._ranges = self._ranges, None
+        ranges.__exit__(kind, *exc)
+
+    def shard(self, partial: Path, layout: Layout, partition: Partition, dp_rank: int, *,
+              arrays: dict[str, np.ndarray] | None = None,
+              files: dict[str, Path] | None = None) -> list[RangeRecord]:
+        """Write this rank's partition of one group (``arrays``: state -> fp32 array, or
+        ``files``: state -> swap file); returns the checksummed ranges."""
+        if files is not None:
+            return _copy_partition(partial, layout, partition, dp_rank, files)
+        return store.write_partition(partial, layout, partition, dp_rank, **arrays,
+                                     fsync=False, writer=_naming(self._ranges))
+
+    def manifest(self, partial: Path, layout: Layout, **fields) -> None:
+        """Rank 0: ``store.write_manifest(partial, layout, **fields)``."""
+        store.write_manifest(partial, layout, **fields)
+
+    def commit(self, partial: Path, layout: Layout) -> Path:
+        """Rank 0, after every rank flushed: ``store.commit``; returns the step directory."""
+        return store.commit(partial, flushed=True, layout=layout)
+
+
+def named(exc: BaseException, path: Path) -> BaseException:
+    """``exc``, or for an OS error that names no file (a plain ``pwrite`` on a full disk:
+    ``[Errno 28] No space left on device``) the same error naming ``path``."""
+    if isinstance(exc, OSError) and exc.filename is None and exc.strerror:
+        return OSError(exc.errno, exc.strerror, os.fspath(path))
+    return exc
+
+
+def _naming(writer):
+    """``writer(path, offset, array)`` whose OS errors name the file they hit."""
+    def write(path: Path, offset: int, array: np.ndarray) -> int:
+        try:
+            return writer(path, offset, array)
+        except OSError as exc:
+            if exc.filename is not None:
+                raise
+            raise named(exc, path) from exc
+    return write
+
+
+def _copy_partition(ckpt_dir: Path, layout: Layout, partition: Partition, dp_rank: int,
+                    files: dict[str, Path]) -> list[RangeRecord]:
+    """A swapped shard's real elements, swap file -> checkpoint file (``os.copy_file_range``),
+    with the checksum of each range."""
+    ranges = rank_ranges(layout, partition, dp_rank)
+    records = []
+    for state in STATES:
+        where = getattr(ranges, state)
+        if where is not None and where.length:
+            try:
+                crc = store.copy_range(files[state], 0, ckpt_dir / where.file,
+                                       where.offset, where.length)
+            except OSError as exc:
+                if exc.filename is not None:
+                    raise
+                raise named(exc, ckpt_dir / where.file) from exc
+            records.append(RangeRecord(where.file, where.offset, where.length, crc))
+    return records
 
 
 class RangeWriter:

@@ -1,7 +1,8 @@
 """Starting the ranks: join a ``torchrun`` world, run alone, or spawn N local ranks.
 
-The only module that reads environment variables. Spawned ranks meet through a FileStore in a
-fresh temporary folder (``rendezvous``: removed on the way out, stale ones on the next start),
+With the CLI, the only module that reads moezero's environment variables (torchrun's;
+docs/design.md, "The environment"). Spawned ranks meet through a FileStore in a fresh temporary
+folder (``rendezvous``: removed on the way out, stale ones on the next start),
 every process group has a timeout, and the parent watches its children: a rank that fails
 takes the others down and its error is shown (one line for an expected error,
 ``failures.RankFailure``; the traceback otherwise); a rank that dies of a signal or stops
@@ -141,7 +142,7 @@ def _stop_kw(stop: StopRequest | None) -> dict:
     return {} if stop is None else {"stop": stop}
 
 
-class _Abort(Exception):  # noqa: N818 (a control-flow signal)
+class _Abort(Exception):  # a control-flow signal, not an error
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum

@@ -44,7 +44,7 @@ class Flag:
 
 def hold(path: str | Path) -> IO:
     """A shared lock on the folder ``path`` for as long as the returned file stays open."""
-    lock = open(Path(path, LOCK_NAME), "a")  # noqa: SIM115 (held until closed)
+    lock = open(Path(path, LOCK_NAME), "a")  # held until closed
     fcntl.flock(lock, fcntl.LOCK_SH)
     return lock
 

@@ -56,7 +56,7 @@ class PreemptOptions:
         return cls(tuple(int(signal.Signals[name]) for name in names))
 
 
-class Preempted(Exception):  # noqa: N818 (an outcome, not a failure)
+class Preempted(Exception):  # an outcome, not a failure
     """The run stopped after ``step`` because of a preemption signal; its checkpoint is
     ``checkpoint`` (committed)."""
 

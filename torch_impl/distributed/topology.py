@@ -4,7 +4,7 @@ World size W = DP. A MoE layer's expert-parallel size ``ep`` divides W and its e
 EP groups are consecutive blocks of ``ep`` ranks; expert-data-parallel (EDP) groups are the
 ranks holding the same experts (same ``rank % ep``), of size W/ep. Expert ``e`` lives on EP
 rank ``e // (E/ep)``. Everything that needs a group takes this object explicitly; only the
-launcher reads environment variables. Reference counterpart: ``reference/plan/partition.py``.
+launcher and the CLI read environment variables. Reference counterpart: ``reference/plan/partition.py``.
 """
 
 from __future__ import annotations

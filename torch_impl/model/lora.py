@@ -120,7 +120,3 @@ def _owner(name: str, module: nn.Module) -> tuple[str | None, tuple[str, ...]]:
     if isinstance(module, SwiGLU) and ".experts." in f".{name}.":
         return "experts", SWIGLU
     return None, ()
-
-
-def has_adapters(linear: nn.Module) -> bool:
-    return isinstance(linear, LoRALinear)

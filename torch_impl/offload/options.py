@@ -2,12 +2,15 @@
 
 The defaults are what a run uses; ``initialize(..., io=IOOptions(...))`` sets them for an
 engine (its checkpoints and NVMe swap files), and tests pass their own instead of changing
-module state. Fault injection is not an option: tests pass ``checkpoint.hooks.SaveHooks``.
+module state. Fault injection is not an option: a test passes its own checkpoint writer
+(``save_writer``, the seam a storage writer plugs into).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from moezero.plan.bytes_io import CHUNK
 
@@ -31,6 +34,9 @@ class IOOptions:
             many bytes or more are mapped and returned to the OS when freed
             (``moezero.offload.malloc``: glibc's dynamic threshold otherwise keeps a step's
             freed buffers resident); None: glibc's default.
+        save_writer: Makes a rank's writer of one checkpoint save:
+            ``save_writer(io, refused, rank=, step=)`` -> a ``moezero.checkpoint.writer.SaveWriter``
+            (that class when None; tests pass a subclass that delays or fails the writes).
     """
 
     direct_io: bool = True
@@ -39,3 +45,4 @@ class IOOptions:
     chunk_bytes: int = CHUNK
     syncfs: bool = True
     host_mmap_threshold: int | None = 1 << 20
+    save_writer: Callable[..., Any] | None = None

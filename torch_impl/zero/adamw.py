@@ -1,16 +1,15 @@
-"""Optimizer math as free functions: AdamW, the LR schedule, clipping, dynamic loss scaling.
+"""Optimizer math around the AdamW update: the LR schedule, clipping, dynamic loss scaling.
 
-They act on fp32 tensors in place and mirror ``reference/optim.py`` (optax's ``adamw``,
-``clip_by_global_norm`` and a warmup + cosine schedule), so the sharded step can apply them to
-any slice of state, one optimizer group at a time.
+They mirror ``reference/optim.py`` (``clip_by_global_norm`` and a warmup + cosine schedule)
+and ``reference/scaling.py``, so the sharded step can apply them one optimizer group at a
+time. The update itself is ``moezero.zero.hostadam.adamw_step_`` (one pass; its per-tensor
+oracle, the reference's math in torch ops, is ``tests/support/adamw.py: adamw_``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -31,45 +30,6 @@ def clip_coef(grad_norm: float, max_norm: float | None) -> float:
     if not max_norm or grad_norm <= max_norm or not math.isfinite(grad_norm):
         return 1.0
     return max_norm / grad_norm
-
-
-def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-           exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float, beta2: float,
-           eps: float, weight_decay: float) -> None:
-    """One AdamW update in place on fp32 tensors; ``step`` is 1-based (bias correction).
-
-    update = m̂ / (sqrt(v̂) + eps) + weight_decay * param; param -= lr * update (optax adamw).
-    """
-    exp_avg.lerp_(grad, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    m_hat = exp_avg / (1.0 - beta1 ** step)
-    denom = (exp_avg_sq / (1.0 - beta2 ** step)).sqrt_().add_(eps)
-    update = m_hat.div_(denom)
-    if weight_decay:
-        update.add_(param, alpha=weight_decay)
-    param.add_(update, alpha=-lr)
-
-
-def adamw_foreach_(params: list[torch.Tensor], grads: list[torch.Tensor],
-                   exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *, step: int,
-                   lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
-    """``adamw_`` on lists of fp32 tensors sharing one set of hyperparameters, one
-    ``torch._foreach_*`` call per operation (the offloaded tiers' host step, a window of groups
-    at a time). The same operations in the same order: on CPU, bit for bit ``adamw_`` of each
-    tensor (tests/torch_impl/test_host_step.py)."""
-    if not params:
-        return
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-    updates = torch._foreach_div(exp_avgs, 1.0 - beta1 ** step)
-    denoms = torch._foreach_div(exp_avg_sqs, 1.0 - beta2 ** step)
-    torch._foreach_sqrt_(denoms)
-    torch._foreach_add_(denoms, eps)
-    torch._foreach_div_(updates, denoms)
-    if weight_decay:
-        torch._foreach_add_(updates, params, alpha=weight_decay)
-    torch._foreach_add_(params, updates, alpha=-lr)
 
 
 @dataclass

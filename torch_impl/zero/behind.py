@@ -41,7 +41,7 @@ class StepBehind:
         def body() -> None:
             try:
                 run(**hooks)
-            except BaseException as e:  # noqa: BLE001 - raised again by finish
+            except BaseException as e:  # any error: raised again by finish
                 self._error = e
             finally:
                 self.swap.open(slots)

@@ -4,9 +4,11 @@
 multiplied on the way by ``grad_mul`` (the loss-scale unscale times the clip coefficient), and
 can write the updated master's downcast (the compute-dtype param) in the same pass. Each
 element's gradient, master and moments are read once and written once: 28 B per element in
-fp32 (DeepSpeedCPUAdam's budget), against ten passes for ``adamw.adamw_foreach_``.
+fp32 (DeepSpeedCPUAdam's budget), against ten passes for the vectorised AdamW it replaced
+(``benchmarks/adamw_foreach.py``).
 
-Two implementations of the same formula (``compiled`` picks; ``ZeroOptions.compiled_adamw``):
+Two implementations of the same formula (``compiled`` picks; the optimizer asks for the
+compiled one):
 
 - ``compiled``: ``csrc/adamw_host.cpp``, built with ``torch.utils.cpp_extension`` at first use
   into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
@@ -32,7 +34,8 @@ Semantics (optax ``adamw``, ``reference/optim.py``), per element, in fp32::
     u = (m * ib1) / (sqrt(v * ib2) + eps) + weight_decay * p    (ib_i = 1 / (1 - beta_i ** step))
     p = p - lr * u
 
-Equal to ``adamw.adamw_`` to fp32 rounding (tests/torch_impl/test_hostadam.py).
+Equal to the per-tensor torch ops of the reference's math (``tests/support/adamw.py``) to fp32
+rounding (tests/torch_impl/test_hostadam.py).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def load_compiled(source: Path = SOURCE) -> tuple[object | None, str]:
             if built is not None:
                 return kernel_cache.import_library(name, built), ""
             return _build(name, source), ""
-    except Exception as e:  # noqa: BLE001 - any build failure falls back to torch ops
+    except Exception as e:  # any build failure falls back to torch ops
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         why = f"{type(e).__name__}: {lines[-1] if lines else ''}"
         log.warning("the compiled AdamW kernel (%s) is not available, the step runs torch ops "

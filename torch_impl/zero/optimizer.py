@@ -73,8 +73,7 @@ class Optimizer(StateView):
     def __init__(self, params: dict[str, nn.Parameter], topology: Topology,
                  options: ZeroOptions) -> None:
         self.params, self.topology = params, topology
-        self.compiled_adamw = options.compiled_adamw
-        if self.compiled_adamw and (options.host_step or self._device.type != "cuda"):
+        if options.host_step or self._device.type != "cuda":
             # Built (first use on a machine: about a minute) or loaded here, where every rank
             # is at the same point, not inside a step that others wait on in a collective.
             load_compiled()
@@ -252,8 +251,7 @@ class Optimizer(StateView):
         out = self._downcast_target(slot, master)
         adamw_step_(master, grad[:n], st["exp_avg"][:n], st["exp_avg_sq"][:n], out=out,
                     grad_mul=grad_mul, lr=lr * hp.get("lr_scale", 1.0),
-                    weight_decay=hp.get("weight_decay", 0.0), compiled=self.compiled_adamw,
-                    **adam)
+                    weight_decay=hp.get("weight_decay", 0.0), **adam)
         if out is None:
             self._downcast(slot, master)
         self.meter.drop(held)

@@ -26,8 +26,6 @@ class ZeroOptions:
         host_window: Elements of fp32 state in one window of consecutive groups (at least one
             group). Two windows' gradients are alive at a time (on the host: copies, or
             swap reads with the gradient tier); AdamW allocates nothing per element.
-        compiled_adamw: Step CPU state with the compiled one-pass AdamW kernel where it
-            builds (``moezero.zero.hostadam``); False: the same formula in torch ops.
         param_read_ahead: Stage 3 with NVMe params: the units ahead of the one being gathered
             whose param shards are read from the swap files in the background (0: each shard
             is read when its gather starts).
@@ -53,7 +51,6 @@ class ZeroOptions:
     keep_grads: int = 0
     read_in_backward: int = 0
     step_in_forward: bool = False
-    compiled_adamw: bool = True
 
     @classmethod
     def from_config(cls, zero) -> ZeroOptions:

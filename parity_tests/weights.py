@@ -1,4 +1,6 @@
-"""Model weights ↔ one safetensors file keyed by the FQNs of docs/model.md.
+"""Torch model weights ↔ one safetensors file keyed by the FQNs of docs/model.md: the torch
+half of the weight-exchange parity test (parity_tests/test_weights.py), test-only (a run saves
+and loads through ``moezero.checkpoint``, imports through ``checkpoint.hf``).
 
 JAX counterpart: ``reference/weights.py`` (``save_params`` / ``load_params``); a file written by
 either side loads on the other. Only models whose experts are all local (``moe.ep_size`` 1)
