@@ -90,6 +90,13 @@ def test_ep_rank_selects_the_experts(ep_rank):
     assert tags == experts
 
 
-def test_a_meta_model_takes_no_init():
+@pytest.mark.parametrize("where", ["meta", torch.device("meta")])
+def test_a_meta_model_takes_no_init(where):
     with pytest.raises(ValueError, match="meta model holds no values"):
-        build_decoder(ARGS, where="meta", init=KeyedInit(0))
+        build_decoder(ARGS, where=where, init=KeyedInit(0))
+
+
+def test_config_decoder_on_a_meta_device_object():
+    cfg = load_config(None, SMALL)
+    model = config_decoder(cfg, where=torch.device("meta"))
+    assert all(p.is_meta for p in model.parameters())

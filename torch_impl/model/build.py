@@ -44,7 +44,7 @@ def build_decoder(args: ModelArgs, *, where: Where = "meta", lora: LoraOptions |
     """The decoder of ``args`` holding EP rank ``ep_rank``'s experts, with ``lora``'s adapters
     (None: none), on ``where``; materialised models are filled by ``init`` (None: the
     modules' own initialisers)."""
-    if where == "meta":
+    if _is_meta(where):
         if init is not None:
             raise ValueError("build_decoder: a meta model holds no values; pass init=None "
                              "and materialise it with that init (moezero.model.materialize)")
@@ -55,6 +55,10 @@ def build_decoder(args: ModelArgs, *, where: Where = "meta", lora: LoraOptions |
     if init is not None:
         init_weights(model, init.seed, init.std)
     return model
+
+
+def _is_meta(where: Where) -> bool:
+    return torch.device(where).type == "meta"
 
 
 def _build(args: ModelArgs, lora: LoraOptions | None, ep_rank: int, ep_group) -> Decoder:
@@ -69,7 +73,7 @@ def config_decoder(cfg: Config, *, where: Where = "meta", adapters: bool = True,
     and, materialised, ``config_init(cfg)`` when ``init`` (False: the modules' own)."""
     return build_decoder(model_args(cfg), where=where,
                          lora=lora_options(cfg.peft) if adapters else None,
-                         init=config_init(cfg) if init and where != "meta" else None,
+                         init=config_init(cfg) if init and not _is_meta(where) else None,
                          ep_rank=ep_rank, ep_group=ep_group)
 
 
