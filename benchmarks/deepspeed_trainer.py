@@ -26,7 +26,7 @@ from moezero.model.moe import SwiGLU
 AUX_LOSS_COEF = 0.01
 
 
-class Block(nn.Module):
+class PeerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
@@ -42,14 +42,15 @@ class Block(nn.Module):
         return h + y, aux
 
 
-class Decoder(nn.Module):
-    """Token ids [B, S+1] -> mean next-token cross-entropy + weighted aux losses."""
+class PeerDecoder(nn.Module):
+    """The peer's own decoder (DeepSpeed's MoE layer in place of moezero's): token ids
+    [B, S+1] -> mean next-token cross-entropy + weighted aux losses."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(PeerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
 
@@ -84,7 +85,7 @@ class DeepSpeedTrainer:
     def __init__(self, spec: dict):
         deepspeed.init_distributed(dist_backend="gloo")
         train = spec["train"]
-        model = Decoder(model_args(spec["model"], ep_size=spec["model"]["ep_size"]))
+        model = PeerDecoder(model_args(spec["model"], ep_size=spec["model"]["ep_size"]))
         init_weights(model, train["seed"], INIT_STD)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=ds_config(spec))

@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from benchmarks.common import INIT_STD, make_batches, model_args
-from moezero.model.decoder import Decoder, init_weights
+from moezero.model.build import build_decoder
+from moezero.model.materialize import KeyedInit
 
 
 class Fsdp2Trainer:
@@ -26,8 +27,8 @@ class Fsdp2Trainer:
 
     def __init__(self, spec: dict):
         train, world = spec["train"], dist.get_world_size()
-        model = Decoder(model_args(spec["model"], ep_size=1))
-        init_weights(model, train["seed"], INIT_STD)
+        args = model_args(spec["model"], ep_size=1)
+        model = build_decoder(args, where="cpu", init=KeyedInit(train["seed"], INIT_STD))
         mesh = init_device_mesh("cpu", (world,))
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)

@@ -59,10 +59,11 @@ class Fsdp2Row:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from moezero.model.decoder import Decoder, init_weights
+        from moezero.model.build import build_decoder
+        from moezero.model.materialize import KeyedInit
 
-        model = Decoder(model_args(spec["model"], ep_size=1))
-        init_weights(model, spec["train"]["seed"], INIT_STD)
+        args = model_args(spec["model"], ep_size=1)
+        model = build_decoder(args, where="cpu", init=KeyedInit(spec["train"]["seed"], INIT_STD))
         model.to(device)
         mesh = init_device_mesh(device.type, (1,))
         dtype = torch.bfloat16 if spec["dtype"] == "bf16" else torch.float32

@@ -20,8 +20,10 @@ from moezero.config import Config
 from moezero.data import Batches, make_corpus
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
-from moezero.model.decoder import Decoder, ModelArgs, init_weights
-from moezero.model.lora import LoraOptions, apply_lora
+from moezero.model.build import build_decoder
+from moezero.model.decoder import Decoder, ModelArgs
+from moezero.model.lora import LoraOptions
+from moezero.model.materialize import KeyedInit
 from moezero.plan.buffers import is_buffer
 from moezero.reference.model import ModelConfig, forward, loss_fn, oracle_loss
 from moezero.reference.optim import OptimConfig, train_step
@@ -87,9 +89,7 @@ def torch_args(cfg: ModelConfig, ep_size: int = 1) -> ModelArgs:
 
 def torch_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
     """An fp32 torch decoder (all experts local) with ``init_weights(seed)``."""
-    model = apply_lora(Decoder(torch_args(cfg)), torch_lora(cfg))
-    init_weights(model, seed)
-    return model
+    return build_decoder(torch_args(cfg), where="cpu", lora=torch_lora(cfg), init=KeyedInit(seed))
 
 
 def to_jax(model_or_fqns, cfg: ModelConfig) -> dict:

@@ -1,6 +1,6 @@
 """Packed-row parity: torch vs reference with document masks and loss masks, same weights.
 
-Document masks (``Decoder(tokens, documents)`` ↔ ``forward(..., documents_BS=)``): logits.
+Document masks (``model(tokens, documents)`` ↔ ``forward(..., documents_BS=)``): logits.
 Loss masks (``Decoder.loss(loss_mask_BS=, divisor=)`` ↔ ``loss_fn``): the loss, the ce and
 every gradient by FQN, with the local count as divisor and with a given (global) divisor.
 The engine's masked step over two micro-batches (the global count divides both) ↔

@@ -6,7 +6,6 @@ measured figures; a failed row and a token-count disagreement are reported. No m
 from __future__ import annotations
 
 import pytest
-import torch
 
 from benchmarks import finetune_report as fr
 
@@ -19,9 +18,7 @@ TRAIN = {"seq_len": 32, "micro_batch_size": 2, "lr": 1e-3, "seed": 0, "r": 4, "a
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_adapter_params_are_the_lora_params_moezero_builds(kv_heads):
     from moezero.config import load_config
-    from moezero.model.args import model_args
-    from moezero.model.decoder import Decoder
-    from moezero.model.lora import apply_lora, lora_options
+    from moezero.model.build import config_decoder
 
     model = {**MODEL, "n_kv_heads": kv_heads}
     cfg = load_config(None, [f"model.dim={model['dim']}", f"model.ffn_dim={model['ffn_dim']}",
@@ -29,8 +26,7 @@ def test_adapter_params_are_the_lora_params_moezero_builds(kv_heads):
                              f"model.n_heads={model['n_heads']}", f"model.n_kv_heads={kv_heads}",
                              f"moe.num_experts={model['num_experts']}", "moe.ep_size=1",
                              "peft.method=lora", "peft.r=4", "peft.targets=[attn, experts]"])
-    with torch.device("meta"):
-        decoder = apply_lora(Decoder(model_args(cfg)), lora_options(cfg.peft))
+    decoder = config_decoder(cfg, where="meta")
     built = sum(p.numel() for name, p in decoder.named_parameters()
                 if name.endswith(("lora_A", "lora_B")))
     assert built > 0

@@ -107,7 +107,7 @@ class Engine:
         self.checkpointer = Checkpointer(topology.rank, topology.world_size,
                                          CheckpointOptions.from_config(cfg.checkpoint, self.io))
         self.shapes = model_shapes(self.model)  # of the global model (every expert)
-        self.lora = cfg.peft.method == "lora"
+        self.lora = cfg.peft.uses_lora
         self.base: dict | None = None  # LoRA: the checkpoint holding the frozen base weights
 
     @property

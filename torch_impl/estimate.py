@@ -23,18 +23,13 @@ from dataclasses import dataclass
 
 from moezero.config import Config
 from moezero.distributed.topology import Topology
-from moezero.model.args import model_args
-from moezero.model.decoder import Decoder
-from moezero.model.lora import apply_lora, lora_options
-from moezero.model.meta import on_meta
+from moezero.model.build import config_decoder
 from moezero.offload.aio import aligned_size
 from moezero.offload.state import params_read_master
-from moezero.plan.freeze import freeze_patterns
-from moezero.plan.grouping import plan_groups
-from moezero.plan.partition import Partition, plan_partitions
+from moezero.plan.partition import Partition
 from moezero.transients import PHASES, StepShape, Transient, activation_bytes, transients
 from moezero.zero.gather import param_kind, plan_units, unit_modules
-from moezero.zero.groups import config_user_group, freeze_specs, param_specs
+from moezero.zero.groups import plan_model
 
 __all__ = ["Estimate", "activation_bytes", "estimate", "format_table"]
 
@@ -191,15 +186,11 @@ def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda
     zero, ep = cfg.zero_optimization, cfg.moe.ep_size
     dtype = cfg.precision.resolve(cuda=device == "cuda", bf16_supported=device == "cuda")
     topology = Topology(rank, world_size, (ep,))
-    with on_meta():
-        model = apply_lora(Decoder(model_args(cfg), ep_rank=topology.ep_rank(ep)),
-                           lora_options(cfg.peft))
-    specs, _ = param_specs(model, config_user_group(cfg))
-    specs = freeze_specs(specs, freeze_patterns(cfg.train.freeze, lora=cfg.peft.method == "lora"))
-    plan = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
-                       split_by_expert=cfg.moe.split_groups_by_expert)
+    model = config_decoder(cfg, where="meta", ep_rank=topology.ep_rank(ep))
+    planned = plan_model(model, cfg, world_size=world_size)
+    specs, plan = planned.specs, planned.groups
     frozen = {g.name for g in plan if g.frozen}
-    parts = [p for p in plan_partitions(plan, world_size=world_size) if rank in p.ranks]
+    parts = [p for p in planned.partitions if rank in p.ranks]
     trained = [p for p in parts if p.group not in frozen]
     pl = _Placement(zero.stage, ITEMSIZE[dtype], device == "cpu", zero.offload_optimizer.device,
                     zero.offload_param.device, param_reads_master=not frozen and

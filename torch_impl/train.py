@@ -41,10 +41,9 @@ from moezero.distributed.signals import Preempted, PreemptOptions, StopRequest
 from moezero.distributed.topology import Topology, build_topology
 from moezero.engine import Engine, initialize
 from moezero.model.args import model_args
-from moezero.model.decoder import Decoder, init_weights
-from moezero.model.lora import apply_lora, lora_options
-from moezero.model.materialize import KeyedInit, meta_model
-from moezero.model.meta import on_meta
+from moezero.model.build import config_decoder, config_init
+from moezero.model.decoder import Decoder
+from moezero.model.materialize import KeyedInit
 from moezero.model.packing import Batch
 from moezero.offload.aio import OffloadIOError
 from moezero.offload.options import IOOptions
@@ -80,23 +79,21 @@ EVAL_KEYS = ("val_loss", "val_ppl")
 
 
 def build_model(cfg: Config, topology: Topology) -> Decoder:
-    """The decoder with this rank's experts, initialised identically for any W and ep."""
+    """The decoder with this rank's experts (and the ``peft`` adapters) on the CPU,
+    initialised identically for any W and ep."""
     ep = cfg.moe.ep_size
-    model = Decoder(model_args(cfg), ep_rank=topology.ep_rank(ep), ep_group=topology.ep_group(ep))
-    apply_lora(model, lora_options(cfg.peft))
-    init_weights(model, cfg.train.seed, cfg.model.init_std)
-    return model
+    return config_decoder(cfg, where="cpu", ep_rank=topology.ep_rank(ep),
+                          ep_group=topology.ep_group(ep))
 
 
 def sharded_model(cfg: Config, topology: Topology) -> tuple[Decoder, KeyedInit]:
     """The decoder on the meta device and its FQN-keyed init, for the engine to materialise
     only what this rank keeps (sharded construction, docs/scale.md); the same values as
     ``build_model``."""
-    ep, args = cfg.moe.ep_size, model_args(cfg)
-    model = meta_model(lambda: apply_lora(Decoder(args, ep_rank=topology.ep_rank(ep),
-                                                  ep_group=topology.ep_group(ep)),
-                                          lora_options(cfg.peft)))
-    return model, KeyedInit(cfg.train.seed, cfg.model.init_std, args)
+    ep = cfg.moe.ep_size
+    model = config_decoder(cfg, where="meta", ep_rank=topology.ep_rank(ep),
+                           ep_group=topology.ep_group(ep))
+    return model, config_init(cfg)
 
 
 def setup(cfg: Config, device: torch.device,
@@ -124,8 +121,7 @@ def preflight(cfg: Config, run_dir: str | Path) -> Path | None:
     if not cfg.checkpoint.load:
         return None
     ckpt = resolve_load(cfg.checkpoint.load, cfg.checkpoint.resolve_dir(run_dir))
-    with torch.device("meta"):  # shapes only: no memory, no init
-        shapes = model_shapes(Decoder(model_args(cfg)))
+    shapes = model_shapes(config_decoder(cfg, where="meta", adapters=False))  # the base's
     try:
         manifest, where = store.read_manifest(ckpt), ckpt
         if manifest.base:  # adapters (LoRA): the model's weights are in the base checkpoint
@@ -139,15 +135,14 @@ def preflight(cfg: Config, run_dir: str | Path) -> Path | None:
 
 def model_numel(cfg: Config) -> int:
     """Elements of the global model (every expert once), from shapes on the meta device."""
-    with on_meta():
-        return sum(math.prod(shape) for shape in model_shapes(Decoder(model_args(cfg))).values())
+    shapes = model_shapes(config_decoder(cfg, where="meta", adapters=False))
+    return sum(math.prod(shape) for shape in shapes.values())
 
 
 def checkpoint_size(cfg: Config) -> int:
     """Bytes of one checkpoint of the model (``rundir.checkpoint_bytes``), from shapes on the
     meta device."""
-    with on_meta():
-        shapes = model_shapes(Decoder(model_args(cfg)))
+    shapes = model_shapes(config_decoder(cfg, where="meta", adapters=False))
     return checkpoint_bytes(sum(math.prod(s) for s in shapes.values()), len(shapes))
 
 

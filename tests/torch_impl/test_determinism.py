@@ -11,7 +11,9 @@ import torch
 from moezero import cli
 from moezero.config import Config, ConfigError
 from moezero.model import determinism
-from moezero.model.decoder import Decoder, ModelArgs, init_weights
+from moezero.model.build import build_decoder
+from moezero.model.decoder import Decoder, ModelArgs
+from moezero.model.materialize import KeyedInit
 from tests.support.fake_cuda import fake_gpus
 
 TINY = ["--set", "model.dim=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
@@ -70,8 +72,7 @@ def test_cuda_deterministic_runs_agree_bit_for_bit(torch_flags, monkeypatch, cap
     determinism.configure(True, torch.device("cuda"))
     args = ModelArgs(dim=128, n_layers=2, n_heads=4, ffn_dim=256, num_experts=8,
                      capacity_factor=capacity_factor)
-    model = Decoder(args)
-    init_weights(model, seed=0)
+    model = build_decoder(args, where="cpu", init=KeyedInit(seed=0))
     model = model.to("cuda", torch.bfloat16)
     batch = torch.randint(0, args.vocab_size, (4, 257), generator=torch.Generator().manual_seed(0))
     first, second = (_grads(model, batch.cuda()) for _ in range(2))

@@ -15,8 +15,7 @@ import torch
 
 from moezero.config import Config, load_config
 from moezero.estimate import estimate
-from moezero.model.args import model_args
-from moezero.model.decoder import Decoder
+from moezero.model.build import config_decoder
 from moezero.transients import kept_activation_bytes
 from tests.support.saved import saved_storages
 from tests.torch_impl.test_estimate import case, check, measure
@@ -34,7 +33,7 @@ def lora(stage: int, **kw) -> dict:
 
 
 def test_the_small_model_has_the_shapes_counted_by_hand():
-    assert sum(p.numel() for p in Decoder(model_args(Config.model_validate(case(2)))).parameters()) \
+    assert sum(p.numel() for p in config_decoder(Config.model_validate(case(2)), adapters=False).parameters()) \
         == BASE
 
 
@@ -76,7 +75,7 @@ def test_the_estimate_equals_the_engine_with_frozen_params_and_adapters():
 
 def saved_bytes(cfg: Config, documents: bool) -> int:
     torch.manual_seed(0)
-    model = Decoder(model_args(cfg))
+    model = config_decoder(cfg, where="cpu", adapters=False, init=False)
     b, s = cfg.train.micro_batch_size, cfg.train.seq_len
     docs = torch.arange(s).div(s // 4, rounding_mode="floor").expand(b, s) if documents else None
     with saved_storages(model) as seen:

@@ -18,8 +18,7 @@ import torch
 
 from moezero.config import load_config
 from moezero.estimate import RUNTIME_BYTES, estimate
-from moezero.model.args import model_args
-from moezero.model.decoder import Decoder
+from moezero.model.build import config_decoder
 from moezero.model.recompute import checkpoint_blocks
 from moezero.transients import activation_bytes, kept_activation_bytes
 from tests.support.saved import saved_storages
@@ -81,7 +80,7 @@ def saved_bytes(cfg) -> int:
     once; parameters excluded)."""
     dtype = torch.bfloat16 if cfg.precision.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
-    model = Decoder(model_args(cfg)).to(dtype)
+    model = config_decoder(cfg, where="cpu", adapters=False, init=False).to(dtype)
     if cfg.activation_checkpointing.enabled:
         checkpoint_blocks(model, cfg.activation_checkpointing.every_n_layers)
     tokens = torch.randint(0, cfg.model.vocab_size,
@@ -109,7 +108,7 @@ def test_checkpointing_adds_the_saved_activations_of_one_recomputed_block():
     plain = load_config(None, over)
     ac = load_config(None, [*over, "activation_checkpointing.enabled=true"])
     torch.manual_seed(0)
-    block = Decoder(model_args(plain)).layers[0]
+    block = config_decoder(plain, where="cpu", init=False).layers[0]
     with saved_storages(block) as seen:
         block(torch.randn(4, 128, 256, requires_grad=True))
     extra = activation_bytes(ac, 4) - kept_activation_bytes(ac, 4)

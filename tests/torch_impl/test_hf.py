@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from moezero.checkpoint.hf import export_hf, import_hf
 from moezero.cli import main
 from moezero.config import Config, load_config
-from moezero.model.args import model_args
+from moezero.model.build import config_decoder
 from moezero.model.decoder import Decoder
 from moezero.plan import plan_groups, plan_layout, store
 from moezero.plan.specs import ParamSpec
@@ -57,7 +57,7 @@ def moezero_model(ckpt: Path) -> Decoder:
     manifest = store.read_manifest(store.find_checkpoint(ckpt))
     cfg = Config.model_validate(manifest.config)
     cfg.moe.ep_size = 1
-    model = Decoder(model_args(cfg)).eval()
+    model = config_decoder(cfg, where="cpu", init=False).eval()
     tensors = store.read_tensors(store.find_checkpoint(ckpt), manifest)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()})
     return model

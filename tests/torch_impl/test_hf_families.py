@@ -18,8 +18,7 @@ import torch
 from moezero.checkpoint.hf import export_hf, import_hf
 from moezero.cli import main
 from moezero.config import Config
-from moezero.model.args import model_args
-from moezero.model.decoder import Decoder
+from moezero.model.build import config_decoder
 from moezero.plan import store
 from tests.support.hf import save_hf
 from tests.torch_impl.test_cli import moezero
@@ -77,7 +76,7 @@ def moezero_logits(ckpt: Path) -> torch.Tensor:
     manifest = store.read_manifest(store.find_checkpoint(ckpt))
     cfg = Config.model_validate(manifest.config)
     cfg.moe.ep_size = 1
-    model = Decoder(model_args(cfg)).eval()
+    model = config_decoder(cfg, where="cpu", init=False).eval()
     tensors = store.read_tensors(store.find_checkpoint(ckpt), manifest)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()})
     with torch.no_grad():

@@ -12,8 +12,8 @@ from moezero.config import Config, ConfigError, load_config
 from moezero.data import Batches, make_corpus
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
-from moezero.model.args import model_args
-from moezero.model.decoder import Decoder, ModelArgs
+from moezero.model.build import build_decoder, config_decoder
+from moezero.model.decoder import ModelArgs
 from moezero.model.router import Router, RouterOptions, route, update_expert_biases
 from moezero.plan import plan_groups, store
 from moezero.train import build_model
@@ -79,8 +79,9 @@ def test_bad_options_are_one_line(sets, where):
 
 def test_gqa_is_mha_with_repeated_kv_heads():
     """Query head h reads key/value head h // (H/G), as transformers' repeat_kv."""
-    gqa = Decoder(ModelArgs(dim=16, n_heads=4, n_kv_heads=2, attn_bias="all")).layers[0].attn
-    mha = Decoder(ModelArgs(dim=16, n_heads=4, attn_bias="all")).layers[0].attn
+    gqa = build_decoder(ModelArgs(dim=16, n_heads=4, n_kv_heads=2, attn_bias="all"),
+                        where="cpu").layers[0].attn
+    mha = build_decoder(ModelArgs(dim=16, n_heads=4, attn_bias="all"), where="cpu").layers[0].attn
     with torch.no_grad():
         for name, p in gqa.named_parameters():
             p.normal_(0, 0.2)
@@ -93,8 +94,7 @@ def test_gqa_is_mha_with_repeated_kv_heads():
 
 def test_head_dim_need_not_divide_dim():
     cfg = load_config(None, ["model.dim=48", "model.n_heads=5", "model.head_dim=16"])
-    with torch.device("meta"):
-        model = Decoder(ModelArgs(dim=48, n_heads=5, n_kv_heads=1, head_dim=16))
+    model = build_decoder(ModelArgs(dim=48, n_heads=5, n_kv_heads=1, head_dim=16), where="meta")
     assert cfg.model.head_dim == 16
     assert model.layers[0].attn.wq.weight.shape == (80, 48)
     assert model.layers[0].attn.wk.weight.shape == (16, 48)
@@ -203,8 +203,7 @@ def test_groups_of_the_new_parameters():
     """Shared experts are dense (every rank holds them); QK-norm gains and attention biases
     get no weight decay, as norm gains; the expert bias is in no optimizer group."""
     cfg = options_config(2)
-    with torch.device("meta"):
-        specs, user_groups = param_specs(Decoder(model_args(cfg)), config_user_group(cfg))
+    specs, user_groups = param_specs(config_decoder(cfg, where="meta"), config_user_group(cfg))
     groups = plan_groups(specs)
     group_of = {m.fqn: g for g in groups for m in g.members}
     assert not any(k.endswith("expert_bias") for k in group_of)

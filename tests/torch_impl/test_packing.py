@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moezero.model.decoder import Decoder, ModelArgs, init_weights
+from moezero.model.build import build_decoder
+from moezero.model.decoder import Decoder, ModelArgs
+from moezero.model.materialize import KeyedInit
 from moezero.model.packing import document_mask
 from moezero.model.recompute import checkpoint_blocks
 
@@ -17,9 +19,7 @@ LENGTHS = [(5, 7, 4), (16,), (1, 9, 6)]  # documents of each row, 16 tokens per 
 
 
 def _model() -> Decoder:
-    model = Decoder(ARGS)
-    init_weights(model, seed=3)
-    return model.eval()
+    return build_decoder(ARGS, where="cpu", init=KeyedInit(seed=3)).eval()
 
 
 def _rows(seed: int = 0):

@@ -20,9 +20,7 @@ from safetensors.torch import load_file
 
 from moezero.cli import main
 from moezero.config import Config
-from moezero.model.args import model_args
-from moezero.model.decoder import Decoder
-from moezero.model.lora import apply_lora, lora_options
+from moezero.model.build import config_decoder
 from moezero.plan import store
 from moezero.plan.reading import read_tensors
 from tests.torch_impl.test_cli import moezero
@@ -71,7 +69,7 @@ def lora_logits(base: Path, adapters: Path) -> torch.Tensor:
     manifest = store.read_manifest(adapters)
     cfg = Config.model_validate(manifest.config)
     cfg.moe.ep_size = 1
-    model = apply_lora(Decoder(model_args(cfg)), lora_options(cfg.peft)).eval()
+    model = config_decoder(cfg, where="cpu", init=False).eval()
     state = {**read_tensors(base, store.read_manifest(base)), **read_tensors(adapters, manifest)}
     model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
     with torch.no_grad():

@@ -76,11 +76,12 @@ print(growth, model_bytes, int(same))
 _IMPORT = r"""
 import math
 import moezero.checkpoint.hf.importer as importer
-from moezero.model.decoder import Decoder, ModelArgs
+from moezero.model.build import build_decoder
+from moezero.model.decoder import ModelArgs
 from moezero.plan import store
 src, out = sys.argv[1], sys.argv[2]
-with torch.device("meta"):  # the meta device's one-time imports (~75 MB), before measuring
-    Decoder(ModelArgs(vocab_size=8, dim=8, n_layers=1, n_heads=2, ffn_dim=8, num_experts=2))
+args = ModelArgs(vocab_size=8, dim=8, n_layers=1, n_heads=2, ffn_dim=8, num_experts=2)
+build_decoder(args, where="meta")  # a meta build's one-time costs, before measuring
 growth = measure(lambda: importer.import_hf(src, out))
 m = store.read_manifest(out + "/step_00000000")
 print(growth, sum(4 * math.prod(s) for _, s in m.layout.shapes))

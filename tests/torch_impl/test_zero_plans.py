@@ -13,8 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moezero.config import Config
-from moezero.model.args import model_args
-from moezero.model.decoder import Decoder
+from moezero.model.build import config_decoder
 from moezero.plan.partition import Partition
 from moezero.plan.specs import Slice
 from moezero.zero.allgather import Launched, launch
@@ -158,8 +157,7 @@ def test_decoder_units_own_every_param_once_and_split_moe_layers(num_experts):
     cfg = Config()
     cfg.model = cfg.model.model_copy(update={"dim": 16, "n_layers": 2, "n_heads": 2, "ffn_dim": 8})
     cfg.moe = cfg.moe.model_copy(update={"num_experts": num_experts, "top_k": 1, "ep_size": 1})
-    with torch.device("meta"):
-        model = Decoder(model_args(cfg))
+    model = config_decoder(cfg, where="meta")
     modules = [n for n, _ in unit_modules(model)]
     kinds = {fqn: param_kind(p) for fqn, p in model.named_parameters()}
     units = plan_units(modules, kinds, [[fqn] for fqn in kinds])  # one group per param

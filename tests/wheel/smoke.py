@@ -112,15 +112,14 @@ def tokenizer(folder: Path, corpus: Path, specials: tuple | list = ()) -> None:
 def moezero_logits(ckpt: Path, tokens: torch.Tensor) -> torch.Tensor:
     """The installed decoder (all experts local) on the checkpoint's fp32 masters."""
     from moezero.config import Config
-    from moezero.model.decoder import Decoder
+    from moezero.model.build import config_decoder
     from moezero.plan import store
-    from moezero.train import model_args
 
     step = store.find_checkpoint(ckpt)
     manifest = store.read_manifest(step)
     cfg = Config.model_validate(manifest.config)
     cfg.moe.ep_size = 1
-    model = Decoder(model_args(cfg)).eval()
+    model = config_decoder(cfg, where="cpu", adapters=False, init=False).eval()
     tensors = store.read_tensors(step, manifest)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()})
     with torch.no_grad():

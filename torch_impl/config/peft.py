@@ -27,3 +27,9 @@ class PeftConfig(Section):
         ["attn"], description="Projections with adapters: attn (wq, wk, wv, wo), shared (the "
                               "shared expert's w1, w2, w3), experts (every routed expert's "
                               "w1, w2, w3, grouped), or one of them, e.g. attn.wq.")
+
+    @property
+    def uses_lora(self) -> bool:
+        """Whether LoRA is on (``method: lora``): adapters are built and the base is frozen.
+        The one test of it (the model side's ``lora_options``, the freeze rule, the engine)."""
+        return self.method == "lora"

@@ -386,7 +386,7 @@ class Config(_Section):
             raise FieldError("data.synthetic_vocab",
                               f"must be <= model.vocab_size ({self.model.vocab_size}), "
                               f"got {self.data.synthetic_vocab}")
-        if self.peft.method == "lora" and not self.moe.shared_ffn_dim \
+        if self.peft.uses_lora and not self.moe.shared_ffn_dim \
                 and any(t.startswith("shared") for t in self.peft.targets):
             raise FieldError("peft.targets", "names the shared expert, but the model has none "
                                              "(moe.shared_ffn_dim is 0)")

@@ -55,7 +55,7 @@ class LoraOptions:
 
 def lora_options(peft) -> LoraOptions | None:
     """The ``LoraOptions`` of a config's ``peft`` section, or None without LoRA."""
-    if peft.method != "lora":
+    if not peft.uses_lora:
         return None
     return LoraOptions(peft.r, peft.alpha, peft.dropout, tuple(peft.targets))
 

@@ -141,21 +141,43 @@ def _meta_param(shape: tuple[int, ...], tag: ExpertTag) -> nn.Parameter:
     return param
 
 
+@dataclass(frozen=True)
+class ModelPlan:
+    """A model's plan under a config: its parameter specs (``frozen`` set), user groups,
+    optimizer groups and their partitions."""
+
+    specs: list[ParamSpec]
+    user_groups: list[UserGroup]
+    groups: tuple[GroupPlan, ...]
+    partitions: tuple[Partition, ...]
+
+
+def plan_model(model: nn.Module, cfg: Config, *, world_size: int,
+               user_group: UserGroupFn | None = None, align: int = 1) -> ModelPlan:
+    """specs -> frozen -> groups -> partitions of ``model`` (every expert, wherever it lives)
+    on ``world_size`` ranks: the one derivation the engine (``build_groups``) and the
+    estimate (``moezero.estimate``) share. Parameters that ``train.freeze`` (and, under LoRA,
+    the base rule) names are frozen (ConfigError, one line, for a pattern that matches
+    nothing)."""
+    specs, user_groups = param_specs(model, user_group or config_user_group(cfg))
+    specs = freeze_specs(specs, freeze_patterns(cfg.train.freeze, lora=cfg.peft.uses_lora))
+    groups = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
+                         split_by_expert=cfg.moe.split_groups_by_expert)
+    partitions = plan_partitions(groups, world_size=world_size, align=align)
+    return ModelPlan(specs, user_groups, groups, partitions)
+
+
 def build_groups(model: nn.Module, cfg: Config, topology: Topology, *,
                  user_group: UserGroupFn | None = None, align: int = 1) -> OptimizerGroups:
-    """The plan's groups and partitions, and the subset this rank holds. Parameters that
-    ``train.freeze`` names are in frozen groups (ConfigError, one line, for a pattern that
-    matches nothing)."""
-    specs, user_groups = param_specs(model, user_group or config_user_group(cfg))
-    specs = freeze_specs(specs, freeze_patterns(cfg.train.freeze, lora=cfg.peft.method == "lora"))
-    plan = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
-                       split_by_expert=cfg.moe.split_groups_by_expert)
-    partitions = plan_partitions(plan, world_size=topology.world_size, align=align)
+    """The plan's groups and partitions (``plan_model``), and the subset this rank holds."""
+    planned = plan_model(model, cfg, world_size=topology.world_size, user_group=user_group,
+                         align=align)
+    plan, partitions = planned.groups, planned.partitions
     present = dict(model.named_parameters())
-    hparams = {ug.name: ug.as_dict() for ug in user_groups}
+    hparams = {ug.name: ug.as_dict() for ug in planned.user_groups}
     local = tuple(LocalGroup(g, part, hparams[g.user_group]) for g, part in zip(plan, partitions, strict=True)
                   if all(m.fqn in present for m in g.members))
-    return OptimizerGroups(plan, partitions, tuple(user_groups), local)
+    return OptimizerGroups(plan, partitions, tuple(planned.user_groups), local)
 
 
 def freeze_specs(specs: list[ParamSpec], patterns: list[str]) -> list[ParamSpec]:

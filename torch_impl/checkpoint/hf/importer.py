@@ -28,9 +28,7 @@ from moezero.checkpoint.hf.family import Family
 from moezero.checkpoint.hf.names import candidates
 from moezero.checkpoint.hf.reader import HFTensors
 from moezero.config import Config, dump_config
-from moezero.model.args import model_args
-from moezero.model.decoder import Decoder
-from moezero.model.meta import on_meta
+from moezero.model.build import config_decoder
 from moezero.plan import plan_groups, plan_layout, store
 from moezero.plan.bytes_io import CHUNK, byte_view
 from moezero.plan.files import pwrite_all, read_json
@@ -153,8 +151,8 @@ def _source(tensors: HFTensors, fqn: str, shape: tuple[int, ...], arch: Arch, fa
 def _layout(cfg: Config, *, step: int = 0, weights_only: bool = True):
     """The plan's layout of the default recipe's groups for the imported architecture (by
     default weights only), so a run with the default grouping reads each group contiguously."""
-    with on_meta():
-        specs, _ = param_specs(Decoder(model_args(cfg)), config_user_group(cfg))
+    model = config_decoder(cfg, where="meta", adapters=False)
+    specs, _ = param_specs(model, config_user_group(cfg))
     groups = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
                          split_by_expert=cfg.moe.split_groups_by_expert)
     return plan_layout(groups, {s.fqn: s.shape for s in specs}, step=step,
