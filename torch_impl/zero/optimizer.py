@@ -361,6 +361,7 @@ class Optimizer:
         raise NotImplementedError
 
     def _downcast(self, slot: Slot, master: torch.Tensor) -> None:
+        """The updated (or loaded) master into the compute-dtype params."""
         raise NotImplementedError
 
     def _downcast_target(self, slot: Slot, master: torch.Tensor) -> torch.Tensor | None:
@@ -372,7 +373,13 @@ class Optimizer:
         """What ends a step once every group is stepped (the sharded all-gather)."""
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
+        """The reduced gradients by FQN (after ``reduce_gradients``)."""
         raise NotImplementedError
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters by FQN."""
+        raise NotImplementedError
+
+    def layout(self) -> list[dict]:
+        """What is stepped, per local group in plan order (``param_groups.json``)."""
         raise NotImplementedError
