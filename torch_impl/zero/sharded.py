@@ -34,9 +34,10 @@ the next units' shards ahead); the step ends with the downcast into the shard, n
 or, for ``nvme``, in swap files handed in by the engine (``swap_factory``:
 ``offload_state.SwapState`` objects held in a ``zero.swaps.Swaps``, so this layer never imports
 ``offload``); ``zero.states.OptimizerStates`` yields each group's state in plan order, from
-memory or read ahead from the swap files and written back behind the step. At stage 3 with the optimizer on
-NVMe the reduced gradients go to swap files too (``moezero.zero.gradtier``): ``Slot.grad`` stays
-None, a group's partition lives in memory only while it lands and while it is stepped.
+memory or read ahead from the swap files and written back behind the step. At stage 3 with the
+optimizer on NVMe the reduced gradients go to swap files too (``moezero.zero.gradtier``):
+``Slot.grad`` stays None, a group's partition lives in memory only while it lands and while it
+is stepped.
 Reference counterpart: ``reference/plan/partition.py`` and ``reference/zero.py``.
 """
 
