@@ -7,8 +7,10 @@
 gradient reduction (``moezero.zero.reduce``) and the step below. The engine calls, per training
 step: ``before_backward`` / ``after_backward`` around each micro-batch's backward,
 ``reduce_gradients``, ``step``, ``zero_grad``. A checkpoint receives ``shards()`` (what this rank
-saves) and ``load_targets()`` (what it fills on load, then ``after_load``; ``zero.state_view``);
-it never sees the optimizer itself.
+saves) and ``load_targets()`` (what it fills on load, then ``after_load``); it never sees the
+optimizer itself. The optimizer owns the objects those come from, each given what it needs at
+construction: its swap files (``zero.swaps.Swaps``), the fp32 states (``zero.states``), the
+frozen weights (``zero.frozen``) and the view checkpoints see (``zero.state_view``).
 
 **Step.** The global grad norm is one all-reduce of local sums of squares over each rank's
 *own* range of every group (its shard: each element is counted exactly once, on every stage,
@@ -44,31 +46,34 @@ from moezero.zero.adamw import clip_coef
 from moezero.zero.behind import StepBehind
 from moezero.zero.buckets import GroupColumns, plan_windows
 from moezero.zero.buffers import attach_grad_views, build_kinds, flatten_params, param_positions
+from moezero.zero.frozen import FrozenWeights
 from moezero.zero.gradtier import square_sum
 from moezero.zero.groups import OptimizerGroups
 from moezero.zero.hostadam import adamw_step_, load_compiled
 from moezero.zero.options import ZeroOptions
 from moezero.zero.reduce import GradReduction
-from moezero.zero.shards import MemoryMeter, Slot, nbytes
+from moezero.zero.shards import MemoryMeter, Slot, StateShard, nbytes
 from moezero.zero.state_view import StateView
+from moezero.zero.states import OptimizerStates
+from moezero.zero.swaps import Swaps
 from moezero.zero.transfer import HostTransfer, Staged
 
 ADAMW_TEMPORARIES = 0  # adamw_step_ allocates nothing per element (its torch-ops fallback: a
 # few chunks of ``hostadam.CHUNK`` elements)
 
 
-class Optimizer(StateView):
+class Optimizer:
     """Gradient reduction, fp32 state and the (tiled) step of the local optimizer groups.
 
-    Subclasses build the slots' state and say where this rank's range of a slot lies
-    (``_local``), which ranges it loads (``_load_ranges``), where the updated master goes
-    (``_downcast``) and what ends a step (``_after_step``).
+    The stage's optimizer (``ReplicatedOptimizer``, ``ShardedOptimizer``) builds the slots'
+    state and implements the per-stage methods at the end of this class: where this rank's
+    range of a slot lies (``_local``), which ranges it loads (``_load_ranges``), where the
+    updated master goes (``_downcast``) and what ends a step (``_after_step``). It owns its
+    swap files (``swaps``), and from ``_build_views``, the fp32 states (``states``), the
+    frozen weights (``frozen_weights``) and the checkpoints' view of both (``view``).
     """
 
     clone_fp32_grads = True  # the step's fp32 gradient is a copy, not ``Slot.grad`` itself
-    optim_swap = None  # NVMe: the fp32 states' swap files (``offload.state.SwapState``)
-    param_swap = None  # NVMe at stage 3: the param shards' swap files
-    grad_tier = None  # NVMe at stage 3: the reduced gradients' swap files (``zero.gradtier``)
 
     def __init__(self, params: dict[str, nn.Parameter], topology: Topology,
                  options: ZeroOptions) -> None:
@@ -78,6 +83,8 @@ class Optimizer(StateView):
             # is at the same point, not inside a step that others wait on in a collective.
             load_compiled()
         self.meter = MemoryMeter()
+        self.swaps = Swaps()  # NVMe: the swap files of each tier (set by a stage's optimizer)
+        self.grad_tier = None  # NVMe at stage 3: the reduced gradients' tier (``zero.gradtier``)
         self.state_device = self._device
         self.full_grads = False
         self.transfer = HostTransfer(self._device)
@@ -104,6 +111,24 @@ class Optimizer(StateView):
                            meter=self.meter)
         if full_grads:
             attach_grad_views(self.trained, self.kinds, self.where)
+
+    def _build_views(self, frozen: FrozenWeights) -> None:
+        """Once the slots and ``swaps`` are built: the trained groups' fp32 states, the
+        frozen groups' weights (``frozen``) and the view checkpoints get of both."""
+        self.states = OptimizerStates(self.slots, self.swaps.optim)
+        self.frozen_weights = frozen
+        self.view = StateView(self.states, frozen, local=self._local,
+                              load_ranges=self._load_ranges, finish=self.finish_step)
+
+    @property
+    def optim_swap(self):
+        """NVMe: the fp32 states' swap files (``offload.state.SwapState``), or None."""
+        return self.swaps.optim
+
+    @property
+    def param_swap(self):
+        """NVMe at stage 3: the param shards' swap files, or None."""
+        return self.swaps.param
 
     def _plan_host_step(self, options: ZeroOptions, order: list[Slot] | None = None) -> None:
         """With ``options.host_step``: the windows of the offloaded step over ``order``'s
@@ -181,7 +206,7 @@ class Optimizer(StateView):
 
     def _step_groups(self, upcast: list | None, grad_mul: float, lr: float, adam: dict) -> None:
         """Group by group where the state lives (the device, without offload)."""
-        for i, (slot, st) in enumerate(self._states()):
+        for i, (slot, st) in enumerate(self.states.stepping()):
             grad, held = upcast[i] if upcast is not None else self._grad(slot)
             if upcast is not None:
                 upcast[i] = None
@@ -196,7 +221,7 @@ class Optimizer(StateView):
         index = {slot: i for i, slot in enumerate(self.slots)}
         windows = self.host_windows
         staged = self._stage(windows[0], upcast, index)
-        for w, pairs in enumerate(self._window_states(windows, **hooks)):
+        for w, pairs in enumerate(self.states.windows(windows, **hooks)):
             ahead = (self._stage(windows[w + 1], upcast, index)
                      if w + 1 < len(windows) else None)
             (host, held), staged = staged, ahead
@@ -227,17 +252,6 @@ class Optimizer(StateView):
         copies = sum(nbytes(h) for h, g in zip(staged.tensors, grads, strict=True) if h is not g)
         self.meter.hold(copies)
         return staged, held + copies
-
-    def _window_states(self, windows, **hooks) -> Iterator[list[tuple[Slot, dict]]]:
-        """Each window's (slot, states) pairs: the tensors, or swap files' contents in host
-        buffers (read a window ahead, written back a window behind)."""
-        if self.optim_swap is not None:
-            for window, bufs in zip(windows, self.optim_swap.stepping(windows, **hooks), strict=True):
-                yield list(zip(window, bufs, strict=True))
-            return
-        for window in windows:
-            yield [(slot, {"master": slot.master, "exp_avg": slot.exp_avg,
-                           "exp_avg_sq": slot.exp_avg_sq}) for slot in window]
 
     def _adamw(self, slot: Slot, st: dict, grad: torch.Tensor, held: int, grad_mul: float,
                lr: float, adam: dict) -> None:
@@ -303,48 +317,36 @@ class Optimizer(StateView):
             dist.all_reduce(acc)
         return acc[0].item(), acc[1].item() > 0
 
-    def _states(self) -> Iterator[tuple[Slot, dict[str, torch.Tensor]]]:
-        """(slot, {"master", "exp_avg", "exp_avg_sq": fp32 tensors}) in plan order, the
-        trained slots only: the tensors themselves, or swap files' contents in host buffers
-        that are written back."""
-        if self.optim_swap is not None:
-            for slot, (bufs,) in zip(self.slots, self.optim_swap.stepping([[s] for s in self.slots]),
-                                     strict=True):
-                yield slot, bufs
-            return
-        for slot in self.slots:
-            yield slot, {"master": slot.master, "exp_avg": slot.exp_avg,
-                         "exp_avg_sq": slot.exp_avg_sq}
-
-    def _read_states(self) -> Iterator[tuple[Slot, dict[str, torch.Tensor]]]:
-        """Like ``_states``, but swapped states are read into host buffers and not written back."""
-        self.finish_step()
-        if self.optim_swap is None:
-            yield from self._states()
-            return
-        for slot in self.slots:
-            bufs = self.optim_swap.load(slot)
-            yield slot, bufs
-            self.optim_swap.drop(bufs)
-
     # ------------------------------------------------------------------ checkpoints
+    def shards(self, *, frozen: bool = True) -> list[StateShard]:
+        """What this rank saves (``StateView.shards``; ``frozen``: the frozen groups' too)."""
+        return self.view.shards(frozen=frozen)
+
+    def load_targets(self, *, trained: bool = True, frozen: bool = True) -> Iterator[StateShard]:
+        """What this rank fills from a checkpoint (``StateView.load_targets``); call
+        ``after_load`` once they are filled."""
+        return self.view.load_targets(trained=trained, frozen=frozen)
+
+    def state_pieces(self):
+        """(Slice of a param, its fp32 states' views) for every element range this rank
+        owns, in plan order (``StateView.state_pieces``)."""
+        return self.view.state_pieces()
+
     def after_load(self) -> None:
         """Derive the compute-dtype params from the loaded masters (collective)."""
         self.params_from_master()
 
     def params_from_master(self) -> None:
         """Downcast every master and finish as a step does (collective at stages 1-2)."""
-        for slot, st in self._read_states():
+        self.finish_step()
+        for slot, st in self.states.read():
             self._downcast(slot, st["master"])
         self._after_step()
 
     def swap_traffic(self) -> dict[str, int]:
         """Bytes read from / written to this rank's swap files so far and seconds blocked on
         them, by tier (``optim_``, ``param_``, ``grad_`` + ``read``/``write``/``wait_s``)."""
-        tiers = (("optim", self.optim_swap), ("param", self.param_swap),
-                 ("grad", getattr(self.grad_tier, "swap", None)))
-        return {f"{tier}_{op}": swap.traffic[op] if swap is not None else 0
-                for tier, swap in tiers for op in ("read", "write", "wait_s")}
+        return self.swaps.traffic()
 
     def close(self) -> None:
         """Release what the optimizer holds beyond memory (a clean exit)."""
@@ -359,6 +361,7 @@ class Optimizer(StateView):
         raise NotImplementedError
 
     def _downcast(self, slot: Slot, master: torch.Tensor) -> None:
+        """The updated (or loaded) master into the compute-dtype params."""
         raise NotImplementedError
 
     def _downcast_target(self, slot: Slot, master: torch.Tensor) -> torch.Tensor | None:
@@ -370,7 +373,13 @@ class Optimizer(StateView):
         """What ends a step once every group is stepped (the sharded all-gather)."""
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
+        """The reduced gradients by FQN (after ``reduce_gradients``)."""
         raise NotImplementedError
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters by FQN."""
+        raise NotImplementedError
+
+    def layout(self) -> list[dict]:
+        """What is stepped, per local group in plan order (``param_groups.json``)."""
         raise NotImplementedError

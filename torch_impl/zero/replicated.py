@@ -21,6 +21,7 @@ from torch import nn
 
 from moezero.distributed.topology import Topology
 from moezero.zero.buckets import full_columns
+from moezero.zero.frozen import FrozenWeights
 from moezero.zero.groups import OptimizerGroups
 from moezero.zero.optimizer import Optimizer
 from moezero.zero.options import ZeroOptions
@@ -43,6 +44,7 @@ class ReplicatedOptimizer(Optimizer):
             self._init_state(slot, flat[slot].params, flat[slot].grads)
         for slot in self.frozen:  # weights only: a view of the flat params, nothing else
             slot.param = flat[slot].params[slot.offset:slot.offset + slot.numel]
+        self._build_views(FrozenWeights(self.frozen))
         self._build_reduction(options, all_reduce=True, release=False)
 
     def _init_state(self, slot: Slot, params: torch.Tensor, grads: torch.Tensor) -> None:

@@ -29,13 +29,15 @@ flat buffer, others go through a receive buffer of the bucket's size.
 each group's shard of the params (``Slot.param``, the master itself in fp32) is gathered by
 ``moezero.zero.gather.ParamGatherer`` around each module (it receives the slots, the params and
 ``param_shard`` as its fetch function and, with NVMe params, the swap files' ``hint`` to read
-the next units' shards ahead); the step ends with the downcast into the shard, no all-gather. **Offload** (docs/offload.md): the fp32 state lives on
-``state_device`` (the host for ``cpu``) or, for ``nvme``, in swap files handed in by the
-engine (``swap_factory``: ``offload_state.SwapState`` objects, so this layer never imports
-``offload``); ``_states`` yields each group's state in plan order, from memory or read ahead
-from the swap files and written back behind the step. At stage 3 with the optimizer on
-NVMe the reduced gradients go to swap files too (``moezero.zero.gradtier``): ``Slot.grad`` stays
-None, a group's partition lives in memory only while it lands and while it is stepped.
+the next units' shards ahead); the step ends with the downcast into the shard, no all-gather.
+**Offload** (docs/offload.md): the fp32 state lives on ``state_device`` (the host for ``cpu``)
+or, for ``nvme``, in swap files handed in by the engine (``swap_factory``:
+``offload_state.SwapState`` objects held in a ``zero.swaps.Swaps``, so this layer never imports
+``offload``); ``zero.states.OptimizerStates`` yields each group's state in plan order, from
+memory or read ahead from the swap files and written back behind the step. At stage 3 with the
+optimizer on NVMe the reduced gradients go to swap files too (``moezero.zero.gradtier``):
+``Slot.grad`` stays None, a group's partition lives in memory only while it lands and while it
+is stepped.
 Reference counterpart: ``reference/plan/partition.py`` and ``reference/zero.py``.
 """
 
@@ -48,12 +50,14 @@ from moezero.distributed.topology import Topology, gather_groups
 from moezero.zero.allgather import gather_all
 from moezero.zero.behind import StepBehind
 from moezero.zero.buckets import plan_gathers, scatter_columns
+from moezero.zero.frozen import FrozenWeights
 from moezero.zero.gather import ParamGatherer
 from moezero.zero.gradtier import GradTier
 from moezero.zero.groups import OptimizerGroups
 from moezero.zero.optimizer import Optimizer
 from moezero.zero.options import ZeroOptions
 from moezero.zero.shards import Slot, read_members
+from moezero.zero.swaps import build_swaps
 
 __all__ = ["ShardedOptimizer"]
 
@@ -91,13 +95,15 @@ class ShardedOptimizer(Optimizer):
         # device, or the host for 'cpu'), or swap files (``offload.state.SwapState``).
         self.state_device = state_device or self._device
         self.param_device = param_device or self._device
-        self.optim_swap, self.param_swap, grad_swap = self._swaps(swap_factory)
-        if grad_swap is not None:
-            self.grad_tier = GradTier(grad_swap, self.slots, ahead=options.host_window,
+        self.swaps = build_swaps(swap_factory, self.slots, self.meter, self.frozen)
+        if self.swaps.grad is not None:
+            self.grad_tier = GradTier(self.swaps.grad, self.slots, ahead=options.host_window,
                                       meter=self.meter, keep=options.keep_grads)
         self._initial = initial or (lambda fqn: self.params[fqn].data)
         self._init_state()
         self._initial = None  # drops the init source's cached param
+        self._build_views(FrozenWeights(self.frozen, sharded=stage == 3,
+                                        swap=self.param_swap if stage == 3 else None))
         self._plan_host_step(options)
         self._build_reduction(options, all_reduce=False, release=stage >= 2)
         self.bucket_size = options.allgather_bucket_size
@@ -135,15 +141,6 @@ class ShardedOptimizer(Optimizer):
         self._plan_host_step(options, order)
         if self.grad_tier is not None:
             self.grad_tier.slots = order
-
-    def _swaps(self, swap_factory) -> tuple:
-        """(optimizer, param, grad swap files or None each); frozen slots have param files
-        only (``swap_factory``'s ``frozen``)."""
-        if swap_factory is None:
-            return None, None, None
-        if self.frozen:
-            return swap_factory(self.slots, self.meter, frozen=self.frozen)
-        return swap_factory(self.slots, self.meter)
 
     def _init_state(self) -> None:
         """fp32 master (this rank's shard of the params, zero padding) and zero moments, in
@@ -243,9 +240,7 @@ class ShardedOptimizer(Optimizer):
             self.gatherer.drain()
         if self.grad_tier is not None:
             self.grad_tier.drain()
-        for swap in (self.optim_swap, self.param_swap, getattr(self.grad_tier, "swap", None)):
-            if swap is not None:
-                swap.close(remove=True)
+        self.swaps.close()
 
     def after_load(self) -> None:
         """The swap files were filled behind the I/O engine's back: reopen them; then derive
@@ -288,22 +283,6 @@ class ShardedOptimizer(Optimizer):
             self._gather(lambda slot: slot.grad, [k.params for k in self.kinds])
         else:
             self.gatherer.read_ahead_start()  # the shards are written: read the first units
-
-    def _frozen_param(self, slot: Slot) -> torch.Tensor:
-        if self.stage == 3 and self.param_swap is not None:
-            return self.param_swap.load(slot)["param"]
-        return slot.param
-
-    def _frozen_ranges(self, slot: Slot, *, load: bool) -> list[tuple[int, int, int]]:
-        if self.stage == 3:  # this rank's shard, padding included
-            return [(slot.dp_rank, 0, slot.shard)]
-        return super()._frozen_ranges(slot, load=load)
-
-    def _frozen_stored(self, slot: Slot, param: torch.Tensor, *, changed: bool) -> None:
-        if self.stage == 3 and self.param_swap is not None:
-            if changed:
-                self.param_swap.put(slot, {"param": param})
-            self.param_swap.drop({"param": param})
 
     def param_shard(self, slot: Slot) -> torch.Tensor:
         """Stage 3: ``slot``'s param shard on the compute device (read from its swap file, or
