@@ -62,7 +62,8 @@ class ModelConfig(_Section):
 
     vocab_size: int = _arch(256, ge=2, description="Token vocabulary (256 = bytes).")
     dim: int = _arch(128, ge=1, description="Residual stream width.")
-    n_layers: int = _arch(4, ge=1, description="Decoder blocks, each with one MoE layer.")
+    n_layers: int = _arch(4, ge=1, description="Decoder blocks, each with one MoE layer (or a "
+                                                "dense MLP: first_k_dense).")
     n_heads: int = _arch(4, ge=1, description="Attention heads; must divide dim with an even head dim.")
     ffn_dim: int = _arch(256, ge=1, description="Hidden width of each SwiGLU expert.")
     rope_theta: float = _arch(10000.0, gt=0, description="RoPE base frequency.")
@@ -80,6 +81,11 @@ class ModelConfig(_Section):
     attn_bias: Literal["none", "qkv", "all"] = _arch(
         "none", description="Biases on the q/k/v projections (Qwen2-MoE), or on those and the "
                             "output projection.")
+    first_k_dense: int = _arch(
+        0, ge=0, description="Layers 0..k-1 take a dense SwiGLU MLP instead of the MoE layer "
+                             "(DeepSeek-V3's first_k_dense_replace); must be < n_layers.")
+    dense_ffn_dim: int | None = _arch(
+        None, ge=1, description="Hidden width of the dense MLP of those layers; None = ffn_dim.")
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
@@ -92,6 +98,13 @@ class ModelConfig(_Section):
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise FieldError("n_kv_heads", f"must divide model.n_heads ({self.n_heads}), "
                                            f"got {self.n_kv_heads}")
+        return self
+
+    @model_validator(mode="after")
+    def _layer_kinds(self) -> ModelConfig:
+        if self.first_k_dense >= self.n_layers:
+            raise FieldError("first_k_dense", f"must be < model.n_layers ({self.n_layers}): at "
+                                              f"least one MoE layer, got {self.first_k_dense}")
         return self
 
 
@@ -390,6 +403,10 @@ class Config(_Section):
                 and any(t.startswith("shared") for t in self.peft.targets):
             raise FieldError("peft.targets", "names the shared expert, but the model has none "
                                              "(moe.shared_ffn_dim is 0)")
+        if self.peft.method == "lora" and not self.model.first_k_dense \
+                and any(t.startswith("mlp") for t in self.peft.targets):
+            raise FieldError("peft.targets", "names the dense MLP, but the model has none "
+                                             "(model.first_k_dense is 0)")
         if (self.tokenizer.vocab_size or 0) > self.model.vocab_size:
             raise FieldError("tokenizer.vocab_size",
                              f"must be <= model.vocab_size ({self.model.vocab_size}), "

@@ -54,6 +54,8 @@ class ModelArgs:
     bias_update_rate: float = 1e-3
     shared_ffn_dim: int = 0  # 0: no shared expert
     shared_gate: bool = False
+    first_k_dense: int = 0  # layers 0..k-1: the dense MLP kind (model/dense.py)
+    dense_ffn_dim: int | None = None  # None: ffn_dim
 
     @property
     def kv_heads(self) -> int:
@@ -64,6 +66,11 @@ class ModelArgs:
     def head_size(self) -> int:
         """Head dim K (``head_dim``, default D/H)."""
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def dense_hidden(self) -> int:
+        """Hidden width of the dense MLP layers (``dense_ffn_dim``, default ``ffn_dim``)."""
+        return self.dense_ffn_dim or self.ffn_dim
 
     @property
     def router(self) -> RouterOptions:
