@@ -21,6 +21,10 @@ from moezero.model.kinds import ATTENTION_KINDS, MLP_KINDS, hf_layer_names
 from moezero.model.lora import LoraOptions, apply_lora
 from moezero.plan.store import CheckpointError
 from moezero.zero.groups import build_groups
+from tests.support.compare import assert_close_by_fqn
+from tests.support.world import run_world
+from tests.torch_impl.test_options import each_stage, options_config, two_steps
+from tests.torch_impl.tolerances import RTOL
 
 MODEL = {"vocab_size": 64, "dim": 32, "n_layers": 3, "n_heads": 2, "ffn_dim": 24}
 MOE = {"num_experts": 4, "top_k": 2, "ep_size": 1}
@@ -117,3 +121,23 @@ def test_estimate_counts_the_dense_layers():
     est, base = estimate(config(first_k_dense=1, dense_ffn_dim=dense_f), 1), estimate(config(), 1)
     moe_layer = 4 * 3 * d * f + 4 * d  # experts + router
     assert est.model_numel - base.model_numel == 3 * d * dense_f - moe_layer
+
+
+def dense_config(ep: int) -> dict:
+    cfg = options_config(ep).model_dump(by_alias=True)
+    cfg["model"].update(n_layers=3, first_k_dense=1, dense_ffn_dim=40)
+    return cfg
+
+
+def test_w2_ep2_equals_w1_with_a_dense_first_layer(tmp_path):
+    """A dense first layer before two MoE layers (every option on): W = 2 with ep 2 at ZeRO 0
+    and 3 computes what W = 1 does, the dense params averaged over both ranks."""
+    by_rank = run_world(each_stage, 2, tmp_path, dense_config(2), (0, 3))
+    (single,) = run_world(two_steps, 1, tmp_path, dense_config(1), 0)
+    assert "layers.0.mlp.w2.weight" in single["params"]
+    assert not any(k.startswith("layers.0.moe.") for k in single["params"])
+    for stage in (0, 3):
+        ranks = [r[stage] for r in by_rank]
+        for key in ("grads", "params"):
+            assert_close_by_fqn({k: v for r in ranks for k, v in r[key].items()}, single[key],
+                                RTOL["fp32"])

@@ -1,6 +1,6 @@
 """The decoder's settings, ``ModelArgs``, and the one mapping from the run config to them.
 
-The config's ``model`` and ``moe`` sections (``moezero.config.schema``) declare every setting
+The config's ``model`` and ``moe`` sections (``moezero.config.model``) declare every setting
 once; ``ModelArgs`` has a field of the same name and default for each (all but
 ``MOE_PLAN_KEYS``, which configure the optimizer's grouping, not the model) and
 ``model_args`` fills them by name, so a field missing from either side fails at once
