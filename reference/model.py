@@ -66,7 +66,7 @@ class ModelConfig:
     first_k_dense: int = 0  # layers 0..k-1: the dense MLP kind (reference/dense.py)
     dense_ffn_dim: int | None = None  # None: ffn_dim
     # LoRA (torch: the ``peft`` section, ``moezero.model.lora``): rank (0: none), alpha / r,
-    # and the targets (attn, shared, experts, or one projection of them, e.g. attn.wq)
+    # and the targets (attn, shared, experts, mlp, or one projection of them, e.g. attn.wq)
     lora_r: int = 0
     lora_scale: float = 1.0
     lora_targets: tuple[str, ...] = ()
@@ -261,11 +261,11 @@ def forward_with_stats(params: dict, tokens_BS: jax.Array, cfg: ModelConfig, *,
     h_BSD = p["embed"]["weight"][tokens_BS]
     b, s, d = h_BSD.shape
     aux, z, load = [], [], []
-    for layer in p["layers"]:
+    for i, layer in enumerate(p["layers"]):
         h_BSD = h_BSD + attention(layer["attn"], rmsnorm(h_BSD, layer["attn_norm"]["weight"],
                                                          cfg.norm_eps), cfg, docs)
         x_TD = rmsnorm(h_BSD, layer["ffn_norm"]["weight"], cfg.norm_eps).reshape(b * s, d)
-        if "mlp" in layer:  # the dense kind: no router, no aux loss
+        if cfg.mlp_kind(i) == "dense":  # no router, no aux loss
             h_BSD = h_BSD + dense_mlp(layer["mlp"], x_TD, cfg.lora_scale).reshape(b, s, d)
             continue
         y_TD, out = moe_mlp(layer, x_TD, cfg)
