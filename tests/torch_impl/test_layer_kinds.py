@@ -2,7 +2,8 @@
 kinds its layer takes; the dense SwiGLU kind (``model.first_k_dense``) at ``layers.N.mlp``:
 its FQNs and Hugging Face names, its params in the plan's dense groups with the expert groups
 of the other layers named as before, the aux loss of MoE layers only, LoRA on ``mlp``, the
-config's one-line refusals, the export's refusal and the estimate's count."""
+config's one-line refusals, the export's refusal, the estimate's count, W = 2 ep 2 equal to
+W = 1 and activation checkpointing bit-identical."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from moezero.plan.store import CheckpointError
 from moezero.zero.groups import build_groups
 from tests.support.compare import assert_close_by_fqn
 from tests.support.world import run_world
+from tests.torch_impl.test_estimate import case
 from tests.torch_impl.test_options import each_stage, options_config, two_steps
+from tests.torch_impl.test_recompute import assert_runs_same, runs, with_and_without
 from tests.torch_impl.tolerances import RTOL
 
 MODEL = {"vocab_size": 64, "dim": 32, "n_layers": 3, "n_heads": 2, "ffn_dim": 24}
@@ -141,3 +144,11 @@ def test_w2_ep2_equals_w1_with_a_dense_first_layer(tmp_path):
         for key in ("grads", "params"):
             assert_close_by_fqn({k: v for r in ranks for k, v in r[key].items()}, single[key],
                                 RTOL["fp32"])
+
+
+def test_activation_checkpointing_is_bit_identical_with_dense_layers():
+    """A dense block 0 and an MoE block 1, both checkpointed (every block) or the dense one
+    only (every second block), train bit-identically to no checkpointing, at stages 0 and 3."""
+    bases = [{**case(stage), "model": {**case(stage)["model"], "first_k_dense": 1}}
+             for stage in (0, 3)]
+    assert_runs_same(runs(with_and_without(bases)))
