@@ -41,8 +41,8 @@ def tiny(**changes) -> ModelConfig:
     return dataclasses.replace(TINY, **changes)
 
 
-# Every decoder / router option of the Hugging Face families (docs/model.md), each in at
-# least one config (paired where independent, to compile fewer reference programs).
+# Every decoder / router option of the Hugging Face families (docs/model.md) and every layer
+# kind (the dense MLP of first-k-dense models), each in at least one config (paired where independent, to compile fewer reference programs).
 OPTIONS = {
     "gqa-qk-norm-head": tiny(n_heads=4, n_kv_heads=2, qk_norm="head"),
     "mqa-head-dim-qk-norm-projection": tiny(n_heads=4, n_kv_heads=1, head_dim=12,
@@ -51,6 +51,7 @@ OPTIONS = {
     "bias-all-shared": tiny(attn_bias="all", shared_ffn_dim=24),
     "sigmoid-expert-bias": tiny(router_scoring="sigmoid", expert_bias=True),
     "softmax-expert-bias-no-renorm": tiny(expert_bias=True, renormalize=False),
+    "first-k-dense": tiny(n_layers=3, first_k_dense=1, dense_ffn_dim=40),
 }
 
 
@@ -174,7 +175,8 @@ def engine_config(cfg: ModelConfig, opt: OptimConfig, *, precision: str = "fp32"
     c.model = c.model.model_copy(update={
         k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim",
                                      "rope_theta", "norm_eps", "n_kv_heads", "head_dim",
-                                     "qk_norm", "attn_bias")})
+                                     "qk_norm", "attn_bias", "first_k_dense",
+                                     "dense_ffn_dim")})
     c.moe = c.moe.model_copy(update={
         "num_experts": cfg.num_experts, "top_k": cfg.top_k, "ep_size": ep_size,
         "capacity_factor": cfg.capacity_factor, "aux_loss_coef": cfg.aux_loss_coef,

@@ -2,7 +2,7 @@
 
 Weights are torch's ``init_weights``, moved to the reference by FQN. fp32: dropless and
 capacity, k = 1 and 2, and every option of ``models.OPTIONS`` (GQA, head dim, QK-norm,
-biases, router variants, expert bias, shared experts; norm gains, biases and expert biases
+biases, router variants, expert bias, shared experts, dense first layers; norm gains, biases and expert biases
 perturbed off their init): logits (max abs), loss (relative) and every gradient by FQN
 (norm-wise). bf16: logits and grads within the bf16 tolerances.
 """
@@ -50,7 +50,8 @@ def fp32_runs(request):
     batch = tokens(3)
     ref = jax_run(to_jax(model, cfg), batch, cfg)
     mine = torch_run(model, batch)
-    dropped = sum(int(layer.moe.last_stats["dropped"]) for layer in model.layers)
+    dropped = sum(int(layer.moe.last_stats["dropped"]) for layer in model.layers
+                  if layer.mlp_kind.name == "moe")
     return mine, ref, dropped, cfg
 
 

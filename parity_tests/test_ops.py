@@ -1,6 +1,6 @@
 """Op parity: each building block of docs/model.md, torch vs reference, on the same inputs.
 
-RMSNorm, RoPE, attention, the router (top-k, ties, gates), the capacity keep mask, the aux and
+RMSNorm, RoPE, attention, the dense MLP kind, the router (top-k, ties, gates), the capacity keep mask, the aux and
 z losses with their gradients, and the whole MoE layer (dispatch / experts / combine) forward
 and backward, dropless and with capacity, k = 1 and 2.
 """
@@ -19,6 +19,7 @@ import torch
 from moezero.model import decoder as torch_decoder
 from moezero.model import moe as torch_moe
 from moezero.model.router import Router, RouterOptions
+from moezero.reference import dense as ref_dense
 from moezero.reference import model as ref_model
 from moezero.reference import moe as ref_moe
 from parity_tests.models import OPTIONS, TINY, perturb, to_jax, torch_model
@@ -90,6 +91,30 @@ def test_rope_is_half_split_rotation():
                    "torch rope (hand example)")
     assert_max_rel(ref_model.apply_rope(jnp.asarray(x), cos, sin), want,
                    TOLERANCES["fp32"].op_rel, "reference rope (hand example)")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_dense_mlp(dtype):
+    """The dense MLP kind (``model/dense.py`` vs ``reference/dense.py``), forward and the
+    gradients of its input and weights."""
+    cfg = OPTIONS["first-k-dense"]
+    model = torch_model(cfg, seed=4)
+    params = jax.tree.map(lambda a: a.astype(DTYPES[dtype][1]),
+                          to_jax(model, cfg)["layers"][0]["mlp"])
+    mlp = model.layers[0].mlp.to(DTYPES[dtype][0])
+    x_t, x_j = both(rand(5, T, D), dtype)
+    x_t.requires_grad_(True)
+    out = mlp(x_t)
+    assert_max_rel(out, ref_dense.dense_mlp(params, x_j), TOLERANCES[dtype].op_rel,
+                   f"{dtype} dense mlp")
+    out.float().square().sum().backward()
+
+    def loss(p, x):
+        return jnp.sum(jnp.square(ref_dense.dense_mlp(p, x).astype(jnp.float32)))
+    g_p, g_x = jax.grad(loss, argnums=(0, 1))(params, x_j)
+    assert_max_rel(x_t.grad, g_x, TOLERANCES[dtype].op_rel, f"{dtype} dense mlp input grad")
+    assert_close_by_fqn(torch_fqns(mlp, grads=True), jax_fqns(g_p), TOLERANCES[dtype].grad_rel,
+                        f"{dtype} dense mlp weight grads")
 
 
 ATTENTION = {"mha": TINY, **{k: OPTIONS[k] for k in OPTIONS if "qk-norm" in k or "bias-" in k}}

@@ -60,6 +60,10 @@ FAMILIES = {  # every option of models.OPTIONS in one of these
     "olmoe-like": tiny(qk_norm="projection", attn_bias="all", renormalize=False),
     "deepseek-like": tiny(router_scoring="sigmoid", expert_bias=True, bias_update_rate=1e-2,
                           shared_ffn_dim=24),
+    # the dense MLP kind before the MoE layers, and the bias stepped in the MoE layers only
+    "deepseek-v3-first-k-dense": tiny(n_layers=3, first_k_dense=1, dense_ffn_dim=40,
+                                      router_scoring="sigmoid", expert_bias=True,
+                                      bias_update_rate=1e-2),
 }
 CASES.update({name: (cfg, optim()) for name, cfg in FAMILIES.items()})
 SLOW = {"dropless-k1-clip-every"}

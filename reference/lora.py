@@ -1,5 +1,5 @@
 """LoRA adapters in the reference's parameter tree: ``lora_A``/``lora_B`` beside a targeted
-projection's weight (``reference/model.py: linear`` adds their term). Torch counterpart:
+projection's weight (``linear`` adds their term). Torch counterpart:
 ``torch_impl/model/lora.py``.
 """
 
@@ -32,3 +32,14 @@ def with_lora(cfg: ModelConfig, owner: str, params: dict, stack: tuple[int, ...]
                                                            jnp.float32, -bound, bound),
                          "lora_B": jnp.zeros((*stack, o, cfg.lora_r), jnp.float32)}
     return out
+
+
+def linear(p: dict, x: jax.Array, lora_scale: float = 1.0) -> jax.Array:
+    """``x @ W.T (+ b)``: torch's Linear layout, the bias only where the params have one;
+    plus ``lora_scale · (x @ A.T) @ B.T`` where it has LoRA adapters (``lora_A``/``lora_B``;
+    torch: ``moezero.model.lora.LoRALinear``)."""
+    y = x @ p["weight"].T
+    y = y + p["bias"] if "bias" in p else y
+    if "lora_A" in p:
+        y = y + lora_scale * ((x @ p["lora_A"].T) @ p["lora_B"].T)
+    return y

@@ -1,7 +1,9 @@
 """Mixtral-style MoE decoder: RMSNorm, half-split RoPE, causal attention, MoE FFN, loss.
 
-Torch counterpart: ``torch_impl/model/decoder.py``, with ``attention.py`` and ``shared.py`` beside
-it (the MoE layer: ``reference/moe.py`` ↔ ``torch_impl/model/moe.py`` and ``router.py``).
+Torch counterpart: ``torch_impl/model/decoder.py``, with ``attention.py``, ``moe_mlp.py`` and
+``shared.py`` beside it (the MoE layer: ``reference/moe.py`` ↔ ``torch_impl/model/moe.py`` and
+``router.py``; the dense MLP kind of the first ``first_k_dense`` layers: ``reference/dense.py``
+↔ ``torch_impl/model/dense.py``).
 Semantics: ``docs/model.md``.
 
 Params are a plain nested dict mirroring the FQNs, with experts stacked on a leading global
@@ -26,8 +28,11 @@ import jax
 import jax.numpy as jnp
 
 from moezero.plan.buffers import is_buffer
+from moezero.reference.dense import dense_mlp, init_dense
+from moezero.reference.lora import linear
 from moezero.reference.lora import with_lora as _with_lora
-from moezero.reference.moe import acc_dtype, expert_load, moe_layer
+from moezero.reference.moe import acc_dtype, expert_load
+from moezero.reference.moe_mlp import init_moe_mlp, moe_mlp
 from moezero.reference.packing import DocumentLayout, document_layout
 
 
@@ -58,14 +63,16 @@ class ModelConfig:
     bias_update_rate: float = 1e-3
     shared_ffn_dim: int = 0  # 0: no shared expert
     shared_gate: bool = False
+    first_k_dense: int = 0  # layers 0..k-1: the dense MLP kind (reference/dense.py)
+    dense_ffn_dim: int | None = None  # None: ffn_dim
     # LoRA (torch: the ``peft`` section, ``moezero.model.lora``): rank (0: none), alpha / r,
-    # and the targets (attn, shared, experts, or one projection of them, e.g. attn.wq)
+    # and the targets (attn, shared, experts, mlp, or one projection of them, e.g. attn.wq)
     lora_r: int = 0
     lora_scale: float = 1.0
     lora_targets: tuple[str, ...] = ()
 
     def wants_lora(self, owner: str, proj: str) -> bool:
-        """Whether projection ``proj`` of ``owner`` (attn, shared, experts) has adapters."""
+        """Whether projection ``proj`` of ``owner`` (attn, shared, experts, mlp) has adapters."""
         return bool(self.lora_r) and (owner in self.lora_targets
                                       or f"{owner}.{proj}" in self.lora_targets)
 
@@ -80,6 +87,18 @@ class ModelConfig:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0 or None")
         if self.shared_gate and not self.shared_ffn_dim:
             raise ValueError("shared_gate needs a shared expert (shared_ffn_dim > 0)")
+        if not 0 <= self.first_k_dense < self.n_layers:
+            raise ValueError(f"first_k_dense={self.first_k_dense} must be in [0, n_layers)")
+
+    def mlp_kind(self, layer: int) -> str:
+        """Layer ``layer``'s MLP kind: ``dense`` below ``first_k_dense``, else ``moe`` (torch:
+        ``moezero.model.kinds.layer_kinds``)."""
+        return "dense" if layer < self.first_k_dense else "moe"
+
+    @property
+    def dense_hidden(self) -> int:
+        """The dense MLP's hidden width: ``dense_ffn_dim``, default ``ffn_dim``."""
+        return self.dense_ffn_dim or self.ffn_dim
 
     @property
     def head_size(self) -> int:
@@ -119,38 +138,15 @@ def _init_attention(cfg: ModelConfig, key, std: float, out_std: float) -> dict:
     return _with_lora(cfg, "attn", p)
 
 
-def _init_shared(cfg: ModelConfig, key, std: float, out_std: float) -> dict:
-    d, f = cfg.dim, cfg.shared_ffn_dim
-    k = jax.random.split(key, 4)
-    p = {"w1": {"weight": _normal(k[0], (f, d), std)}, "w3": {"weight": _normal(k[1], (f, d), std)},
-         "w2": {"weight": _normal(k[2], (d, f), out_std)}}
-    p = _with_lora(cfg, "shared", p)
-    return {**p, "gate": {"weight": _normal(k[3], (1, d), std)}} if cfg.shared_gate else p
-
-
-def _init_layer(cfg: ModelConfig, key) -> dict:
-    d, f, e = cfg.dim, cfg.ffn_dim, cfg.num_experts
+def _init_layer(cfg: ModelConfig, key, index: int) -> dict:
+    d = cfg.dim
     std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
     k = jax.random.split(key, 6)
-    router = {"weight": _normal(k[1], (e, d), std)}
-    if cfg.expert_bias:
-        router["expert_bias"] = jnp.zeros((e,), jnp.float32)
-    layer = {
-        "attn_norm": {"weight": jnp.ones((d,), jnp.float32)},
-        "attn": _init_attention(cfg, k[0], std, out_std),
-        "ffn_norm": {"weight": jnp.ones((d,), jnp.float32)},
-        "moe": {
-            "router": router,
-            "experts": _with_lora(cfg, "experts", {
-                "w1": {"weight": _normal(k[2], (e, f, d), std)},
-                "w3": {"weight": _normal(k[3], (e, f, d), std)},
-                "w2": {"weight": _normal(k[4], (e, d, f), out_std)},
-            }, (e,)),
-        },
-    }
-    if cfg.shared_ffn_dim:
-        layer["shared"] = _init_shared(cfg, k[5], std, out_std)
-    return layer
+    mlp = {"mlp": init_dense(cfg, k[2], std, out_std)} if cfg.mlp_kind(index) == "dense" \
+        else init_moe_mlp(cfg, k, std, out_std)
+    return {"attn_norm": {"weight": jnp.ones((d,), jnp.float32)},
+            "attn": _init_attention(cfg, k[0], std, out_std),
+            "ffn_norm": {"weight": jnp.ones((d,), jnp.float32)}, **mlp}
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
@@ -158,7 +154,7 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
     k_embed, k_head, *k_layers = jax.random.split(key, cfg.n_layers + 2)
     return {
         "embed": {"weight": _normal(k_embed, (cfg.vocab_size, cfg.dim), 0.02)},
-        "layers": [_init_layer(cfg, k) for k in k_layers],
+        "layers": [_init_layer(cfg, k, i) for i, k in enumerate(k_layers)],
         "norm": {"weight": jnp.ones((cfg.dim,), jnp.float32)},
         "lm_head": {"weight": _normal(k_head, (cfg.vocab_size, cfg.dim), 0.02)},
     }
@@ -203,17 +199,6 @@ def apply_rope(x_BSHK: jax.Array, cos_SK2: jax.Array, sin_SK2: jax.Array) -> jax
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BSHK.dtype)
 
 
-def linear(p: dict, x: jax.Array, lora_scale: float = 1.0) -> jax.Array:
-    """``x @ W.T (+ b)``: torch's Linear layout, the bias only where the params have one;
-    plus ``lora_scale · (x @ A.T) @ B.T`` where it has LoRA adapters (``lora_A``/``lora_B``;
-    torch: ``moezero.model.lora.LoRALinear``)."""
-    y = x @ p["weight"].T
-    y = y + p["bias"] if "bias" in p else y
-    if "lora_A" in p:
-        y = y + lora_scale * ((x @ p["lora_A"].T) @ p["lora_B"].T)
-    return y
-
-
 def _qk_heads(p: dict, x_BSD: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """q [B,S,H,K] and k [B,S,G,K], QK-normed where ``cfg.qk_norm`` says, before RoPE."""
     b, s, _ = x_BSD.shape
@@ -251,18 +236,11 @@ def attention(p: dict, x_BSD: jax.Array, cfg: ModelConfig,
     return linear(p["wo"], out_BSHK.reshape(b, s, h * k), cfg.lora_scale)
 
 
-def shared_expert(p: dict, x: jax.Array, lora_scale: float = 1.0) -> jax.Array:
-    """The always-on SwiGLU ``w2(silu(w1 x) * w3 x)``, times ``sigmoid(x · gate)`` if gated."""
-    h = jax.nn.silu(linear(p["w1"], x, lora_scale)) * linear(p["w3"], x, lora_scale)
-    y = linear(p["w2"], h, lora_scale)
-    return y if "gate" not in p else jax.nn.sigmoid(x @ p["gate"]["weight"].T) * y
-
-
 class ForwardOut(NamedTuple):
     logits_BSV: jax.Array  # compute dtype
-    aux_L: jax.Array  # per-layer load-balancing loss, fp32, unweighted
-    z_L: jax.Array  # per-layer router z-loss, fp32, unweighted
-    load_LE: jax.Array  # per-layer assignments per expert before drops, int32
+    aux_L: jax.Array  # per-MoE-layer load-balancing loss, fp32, unweighted (dense layers: none)
+    z_L: jax.Array  # per-MoE-layer router z-loss, fp32, unweighted
+    load_LE: jax.Array  # per-MoE-layer assignments per expert before drops, int32
 
 
 def cast_params(params, dtype):
@@ -283,15 +261,14 @@ def forward_with_stats(params: dict, tokens_BS: jax.Array, cfg: ModelConfig, *,
     h_BSD = p["embed"]["weight"][tokens_BS]
     b, s, d = h_BSD.shape
     aux, z, load = [], [], []
-    for layer in p["layers"]:
+    for i, layer in enumerate(p["layers"]):
         h_BSD = h_BSD + attention(layer["attn"], rmsnorm(h_BSD, layer["attn_norm"]["weight"],
                                                          cfg.norm_eps), cfg, docs)
         x_TD = rmsnorm(h_BSD, layer["ffn_norm"]["weight"], cfg.norm_eps).reshape(b * s, d)
-        out = moe_layer(layer["moe"], x_TD, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
-                        scoring=cfg.router_scoring, renormalize=cfg.renormalize,
-                        lora_scale=cfg.lora_scale)
-        y_TD = out.y_TD if "shared" not in layer else \
-            out.y_TD + shared_expert(layer["shared"], x_TD, cfg.lora_scale)
+        if cfg.mlp_kind(i) == "dense":  # no router, no aux loss
+            h_BSD = h_BSD + dense_mlp(layer["mlp"], x_TD, cfg.lora_scale).reshape(b, s, d)
+            continue
+        y_TD, out = moe_mlp(layer, x_TD, cfg)
         h_BSD = h_BSD + y_TD.reshape(b, s, d)
         aux.append(out.aux)
         z.append(out.z)

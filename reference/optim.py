@@ -154,14 +154,21 @@ def loss_and_grads(cfg: TrainConfig, params: dict, batch: jax.Array):
 
 
 def update_buffers(cfg: TrainConfig, params: dict, load_LE: jax.Array | None) -> dict:
-    """After the optimizer: each layer's expert bias steps on its global load (summed over
-    ranks and micro-batches), ``moezero.reference.moe.update_expert_bias``."""
+    """After the optimizer: each MoE layer's expert bias steps on its global load (summed
+    over ranks and micro-batches; ``load_LE`` has a row per MoE layer, dense layers have
+    none), ``moezero.reference.moe.update_expert_bias``."""
     if load_LE is None:
         return params
-    layers = [{**layer, "moe": {**layer["moe"], "router": {
-        **layer["moe"]["router"], "expert_bias": update_expert_bias(
-            layer["moe"]["router"]["expert_bias"], load_E, cfg.model.bias_update_rate)}}}
-        for layer, load_E in zip(params["layers"], load_LE, strict=True)]
+    loads = iter(load_LE)
+
+    def updated(layer: dict) -> dict:
+        if "moe" not in layer:
+            return layer
+        router = layer["moe"]["router"]
+        bias = update_expert_bias(router["expert_bias"], next(loads),
+                                  cfg.model.bias_update_rate)
+        return {**layer, "moe": {**layer["moe"], "router": {**router, "expert_bias": bias}}}
+    layers = [updated(layer) for layer in params["layers"]]
     return {**params, "layers": layers}
 
 

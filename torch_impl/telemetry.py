@@ -115,11 +115,12 @@ class PeakMemory:
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs per token: 6 x the parameters a token uses (attention, its top-k
-    experts, router, output head; not the embedding lookup) plus the attention-score term
+    experts and router or a dense layer's MLP, output head; not the embedding lookup) plus the attention-score term
     12 x layers x dim x seq_len (PaLM's appendix B accounting, causal mask not discounted)."""
-    d, f = args.dim, args.ffn_dim
+    d, f, dense = args.dim, args.ffn_dim, args.first_k_dense
     per_layer = 4 * d * d + args.top_k * 3 * d * f + d * args.num_experts
-    active = args.n_layers * per_layer + args.vocab_size * d
+    dense_layer = 4 * d * d + 3 * d * args.dense_hidden  # model.first_k_dense layers
+    active = (args.n_layers - dense) * per_layer + dense * dense_layer + args.vocab_size * d
     return 6.0 * active + 12.0 * args.n_layers * d * seq_len
 
 

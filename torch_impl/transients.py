@@ -216,7 +216,8 @@ def activation_bytes(cfg: Config, itemsize: int) -> int:
     blocks are recomputed one at a time, each just before its own backward)."""
     if not cfg.activation_checkpointing.enabled:
         return kept_activation_bytes(cfg, itemsize)
-    return kept_activation_bytes(cfg, itemsize) + _tokens(cfg) * _block_bytes(cfg, itemsize) \
+    recomputed = max(_block_bytes(cfg, itemsize, i) for i in _checkpointed(cfg))
+    return kept_activation_bytes(cfg, itemsize) + _tokens(cfg) * recomputed \
         + _mask_bytes(cfg, itemsize)
 
 
@@ -229,10 +230,10 @@ def kept_activation_bytes(cfg: Config, itemsize: int) -> int:
     from the tensors autograd saves, fp32 and bf16, with and without grouped-query heads, a
     shared expert, checkpointing and a document mask (tests/torch_impl/test_estimate_peak.py,
     test_estimate_finetune.py)."""
-    m, ac = cfg.model, cfg.activation_checkpointing
-    checkpointed = -(-m.n_layers // ac.every_n_layers) if ac.enabled else 0
-    per_token = (m.n_layers - checkpointed) * _block_bytes(cfg, itemsize) \
-        + checkpointed * m.dim * itemsize
+    m = cfg.model
+    checkpointed = len(_checkpointed(cfg))
+    per_token = sum(_block_bytes(cfg, itemsize, i) for i in range(m.n_layers)
+                    if i not in _checkpointed(cfg)) + checkpointed * m.dim * itemsize
     head = m.dim * (4 + itemsize) + m.vocab_size * (itemsize + 4)
     masks = (m.n_layers - checkpointed) * _mask_bytes(cfg, itemsize) + _mask_bytes(cfg, 1)
     return _tokens(cfg) * (per_token + head) + masks
@@ -253,7 +254,13 @@ def _tokens(cfg: Config) -> int:
     return cfg.train.micro_batch_size * cfg.train.seq_len
 
 
-def _block_bytes(cfg: Config, itemsize: int) -> int:
+def _checkpointed(cfg: Config) -> range:
+    """The blocks activation checkpointing recomputes: 0, n, 2n, ... (none when off)."""
+    ac = cfg.activation_checkpointing
+    return range(0, cfg.model.n_layers, ac.every_n_layers) if ac.enabled else range(0)
+
+
+def _block_bytes(cfg: Config, itemsize: int, layer: int) -> int:
     """Bytes a decoder block's forward keeps per token: 6 D-wide tensors in fp32 whatever the
     compute dtype (each of the two norms keeps its fp32 input and normalised value, the router
     its fp32 input; the sixth covers the small ones: routing indices and weights, rotary
@@ -262,9 +269,13 @@ def _block_bytes(cfg: Config, itemsize: int) -> int:
     kernels, flash on GPUs and CPUs alike, keep only a log-sum-exp per head), the top-k rows
     into the experts (k D) and out of them in fp32 (k D), two of their SwiGLU hidden
     activations (2 k F) and three of the shared expert's (3 F_shared), the router's fp32 logits
-    and probabilities (2 E)."""
+    and probabilities (2 E). A dense layer (``model.first_k_dense``) keeps, after the same
+    attention, its D-wide input and four of its SwiGLU's F-wide tensors (counted from the
+    tensors autograd saves), with 5 D-wide fp32 tensors and no router's."""
     m, k = cfg.model, cfg.moe.top_k
     head = m.head_dim or m.dim // m.n_heads
-    widths = 3 * m.n_heads * head + 2 * (m.n_kv_heads or m.n_heads) * head + k * m.dim \
-        + 2 * k * m.ffn_dim + 3 * cfg.moe.shared_ffn_dim
+    attention = 3 * m.n_heads * head + 2 * (m.n_kv_heads or m.n_heads) * head
+    if layer < m.first_k_dense:
+        return itemsize * (attention + m.dim + 4 * (m.dense_ffn_dim or m.ffn_dim)) + 4 * 5 * m.dim
+    widths = attention + k * m.dim + 2 * k * m.ffn_dim + 3 * cfg.moe.shared_ffn_dim
     return itemsize * widths + 4 * ((6 + k) * m.dim + 2 * cfg.moe.num_experts)

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moezero.plan.buffers import is_buffer
-from moezero.reference.model import ModelConfig, attention, forward_with_stats, shared_expert
+from moezero.reference.model import ModelConfig, attention, forward_with_stats
+from moezero.reference.moe_mlp import shared_expert
 from moezero.reference.optim import (
     OptimConfig,
     TrainConfig,

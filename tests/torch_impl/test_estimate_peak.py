@@ -72,6 +72,12 @@ ACTIVATION_CASES = [
     ["model.dim=256", "model.ffn_dim=512", "model.n_heads=4", "activation_checkpointing.enabled=true"],
     ["model.dim=256", "model.ffn_dim=512", "model.n_heads=4", "activation_checkpointing.enabled=true",
      "activation_checkpointing.every_n_layers=2", "precision.dtype=bf16"],
+    # dense MLP layers (model.first_k_dense) wider than the experts, alone and checkpointed
+    ["model.dim=256", "model.ffn_dim=512", "model.n_heads=4", "model.first_k_dense=3",
+     "model.dense_ffn_dim=2048"],
+    ["model.dim=256", "model.ffn_dim=512", "model.n_heads=4", "model.first_k_dense=3",
+     "model.dense_ffn_dim=2048", "precision.dtype=bf16", "activation_checkpointing.enabled=true",
+     "activation_checkpointing.every_n_layers=2"],
 ]
 
 

@@ -6,7 +6,8 @@ Sections mirror DeepSpeed's names where the concept is the same
 :class:`ConfigError` whose message is one line naming the dotted key, e.g.
 ``zero_optimization.stagee: unknown key (run.yaml)``.
 
-``schema`` holds the sections (pydantic models), ``loader`` reading, overriding and dumping,
+``schema`` holds the sections (pydantic models; the model's, ``model`` and ``moe``, in
+``model``), ``loader`` reading, overriding and dumping,
 ``errors`` the error types; everything public is re-exported here. This is the lowest layer
 of the torch side: it imports pydantic, yaml, the standard library and the plan's rules
 (pure Python), never torch. The plan receives plain values taken from it, never these models.
@@ -16,16 +17,13 @@ from __future__ import annotations
 
 from moezero.config.errors import ConfigError
 from moezero.config.loader import DEFAULT_RECIPE, dump_config, load_config, parse_override, to_yaml
+from moezero.config.model import ARCHITECTURE, ARCHITECTURE_KEYS, ModelConfig, MoEConfig
 from moezero.config.offload import OffloadConfig, OptimizerOffloadConfig, ParamOffloadConfig
 from moezero.config.schema import (
-    ARCHITECTURE,
-    ARCHITECTURE_KEYS,
     CheckpointConfig,
     Config,
     DataConfig,
     DistConfig,
-    ModelConfig,
-    MoEConfig,
     OptimizerConfig,
     PrecisionConfig,
     TokenizerConfig,

@@ -10,7 +10,8 @@ from pydantic import Field
 from moezero.config.section import Section
 
 LORA_TARGETS = ("attn", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "shared", "shared.w1",
-                "shared.w2", "shared.w3", "experts", "experts.w1", "experts.w2", "experts.w3")
+                "shared.w2", "shared.w3", "experts", "experts.w1", "experts.w2", "experts.w3",
+                "mlp", "mlp.w1", "mlp.w2", "mlp.w3")
 
 
 class PeftConfig(Section):
@@ -26,7 +27,8 @@ class PeftConfig(Section):
     targets: list[Literal[LORA_TARGETS]] = Field(  # type: ignore[valid-type]
         ["attn"], description="Projections with adapters: attn (wq, wk, wv, wo), shared (the "
                               "shared expert's w1, w2, w3), experts (every routed expert's "
-                              "w1, w2, w3, grouped), or one of them, e.g. attn.wq.")
+                              "w1, w2, w3, grouped), mlp (the dense MLP's w1, w2, w3: "
+                              "model.first_k_dense), or one of them, e.g. attn.wq.")
 
     @property
     def uses_lora(self) -> bool:

@@ -1,6 +1,6 @@
 """The decoder's settings, ``ModelArgs``, and the one mapping from the run config to them.
 
-The config's ``model`` and ``moe`` sections (``moezero.config.schema``) declare every setting
+The config's ``model`` and ``moe`` sections (``moezero.config.model``) declare every setting
 once; ``ModelArgs`` has a field of the same name and default for each (all but
 ``MOE_PLAN_KEYS``, which configure the optimizer's grouping, not the model) and
 ``model_args`` fills them by name, so a field missing from either side fails at once
@@ -54,6 +54,8 @@ class ModelArgs:
     bias_update_rate: float = 1e-3
     shared_ffn_dim: int = 0  # 0: no shared expert
     shared_gate: bool = False
+    first_k_dense: int = 0  # layers 0..k-1: the dense MLP kind (model/dense.py)
+    dense_ffn_dim: int | None = None  # None: ffn_dim
 
     @property
     def kv_heads(self) -> int:
@@ -64,6 +66,11 @@ class ModelArgs:
     def head_size(self) -> int:
         """Head dim K (``head_dim``, default D/H)."""
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def dense_hidden(self) -> int:
+        """Hidden width of the dense MLP layers (``dense_ffn_dim``, default ``ffn_dim``)."""
+        return self.dense_ffn_dim or self.ffn_dim
 
     @property
     def router(self) -> RouterOptions:

@@ -1,4 +1,5 @@
-"""Causal self-attention of the decoder: grouped-query heads, optional QK-norm and biases, RoPE.
+"""Causal self-attention of the decoder: grouped-query heads, optional QK-norm and biases, RoPE;
+the attention kind ``GQA`` (``moezero.model.kind``), with its Hugging Face names.
 
 Semantics are docs/model.md ("Attention"); the JAX counterpart is ``reference/model.py:
 attention``. Legend: B batch, S sequence, D model dim, H query heads, G key/value heads,
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moezero.model.kind import AttentionKind, Placement
 from moezero.model.packing import DocumentMask
 
 QK_NORMS = ("none", "head", "projection")
@@ -62,6 +64,8 @@ class Attention(nn.Module):
             ``rope_theta``, ``norm_eps``, ``qk_norm``, ``attn_bias``).
     """
 
+    lora_owner, lora_projections = "attn", ("wq", "wk", "wv", "wo")  # moezero.model.lora
+
     def __init__(self, args):
         super().__init__()
         d, h, g, k = args.dim, args.n_heads, args.kv_heads, args.head_size
@@ -96,3 +100,18 @@ class Attention(nn.Module):
             attn_mask=None if docs is None else docs.allowed_B1SS, is_causal=docs is None,
             enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+def _gqa_modules(args, at: Placement) -> dict[str, nn.Module]:
+    return {"attn": Attention(args)}
+
+
+def _gqa_apply(block: nn.Module, x_BSD: torch.Tensor, docs: DocumentMask | None) -> torch.Tensor:
+    return block.attn(x_BSD, docs)
+
+
+GQA = AttentionKind("gqa", _gqa_modules, _gqa_apply, hf_names={
+    **{f"attn.w{x}.{p}": f"self_attn.{x}_proj.{p}" for x in "qkvo" for p in ("weight", "bias")},
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight"})
+"""Grouped-query softmax attention at ``layers.N.attn``."""

@@ -1,7 +1,9 @@
 """A Mixtral-style decoder: RMSNorm, RoPE, causal attention, SwiGLU experts in MoE layers,
 with the options of the Hugging Face families moezero imports (docs/hf.md): grouped-query
 attention, QK-norm and projection biases (``model/attention.py``), router variants
-(``model/router.py``) and shared experts (``model/shared.py``).
+(``model/router.py``), shared experts (``model/shared.py``) and dense first layers
+(``model/dense.py``). Each block composes the layer kinds ``model/kinds.py`` chooses for it
+(``model/kind.py``; docs/model.md, "Adding a layer kind").
 
 Semantics and FQNs are docs/model.md; the JAX counterpart is ``reference/model.py``.
 Legend: B batch, S sequence, D model dim, H heads, K head dim, V vocab.
@@ -18,36 +20,37 @@ from torch import nn
 
 from moezero.model.args import ModelArgs
 from moezero.model.attention import Attention, RMSNorm, rope
-from moezero.model.moe import MoE, SwiGLU
+from moezero.model.kind import Placement
+from moezero.model.kinds import layer_kinds
 from moezero.model.packing import DocumentMask, document_mask, masked_cross_entropy
-from moezero.model.shared import SharedExpert
 
 __all__ = ["Attention", "Block", "Decoder", "ModelArgs", "RMSNorm", "init_weights", "rope"]
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, *, ep_rank: int = 0, ep_group=None):
+    """One decoder layer: ``h + attn(attn_norm(h))``, then ``+ mlp(ffn_norm(·))``, the
+    attention and MLP kinds chosen for layer ``layer`` by ``moezero.model.kinds.layer_kinds``.
+    Each kind's modules are registered under their own names (``attn``, ``moe`` and
+    ``shared``, ``mlp``), so FQNs read ``layers.N.attn.wq.weight``. Returns (h, the layer's
+    weighted aux loss, or None for an MLP kind without one)."""
+
+    def __init__(self, args: ModelArgs, *, layer: int = 0, ep_rank: int = 0, ep_group=None):
         super().__init__()
+        self.attention_kind, self.mlp_kind = layer_kinds(args, layer)
+        at = Placement(layer, ep_rank, ep_group)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attn = Attention(args)
+        self._register(self.attention_kind.build(args, at))
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.moe = MoE(args.dim, lambda e: SwiGLU(args.dim, args.ffn_dim),
-                       num_experts=args.num_experts, top_k=args.top_k,
-                       capacity_factor=args.capacity_factor, ep_size=args.ep_size,
-                       ep_rank=ep_rank, ep_group=ep_group,
-                       expert_group_name=args.expert_group_name,
-                       aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef,
-                       router=args.router)
-        self.shared = (SharedExpert(args.dim, args.shared_ffn_dim, args.shared_gate)
-                       if args.shared_ffn_dim else None)
+        self._register(self.mlp_kind.build(args, at))
+
+    def _register(self, modules: dict[str, nn.Module]) -> None:
+        for name, module in modules.items():
+            self.add_module(name, module)
 
     def forward(self, h: torch.Tensor,
-                docs: DocumentMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        h = h + self.attn(self.attn_norm(h), docs)
-        x = self.ffn_norm(h)
-        y, aux = self.moe(x)
-        if self.shared is not None:
-            y = y + self.shared(x)
+                docs: DocumentMask | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h = h + self.attention_kind.apply(self, self.attn_norm(h), docs)
+        y, aux = self.mlp_kind.apply(self, self.ffn_norm(h))
         return h + y, aux
 
 
@@ -58,8 +61,8 @@ class Decoder(nn.Module):
         super().__init__()
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, ep_rank=ep_rank, ep_group=ep_group)
-                                    for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(Block(args, layer=i, ep_rank=ep_rank, ep_group=ep_group)
+                                    for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
 
@@ -73,7 +76,8 @@ class Decoder(nn.Module):
         aux_total = torch.zeros((), device=h.device)
         for layer in self.layers:
             h, aux = layer(h, docs)
-            aux_total = aux_total + aux
+            if aux is not None:  # a dense layer has none
+                aux_total = aux_total + aux
         return self.lm_head(self.norm(h)), aux_total
 
     def loss(self, batch_BS1: torch.Tensor, *, loss_mask_BS: torch.Tensor | None = None,

@@ -41,6 +41,8 @@ ALIGN_BYTES = 16  # grouped GEMM kernels on CUDA need 16-byte aligned bases and 
 class SwiGLU(nn.Module):
     """The default expert: ``w2(silu(w1 x) * w3 x)``."""
 
+    lora_owner, lora_projections = "experts", ("w1", "w2", "w3")  # moezero.model.lora
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.dim, self.hidden = dim, hidden

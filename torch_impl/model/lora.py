@@ -1,8 +1,9 @@
 """LoRA adapters (``peft.method: lora``): ``y = W x + b + alpha/r · B A dropout(x)``.
 
 ``apply_lora`` turns the targeted ``nn.Linear`` projections of a built decoder (attention's
-``wq``/``wk``/``wv``/``wo``, the shared expert's and every routed expert's ``w1``/``w3``/``w2``)
-into ``LoRALinear``: the same module with two more parameters, ``lora_A`` [r, in] and
+``wq``/``wk``/``wv``/``wo``, the shared expert's, the dense MLP's and every routed expert's
+``w1``/``w3``/``w2``: each module names its owner and projections, ``lora_owner`` and
+``lora_projections``) into ``LoRALinear``: the same module with two more parameters, ``lora_A`` [r, in] and
 ``lora_B`` [out, r], so the FQNs sit next to the base weight (``layers.0.attn.wq.lora_A``,
 ``layers.0.moe.experts.5.w1.lora_B``). A routed expert's adapters are its own parameters,
 tagged like its weights (``ExpertTag``: same moe group, global index), so they live on the
@@ -26,18 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moezero.model.attention import Attention
 from moezero.model.experts import SwiGLU
 from moezero.model.moe import MoE
-from moezero.model.shared import SharedExpert
-
-ATTN, SWIGLU = ("wq", "wk", "wv", "wo"), ("w1", "w2", "w3")
 
 
 @dataclass(frozen=True)
 class LoraOptions:
     """``peft`` with ``method: lora``: rank, alpha, dropout and the targeted projections
-    (``attn``, ``shared``, ``experts`` or one projection of them, e.g. ``attn.wq``)."""
+    (``attn``, ``shared``, ``experts``, ``mlp`` or one projection of them, e.g. ``attn.wq``)."""
 
     r: int = 8
     alpha: float = 16.0
@@ -49,7 +46,8 @@ class LoraOptions:
         return self.alpha / self.r
 
     def wants(self, owner: str, proj: str) -> bool:
-        """Whether projection ``proj`` of an ``owner`` (attn, shared, experts) gets adapters."""
+        """Whether projection ``proj`` of an ``owner`` (attn, shared, experts, mlp) gets
+        adapters."""
         return owner in self.targets or f"{owner}.{proj}" in self.targets
 
 
@@ -105,7 +103,7 @@ def _with_adapters(source, options: LoraOptions):
     """An expert factory by global index that adds the adapters to ``source``'s experts."""
     def build(e: int) -> nn.Module:
         module = copy.deepcopy(source) if isinstance(source, nn.Module) else source(e)
-        for proj in SWIGLU if isinstance(module, SwiGLU) else ():
+        for proj in SwiGLU.lora_projections if isinstance(module, SwiGLU) else ():
             if options.wants("experts", proj):
                 add_adapter(getattr(module, proj), options)
         return module
@@ -113,10 +111,9 @@ def _with_adapters(source, options: LoraOptions):
 
 
 def _owner(name: str, module: nn.Module) -> tuple[str | None, tuple[str, ...]]:
-    if isinstance(module, Attention):
-        return "attn", ATTN
-    if isinstance(module, SharedExpert):
-        return "shared", SWIGLU
-    if isinstance(module, SwiGLU) and ".experts." in f".{name}.":
-        return "experts", SWIGLU
-    return None, ()
+    """A module's LoRA owner and projections, as its kind declares them (``lora_owner``,
+    ``lora_projections``); a ``SwiGLU`` is the ``experts`` owner only inside ``experts``."""
+    owner = getattr(module, "lora_owner", None)
+    if owner is None or (owner == "experts") != (".experts." in f".{name}."):
+        return None, ()
+    return owner, module.lora_projections

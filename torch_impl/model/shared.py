@@ -17,6 +17,8 @@ from torch import nn
 class SharedExpert(nn.Module):
     """``w1``, ``w3`` [F, D], ``w2`` [D, F] and, with ``gate``, ``gate.weight`` [1, D]."""
 
+    lora_owner, lora_projections = "shared", ("w1", "w2", "w3")  # moezero.model.lora
+
     def __init__(self, dim: int, hidden: int, gate: bool):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)

@@ -43,6 +43,8 @@ class Arch:
     expert_bias: bool = False
     shared_ffn_dim: int = 0
     shared_gate: bool = False
+    first_k_dense: int = 0  # no exported family has dense layers yet (families.py refuses)
+    dense_ffn_dim: int | None = None
     capacity_factor: float | None = None  # HF is dropless: exported as such (docs/hf.md)
     tie_embeddings: bool = False
 
@@ -121,11 +123,12 @@ def arch_of(manifest) -> Arch:
     try:
         vocab, dim = shapes["embed.weight"]
         layers = sum(1 for fqn in shapes if fqn.endswith(".attn_norm.weight"))
-        experts = sum(1 for fqn in shapes if fqn.startswith("layers.0.moe.experts.")) // 3
-        ffn = shapes["layers.0.moe.experts.0.w1.weight"][0]
+        first = f"layers.{int(flat.get('first_k_dense') or 0)}.moe.experts."  # a MoE layer
+        experts = sum(1 for fqn in shapes if fqn.startswith(first)) // 3
+        ffn = shapes[f"{first}0.w1.weight"][0]
     except (KeyError, ValueError):
         raise CheckpointError("the checkpoint is not of moezero's decoder "
-                              "(no embed.weight or layers.0 experts)") from None
+                              "(no embed.weight or experts in its first MoE layer)") from None
     heads_ = int(flat["n_heads"])
     options = {k: flat[k] for keys in ARCHITECTURE.values() for k in keys
                if k not in DERIVED_KEYS and k in flat}

@@ -47,4 +47,7 @@ def _common_refusal(arch: Arch):
                 "the exported families route with a softmax")
     if arch.expert_bias:
         return "moe.expert_bias", True, "the exported families have no expert bias"
+    if arch.first_k_dense:
+        return ("model.first_k_dense", arch.first_k_dense,
+                "the exported families have an MoE layer in every layer")
     return None

@@ -1,4 +1,8 @@
-"""moezero FQNs ↔ Hugging Face keys of one family (the mapping table of docs/hf.md)."""
+"""moezero FQNs ↔ Hugging Face keys of one family (the mapping table of docs/hf.md).
+
+A layer's names are its norms' (here) and its kinds' (each kind declares its own beside it,
+``moezero.model.kinds.hf_layer_names``); the routed experts' are the family's
+(``Family.expert_names``), per expert on disk or fused in transformers 5's memory."""
 
 from __future__ import annotations
 
@@ -6,19 +10,13 @@ import re
 
 from moezero.checkpoint.hf.arch import Arch
 from moezero.checkpoint.hf.family import Family
+from moezero.model.kinds import hf_layer_names
 from moezero.plan.store import CheckpointError
 
 _TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "lm_head.weight": "lm_head.weight"}
-_BLOCK = {"attn_norm.weight": "input_layernorm.weight",
-          "ffn_norm.weight": "post_attention_layernorm.weight",
-          **{f"attn.w{x}.{p}": f"self_attn.{x}_proj.{p}" for x in "qkvo" for p in ("weight", "bias")},
-          "attn.q_norm.weight": "self_attn.q_norm.weight",
-          "attn.k_norm.weight": "self_attn.k_norm.weight",
-          "shared.w1.weight": "mlp.shared_expert.gate_proj.weight",
-          "shared.w3.weight": "mlp.shared_expert.up_proj.weight",
-          "shared.w2.weight": "mlp.shared_expert.down_proj.weight",
-          "shared.gate.weight": "mlp.shared_expert_gate.weight"}
+_NORMS = {"attn_norm.weight": "input_layernorm.weight",
+          "ffn_norm.weight": "post_attention_layernorm.weight"}
 _IN_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(w[123])\.weight")
 _W = ("w1", "w3", "w2")
@@ -35,10 +33,9 @@ def hf_name(fqn: str, family: Family) -> str:
         name = family.expert_names[_W.index(w)]
         return f"model.layers.{layer}.{family.moe_block}.experts.{e}.{name}.weight"
     block = _IN_BLOCK.fullmatch(fqn)
-    if block and block[2] == "moe.router.weight":
-        return f"model.layers.{block[1]}.{family.moe_block}.gate.weight"
-    if block and block[2] in _BLOCK:
-        return f"model.layers.{block[1]}.{_BLOCK[block[2]]}"
+    names = {**_NORMS, **hf_layer_names(family.moe_block)} if block else {}
+    if block and block[2] in names:
+        return f"model.layers.{block[1]}.{names[block[2]]}"
     raise CheckpointError(f"parameter {fqn} has no Hugging Face {family.model_type} counterpart")
 
 

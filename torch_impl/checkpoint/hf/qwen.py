@@ -11,14 +11,15 @@ EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def check_layers(cfg: dict, where: str) -> None:
-    """Refuse dense layers and sliding windows, which moezero's decoder does not build."""
+    """Refuse dense layers (moezero's are the first k only, not read from a Qwen config) and
+    sliding windows, which moezero's decoder does not build."""
     check_common(cfg, where)
     if cfg.get("mlp_only_layers"):
         raise refuse(where, "mlp_only_layers", cfg["mlp_only_layers"],
-                     "every moezero layer is an MoE layer")
+                     "moezero reads every Qwen layer as an MoE layer")
     if cfg.get("decoder_sparse_step", 1) != 1:
         raise refuse(where, "decoder_sparse_step", cfg["decoder_sparse_step"],
-                     "every moezero layer is an MoE layer")
+                     "moezero reads every Qwen layer as an MoE layer")
     window = sliding(cfg)
     if window:
         raise refuse(where, *window, "moezero's attention is full causal")

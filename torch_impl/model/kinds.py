@@ -1,0 +1,33 @@
+"""The layer kinds by name, and which ones each decoder layer takes (the one place the config
+chooses them). A new kind is one module defining its ``AttentionKind`` or ``MlpKind``
+(``moezero.model.kind``) plus a line here; docs/model.md, "Adding a layer kind".
+"""
+
+from __future__ import annotations
+
+from moezero.model.args import ModelArgs
+from moezero.model.attention import GQA
+from moezero.model.dense import DENSE
+from moezero.model.kind import AttentionKind, MlpKind
+from moezero.model.moe_mlp import MOE
+
+ATTENTION_KINDS: dict[str, AttentionKind] = {k.name: k for k in (GQA,)}
+MLP_KINDS: dict[str, MlpKind] = {k.name: k for k in (MOE, DENSE)}
+
+
+def layer_kinds(args: ModelArgs, layer: int) -> tuple[AttentionKind, MlpKind]:
+    """Layer ``layer``'s (attention kind, MLP kind): grouped-query attention everywhere; the
+    dense MLP in layers below ``first_k_dense``, the MoE layer above."""
+    return ATTENTION_KINDS["gqa"], MLP_KINDS["dense" if layer < args.first_k_dense else "moe"]
+
+
+def hf_layer_names(moe_block: str) -> dict[str, str]:
+    """Every kind's ``{FQN within a layer: Hugging Face key within a layer}``, ``{moe_block}``
+    filled in. Raises ValueError if two kinds claim one FQN for different keys."""
+    names: dict[str, str] = {}
+    for kind in (*ATTENTION_KINDS.values(), *MLP_KINDS.values()):
+        for fqn, key in kind.hf_names.items():
+            key = key.format(moe_block=moe_block)
+            if names.setdefault(fqn, key) != key:
+                raise ValueError(f"layer kind {kind.name}: {fqn} is already {names[fqn]}")
+    return names
