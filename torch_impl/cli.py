@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moezero.catalog import listing as recipe_listing
+from moezero.catalog import resolve as resolve_recipe
 from moezero.config import ConfigError, load_config
 from moezero.data import DataError
 from moezero.plan.store import CheckpointError, read_manifest
@@ -40,13 +42,15 @@ if TYPE_CHECKING:  # torch-free at import: the CLI's early errors stay fast
 
 HF_FORMATS = ("hf-mixtral", "hf-qwen2_moe", "hf-qwen3_moe", "hf-olmoe")
 """``checkpoint export --format`` values of the Hugging Face families (``checkpoint.hf``)."""
+CONFIG_HELP = ("YAML or JSON recipe file, or the name of a packaged one (moezero recipes); "
+               "default: the embedded recipe")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moezero", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a MoE model (the embedded default with no flags)")
-    train.add_argument("--config", help="YAML or JSON recipe (default: the embedded recipe)")
+    train.add_argument("--config", help=CONFIG_HELP)
     train.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="override one dotted config key; repeatable")
     train.add_argument("--nproc", type=int, default=None,
@@ -55,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", help="run directory (default runs/<timestamp>)")
     train.add_argument("--data", help="train on this prepared dataset (prepare-data) or text "
                                       "file (byte-level) instead of the synthetic corpus")
+    sub.add_parser("recipes", help="list the packaged recipes: model, hardware, predicted peak")
     _checkpoint_parser(sub)
     hf = sub.add_parser("import-hf", help="a local Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE "
                                           "or OLMoE directory to a weights-only moezero "
@@ -66,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     _prepare_parser(sub)
     est = sub.add_parser("estimate", help="per-rank bytes of params, grads and optimizer state "
                                           "per tier, from the config alone (docs/scale.md)")
-    est.add_argument("--config", help="YAML or JSON recipe (default: the embedded recipe)")
+    est.add_argument("--config", help=CONFIG_HELP)
     est.add_argument("--set", dest="overrides", action="append", default=[],
                      metavar="KEY=VALUE", help="override one dotted config key; repeatable")
     est.add_argument("--nproc", type=int, required=True, help="world size W")
@@ -118,7 +123,7 @@ def _adopt(cfg, run_dir: Path):
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(resolve_recipe(args.config), args.overrides)
     cfg = _adopt(cfg, Path(cfg.train.out_dir or "."))
     from moezero.distributed.topology import validate
 
@@ -268,7 +273,7 @@ def _train(args: argparse.Namespace, io: IOOptions | None = None) -> int:
         overrides.append(f"data.path={args.data}")
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError("--nproc", f"must be >= 1, got {args.nproc}", "command line")
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(resolve_recipe(args.config), overrides)
     run_dir = Path(args.out or cfg.train.out_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     cfg = _adopt(cfg, run_dir)
     from moezero.data.build import check_data
@@ -350,6 +355,9 @@ def main(argv: list[str] | None = None, io: IOOptions | None = None) -> int:
             return _prepare_data(args)
         if args.command == "estimate":
             return _estimate(args)
+        if args.command == "recipes":
+            print(recipe_listing())
+            return 0
     except (ConfigError, DataError, CheckpointError) as exc:
         print(f"moezero: error: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,8 @@ editable install), torch, the ``data`` extra and ``transformers``: the repositor
 In the current folder it
 
 1. trains a byte-level BPE with ``tokenizers`` (offline) and ``prepare-data``s a small corpus,
-2. ``train``s a tiny decoder on it (W = 2, ep 2, 3 steps) and ``estimate``s that config,
+2. ``train``s a tiny decoder on it (W = 2, ep 2, 3 steps) and ``estimate``s that config and a
+   packaged recipe by name (``--config qwen3-moe-30b-a3b-lora``); ``moezero recipes``,
 3. ``checkpoint inspect``, ``verify``, ``export`` (moezero) and ``export --format hf`` the run,
    and loads the export with ``from_pretrained``: no missing or unexpected keys, logits within
    1e-5 of moezero's decoder on the same checkpoint,
@@ -152,6 +153,11 @@ def trained_run(work: Path) -> None:
                   "--set", "train.steps=3", "--out", str(work / "run"))
     check("step_00000003" in out, "train saved step_00000003")
     moezero("estimate", "--nproc", "2", "--device", "cpu", *TINY)
+    out = moezero("estimate", "--config", "qwen3-moe-30b-a3b-lora", "--nproc", "8",
+                  "--set", "checkpoint.load=null")
+    check("peak device" in out, "--config qwen3-moe-30b-a3b-lora: the packaged recipe by name")
+    out = moezero("recipes")
+    check("qwen3-moe-30b-a3b-lora " in out, "moezero recipes lists the packaged recipes")
     ckpts = str(work / "run" / "checkpoints")
     moezero("checkpoint", "inspect", ckpts)
     moezero("checkpoint", "verify", ckpts)
