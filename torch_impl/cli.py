@@ -1,4 +1,4 @@
-"""The ``moezero`` command (README.md, "Using it directly").
+"""The ``moezero`` command (``moezero docs`` lists the documentation pages it ships).
 
 ``moezero train [--config FILE] [--set KEY=VALUE ...] [--nproc N] [--out DIR] [--data PATH]``
 with no arguments trains the embedded default recipe on 2 local ranks.
@@ -47,7 +47,11 @@ CONFIG_HELP = ("YAML or JSON recipe file, or the name of a packaged one (moezero
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moezero", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="moezero", description="Mixture-of-Experts training with ZeRO-sharded data "
+        "parallelism.", epilog="Documentation: 'moezero docs' lists the pages installed with "
+        "moezero; 'moezero docs TOPIC' prints one (e.g. moezero docs finetune).")
+    parser.add_argument("--version", action="version", version=f"moezero {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a MoE model (the embedded default with no flags)")
     train.add_argument("--config", help=CONFIG_HELP)
@@ -60,17 +64,19 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--data", help="train on this prepared dataset (prepare-data) or text "
                                       "file (byte-level) instead of the synthetic corpus")
     sub.add_parser("recipes", help="list the packaged recipes: model, hardware, predicted peak")
+    docs = sub.add_parser("docs", help="where the documentation is; its pages, or one page")
+    docs.add_argument("topic", nargs="?", metavar="TOPIC", help="a page to print (e.g. finetune)")
     _checkpoint_parser(sub)
     hf = sub.add_parser("import-hf", help="a local Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE "
                                           "or OLMoE directory to a weights-only moezero "
-                                          "checkpoint (docs/hf.md)")
+                                          "checkpoint (moezero docs hf)")
     hf.add_argument("path", metavar="PATH", help="directory with config.json and safetensors")
     hf.add_argument("--out", required=True, metavar="DIR",
                     help="checkpoint root to create (new or empty)")
     _import_deepspeed_parser(sub)
     _prepare_parser(sub)
     est = sub.add_parser("estimate", help="per-rank bytes of params, grads and optimizer state "
-                                          "per tier, from the config alone (docs/scale.md)")
+                                          "per tier, from the config alone (moezero docs scale)")
     est.add_argument("--config", help=CONFIG_HELP)
     est.add_argument("--set", dest="overrides", action="append", default=[],
                      metavar="KEY=VALUE", help="override one dotted config key; repeatable")
@@ -79,6 +85,24 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                      help="compute device kind (precision auto resolves by it; default cuda)")
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (``unknown`` when run from a bare source tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moezero")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _docs(args: argparse.Namespace) -> int:
+    from moezero import helpdocs
+
+    folder = helpdocs.docs_folder()
+    print(helpdocs.page(folder, args.topic) if args.topic else helpdocs.listing(folder))
+    return 0
 
 
 def _checkpoint_parser(sub) -> None:
@@ -98,8 +122,8 @@ def _checkpoint_parser(sub) -> None:
                              default="moezero",
                              help="moezero: tensors keyed by moezero FQNs; hf: config.json + "
                                   "Hugging Face names of the family that holds the "
-                                  "architecture; hf-<model_type>: of that family (docs/hf.md); "
-                                  "peft: a LoRA checkpoint's adapters for PEFT (docs/finetune.md)")
+                                  "architecture; hf-<model_type>: of that family (moezero docs hf); "
+                                  "peft: a LoRA checkpoint's adapters for PEFT (moezero docs finetune)")
             cmd.add_argument("--merge-lora", action="store_true",
                              help="with --format hf: fold a LoRA checkpoint's adapters into "
                                   "full weights")
@@ -144,7 +168,7 @@ def _prepare_parser(sub) -> None:
     from moezero.data.readers import ReadOptions
 
     prep = sub.add_parser("prepare-data", help="tokenize .txt/.jsonl/.parquet files into a "
-                                               "prepared dataset (docs/data.md)")
+                                               "prepared dataset (moezero docs data)")
     prep.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt, .jsonl or .parquet")
     prep.add_argument("--tokenizer", required=True, metavar="PATH",
                       help="tokenizer.json, a model folder holding one, or a moezero "
@@ -162,7 +186,7 @@ def _prepare_parser(sub) -> None:
                       metavar="MB", help="input per work item and shard (default 16)")
     prep.add_argument("--format", choices=("text", "chat", "prompt-completion"), default="text",
                       help="documents (text), .jsonl 'messages' rendered with the chat template "
-                           "(chat), or .jsonl 'prompt'/'completion' (docs/data.md)")
+                           "(chat), or .jsonl 'prompt'/'completion' (moezero docs data)")
     prep.add_argument("--train-on", choices=("all", "assistant", "last-assistant"),
                       default="assistant", help="tokens the loss mask keeps (chat formats)")
     prep.add_argument("--chat-template", metavar="FILE",
@@ -192,7 +216,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
 def _import_deepspeed_parser(sub) -> None:
     ds = sub.add_parser("import-deepspeed", help="a DeepSpeed ZeRO checkpoint of a Hugging Face "
                                                  "MoE model, optimizer state included "
-                                                 "(docs/migrate-deepspeed.md)")
+                                                 "(moezero docs migrate-deepspeed)")
     ds.add_argument("path", metavar="CKPT_DIR", help="DeepSpeed checkpoint folder")
     ds.add_argument("--tag", help="tag folder (default: 'latest', else the only global_step*)")
     ds.add_argument("--out", required=True, metavar="DIR",
@@ -255,7 +279,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
                 files = checkpoint_tools.export(ckpt, Path(args.out), args.dtype)
         except OSError as exc:
             raise CheckpointError(f"export to {args.out}: {exc.strerror or exc}") from None
-        print(f"exported step {ckpt.name} as {args.format} {args.dtype}: "
+        print(f"exported {ckpt.name} as {args.format} {args.dtype}: "
               + ", ".join(str(f) for f in files))
         return 0
     problems = checkpoint_tools.verify(ckpt)
@@ -355,6 +379,8 @@ def main(argv: list[str] | None = None, io: IOOptions | None = None) -> int:
             return _prepare_data(args)
         if args.command == "estimate":
             return _estimate(args)
+        if args.command == "docs":
+            return _docs(args)
         if args.command == "recipes":
             print(recipe_listing())
             return 0

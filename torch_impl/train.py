@@ -214,7 +214,10 @@ def _start_run_dir(cfg: Config, engine: Engine, batches: DataStream, run_dir: Pa
           f"stage={cfg.zero_optimization.stage} dtype={str(engine.dtype).removeprefix('torch.')} "
           f"data: {batches.corpus.describe()}", flush=True)
     print_group_table(engine.groups)
-    if resumed is not None:
+    if resumed is not None and store.read_manifest(resumed).layout.weights_only:
+        print(f"moezero: starting from base {resumed} (its weights; a new optimizer at step 0)",
+              flush=True)
+    elif resumed is not None:
         print(f"moezero: resumed from {resumed} at step {engine.global_steps}", flush=True)
 
 

@@ -131,3 +131,33 @@ def test_joins_a_torchrun_world(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "W=2" in res.stdout
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_version_prints_the_package_version():
+    from importlib.metadata import version
+
+    res = moezero("--version", timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == f"moezero {version('moezero')}", res
+
+
+def test_docs_lists_the_pages_and_prints_one(capsys):
+    from moezero.cli import main
+    from moezero.helpdocs import docs_folder
+
+    folder = docs_folder()
+    assert main(["docs"]) == 0
+    out = capsys.readouterr().out
+    assert f"documentation pages in {folder}" in out
+    assert any(line.startswith("finetune ") and "Fine-tuning" in line for line in out.splitlines())
+    assert main(["docs", "finetune"]) == 0
+    assert capsys.readouterr().out.startswith("# Fine-tuning")
+    assert main(["docs", "finetun"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "moezero: error: docs: no page 'finetun' (pages: finetune) (moezero docs)", err
+
+
+def test_help_points_at_the_installed_docs():
+    res = moezero("--help", timeout=60)
+    text = " ".join(res.stdout.split())
+    assert "'moezero docs' lists the pages" in text and "README" not in text, text
+    assert "(moezero docs hf)" in text and "docs/" not in text, text

@@ -87,6 +87,10 @@ def installed() -> None:
     where = Path(moezero.__file__).resolve()
     check(where.parents[1].name == "site-packages",  # an editable install: torch_impl/
           f"moezero imports from the installed wheel ({where.parent})")
+    check(moezero("--version").strip().startswith("moezero "), "moezero --version")
+    out = moezero("docs")
+    check(f"documentation pages in {where.parent / 'docs'}" in out and "\nfinetune " in out,
+          "moezero docs: the pages installed with the wheel")
 
 
 def tokenizer(folder: Path, corpus: Path, specials: tuple | list = ()) -> None:
