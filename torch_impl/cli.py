@@ -221,6 +221,9 @@ def _import_deepspeed_parser(sub) -> None:
     ds.add_argument("--tag", help="tag folder (default: 'latest', else the only global_step*)")
     ds.add_argument("--out", required=True, metavar="DIR",
                     help="checkpoint root to create (new or empty)")
+    ds.add_argument("--model-config", metavar="PATH",
+                    help="the model's Hugging Face config.json (or its folder), where it is not "
+                         "in CKPT_DIR or the folder above it")
     ds.add_argument("--names", metavar="YAML", help="DeepSpeed name pattern -> moezero FQN "
                                                    "pattern, for native MoE modules")
 
@@ -229,7 +232,8 @@ def _import_deepspeed(args: argparse.Namespace) -> int:
     from moezero.checkpoint.deepspeed import import_deepspeed, report
 
     try:
-        done = import_deepspeed(Path(args.path), Path(args.out), args.tag, args.names)
+        done = import_deepspeed(Path(args.path), Path(args.out), args.tag, args.names,
+                                args.model_config)
     except OSError as exc:
         raise CheckpointError(f"import-deepspeed to {args.out}: {exc.strerror or exc}") from None
     print(report.render(done, args.out))
