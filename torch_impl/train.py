@@ -247,7 +247,8 @@ def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None
                 metrics_file.flush()
                 tele.tensorboard.write(row)
                 bar.update(1)
-                bar.set_postfix(loss=f"{row['ce']:.3f}", lr=f"{row['lr']:.1e}", refresh=False)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", ce=f"{row['ce']:.3f}",
+                                lr=f"{row['lr']:.1e}", refresh=False)
             if log_lines and (step % cfg.train.log_every == 0 or step == steps or "val_loss" in row):
                 print(log_line(history, steps, cfg.train.log_every), flush=True)
             if every and step % every == 0 and step < steps:
