@@ -126,3 +126,47 @@ def plot_loss(history: list[dict], summary: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def expert_load_grid(history: list[dict]) -> tuple[list[int], list[str], list[list[list[float]]]]:
+    """What ``expert_load.png`` draws, from the rows' ``moe`` loads (as in metrics.jsonl):
+    the steps, the MoE layers, and per layer [expert][step] the expert's share of the layer's
+    kept assignments at that step (0 where the layer kept none)."""
+    rows = [r for r in history if r.get("moe")]
+    steps = [r["step"] for r in rows]
+    names = [layer["layer"] for layer in rows[0]["moe"]] if rows else []
+    grid = []
+    for i in range(len(names)):
+        loads = [r["moe"][i]["tokens_per_expert"] for r in rows]
+        shares = [[n / max(sum(load), 1) for n in load] for load in loads]
+        grid.append([list(col) for col in zip(*shares, strict=True)])
+    return steps, names, grid
+
+
+def draw_expert_load(history: list[dict], path: Path, tensorboard=None) -> None:
+    """``expert_load.png``: one panel per MoE layer, experts × steps, colour = the expert's
+    share of the layer's tokens (``expert_load_grid``); also a TensorBoard image when
+    ``tensorboard`` (``moezero.telemetry.TensorBoard``) writes one. Nothing without MoE rows."""
+    steps, names, grid = expert_load_grid(history)
+    if not names:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.2 + 1.1 * len(names)), squeeze=False,
+                             sharex=True)
+    for ax, name, shares in zip(axes[:, 0], names, grid, strict=True):
+        image = ax.imshow(shares, aspect="auto", interpolation="nearest", cmap="viridis",
+                          vmin=0.0, extent=(steps[0] - 0.5, steps[-1] + 0.5,
+                                            len(shares) - 0.5, -0.5))
+        ax.set_ylabel(f"{name}\nexpert", fontsize=7)
+        fig.colorbar(image, ax=ax, pad=0.01, label="share")
+    axes[-1, 0].set_xlabel("optimizer step")
+    fig.suptitle("expert load: each expert's share of its layer's routed tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    if tensorboard is not None:
+        tensorboard.figure("moe/expert_load", fig, steps[-1])
+    plt.close(fig)

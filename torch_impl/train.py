@@ -49,6 +49,7 @@ from moezero.offload.aio import OffloadIOError
 from moezero.offload.options import IOOptions
 from moezero.plan import store
 from moezero.report import (
+    draw_expert_load,
     format_summary,
     log_line,
     param_groups_table,
@@ -57,7 +58,7 @@ from moezero.report import (
     summarize,
 )
 from moezero.rundir import agree_run_dir, checkpoint_bytes
-from moezero.telemetry import StepTelemetry
+from moezero.telemetry import LoadWatch, StepTelemetry
 from moezero.validation import evaluate
 from moezero.zero.groups import PlanMismatchError
 
@@ -179,10 +180,13 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
     if lead:
         _start_run_dir(cfg, engine, batches, run_dir, resumed)
     tele = StepTelemetry(engine, model_args(cfg), cfg.train.seq_len,
-                         run_dir / "tensorboard" if lead else None)
+                         run_dir / "tensorboard" if lead else None,
+                         LoadWatch(cfg.telemetry.dead_expert_steps, cfg.telemetry.max_imbalance))
     try:
         history = _loop(cfg, engine, batches, run_dir if lead else None, root, tele,
                         saved=engine.global_steps if resumed is not None else None, stop=stop)
+        if lead:  # beside loss.png; the TensorBoard image before its writer closes
+            draw_expert_load(history, run_dir / "expert_load.png", tele.tensorboard)
     except Preempted as done:
         engine.close()
         if lead:
@@ -246,6 +250,8 @@ def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None
                                                if k in row}) + "\n")
                 metrics_file.flush()
                 tele.tensorboard.write(row)
+                for line in row["warnings"]:
+                    print(line, flush=True) if log_lines else bar.write(line)
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", ce=f"{row['ce']:.3f}",
                                 lr=f"{row['lr']:.1e}", refresh=False)
