@@ -64,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--data", help="train on this prepared dataset (prepare-data) or text "
                                       "file (byte-level) instead of the synthetic corpus")
     sub.add_parser("recipes", help="list the packaged recipes: model, hardware, predicted peak")
+    example = sub.add_parser("example", help="make inputs for a first run with nothing "
+                                             "downloaded (needs the hf extra)")
+    example.add_argument("name", choices=("tiny-hf",),
+                         help="tiny-hf: DIR/tiny-qwen3/ (a random Hugging Face Qwen3-MoE with a "
+                              "tokenizer and chat template) and DIR/chats.jsonl")
+    example.add_argument("dir", metavar="DIR", help="folder to write them in")
     docs = sub.add_parser("docs", help="where the documentation is; its pages, or one page")
     docs.add_argument("topic", nargs="?", metavar="TOPIC", help="a page to print (e.g. finetune)")
     _checkpoint_parser(sub)
@@ -383,6 +389,10 @@ def main(argv: list[str] | None = None, io: IOOptions | None = None) -> int:
             return _prepare_data(args)
         if args.command == "estimate":
             return _estimate(args)
+        if args.command == "example":
+            from moezero.examples import tiny_hf
+
+            return tiny_hf.main([args.dir])
         if args.command == "docs":
             return _docs(args)
         if args.command == "recipes":

@@ -3,7 +3,7 @@
     cd $(mktemp -d) && python -I /path/to/tests/wheel/smoke.py
 
 Run with ``-I`` from a folder outside the repository, in a venv holding the wheel (not an
-editable install), torch, the ``data`` extra and ``transformers``: the repository is not on
+editable install) with torch and the ``hf`` extra only: the repository is not on
 ``sys.path``, so this sees the installed distribution only (it imports nothing from tests/).
 In the current folder it
 
@@ -17,11 +17,11 @@ In the current folder it
    ``save_pretrained``, ``import-hf``, ``verify``, ``export --format hf`` and
    ``from_pretrained`` again: the logits within 1e-5 of the source model's,
 5. the README's "Fine-tune" example, its commands read from README.md (so the README cannot
-   drift from what CI runs): a tiny Qwen3-MoE with a ChatML template and a chat corpus are
-   made here, then its ``moezero`` lines (import-hf, prepare-data --format chat, LoRA train,
-   export --format hf / peft / --merge-lora) and its Python block (PEFT and transformers load
-   the exports) run as written; the PEFT model's logits equal the merged model's within 1e-5
-   and differ from the base's (about 30 s).
+   drift from what CI runs), as written: ``moezero example tiny-hf .`` (a tiny random
+   Qwen3-MoE with a tokenizer and ChatML template, and a chat corpus, made offline), import-hf,
+   prepare-data --format chat, LoRA train, export --format hf / peft / --merge-lora, then its
+   Python block (PEFT and transformers load the exports, with no PEFT warning); the PEFT
+   model's logits equal the merged model's within 1e-5 and differ from the base's.
 
 Prints one line per step; exits non-zero at the first failure with the command's stderr.
 """
@@ -204,11 +204,6 @@ def hf_round_trip(work: Path, family: str) -> None:
     close(back, theirs, f"{family} import + export vs transformers")
 
 
-CHATML = (
-    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-
-
 def readme_example() -> tuple[list[list[str]], str]:
     """The README's "Fine-tune" section: its ``sh`` block's commands (continued lines joined)
     and its ``python`` block."""
@@ -219,27 +214,12 @@ def readme_example() -> tuple[list[list[str]], str]:
     return [shlex.split(line) for line in shell.splitlines() if line.strip()], python
 
 
-def chat_model(work: Path) -> None:
-    """``tiny-qwen3/``: a tiny random Qwen3-MoE beside a BPE tokenizer with a ChatML template;
-    ``chats.jsonl``: generated conversations."""
-    folder = work / "tiny-qwen3"
-    tokenizer(folder, work / "chat-corpus.txt", specials=["<|im_start|>", "<|im_end|>"])
-    (folder / "chat_template.jinja").write_text(CHATML)
-    own = {**FAMILIES["qwen3_moe"][2], "tie_word_embeddings": False}
-    hf_model("qwen3_moe", vocab_size=320, **own).save_pretrained(folder)
-    rng = random.Random(1)
-    words = (work / "chat-corpus.txt").read_text().split()
-    say = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(4, 16)))
-    (work / "chats.jsonl").write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": say()}, {"role": "assistant", "content": say()}]}) + "\n"
-        for _ in range(200)))
-
-
 def finetune_example(work: Path) -> None:
-    chat_model(work)
     commands, python = readme_example()
-    check(len(commands) == 6 and all(c[0] == "moezero" for c in commands),
-          "the README's Fine-tune example: 6 moezero commands")
+    check(len(commands) == 7 and all(c[0] == "moezero" for c in commands),
+          "the README's Fine-tune example: 7 moezero commands")
+    check(commands[0] == ["moezero", "example", "tiny-hf", "."],
+          "it starts from the tiny model made here (moezero example tiny-hf)")
     for command in commands:
         moezero(*command[1:])
     space: dict = {}
