@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 from benchmarks import finetune_report
-from moezero.examples import tiny_hf as finetune_data
 from benchmarks.fmt import write_section
 from benchmarks.launch import REPO, error_line, torchrun
 from benchmarks.machine import machine_info
+from moezero.examples import tiny_hf as finetune_data
 
 _MODEL = {"dim": 256, "ffn_dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
           "num_experts": 8, "top_k": 2, "aux_loss_coef": 0.001}
