@@ -42,6 +42,11 @@ if TYPE_CHECKING:  # torch-free at import: the CLI's early errors stay fast
 
 HF_FORMATS = ("hf-mixtral", "hf-qwen2_moe", "hf-qwen3_moe", "hf-olmoe")
 """``checkpoint export --format`` values of the Hugging Face families (``checkpoint.hf``)."""
+PEFT_NOTE = ("moezero: note: loading this adapter, PEFT warns that the rank_pattern and "
+             "alpha_pattern key 'mlp\\.experts\\.gate_up_proj' matched no targeted module: "
+             "expected, the key applies to the targeted expert parameter (moezero docs finetune)")
+"""Printed by ``checkpoint export --format peft`` when the adapter has a fused gate_up
+adapter of rank 2r: PEFT's check looks at ``target_modules`` only (docs/finetune.md)."""
 CONFIG_HELP = ("YAML or JSON recipe file, or the name of a packaged one (moezero recipes); "
                "default: the embedded recipe")
 
@@ -289,6 +294,8 @@ def _checkpoint(args: argparse.Namespace) -> int:
                 files = checkpoint_tools.export(ckpt, Path(args.out), args.dtype)
         except OSError as exc:
             raise CheckpointError(f"export to {args.out}: {exc.strerror or exc}") from None
+        if args.format == "peft" and "rank_pattern" in json.loads(files[0].read_text()):
+            print(PEFT_NOTE)
         print(f"exported {ckpt.name} as {args.format} {args.dtype}: "
               + ", ".join(str(f) for f in files))
         return 0

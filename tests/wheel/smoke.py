@@ -35,6 +35,7 @@ import shlex
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -221,11 +222,19 @@ def finetune_example(work: Path) -> None:
     check(commands[0] == ["moezero", "example", "tiny-hf", "."],
           "it starts from the tiny model made here (moezero example tiny-hf)")
     for command in commands:
-        moezero(*command[1:])
+        out = moezero(*command[1:])
+        if "peft" in command:
+            note = "moezero: note: loading this adapter, PEFT warns that the rank_pattern"
+            check(out.startswith(note), "export --format peft says PEFT's warning is expected")
     space: dict = {}
     start = time.monotonic()
-    exec(compile(python, "README.md (Fine-tune)", "exec"), space)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(python, "README.md (Fine-tune)", "exec"), space)
     print(f"ok {time.monotonic() - start:5.1f}s  the README's Python block", flush=True)
+    peft_warnings = [str(w.message) for w in caught if "peft" in w.filename]
+    check(all("pattern keys did not match" in w and "gate_up_proj" in w for w in peft_warnings),
+          f"PEFT warns only what moezero's export announced ({len(peft_warnings)} warnings)")
     ids = space["ids"]
     with torch.no_grad():
         merged, adapted = space["merged"](ids).logits, space["adapted"](ids).logits
