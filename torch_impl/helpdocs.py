@@ -51,6 +51,6 @@ def page(folder: Path | None, topic: str) -> str:
     topics = pages(folder) if folder is not None else {}
     name = topic.removesuffix(".md")
     if name not in topics:
-        close = difflib.get_close_matches(name, list(topics), n=4, cutoff=0.4) or list(topics)
+        close = difflib.get_close_matches(name, list(topics), n=4) or list(topics)
         raise ConfigError("docs", f"no page '{name}' (pages: {', '.join(close)})", "moezero docs")
     return (folder / f"{name}.md").read_text()

@@ -83,9 +83,9 @@ def check(ok: bool, what: str) -> None:
 
 
 def installed() -> None:
-    import moezero
+    import moezero as package  # not the moezero() command runner above
 
-    where = Path(moezero.__file__).resolve()
+    where = Path(package.__file__).resolve()
     check(where.parents[1].name == "site-packages",  # an editable install: torch_impl/
           f"moezero imports from the installed wheel ({where.parent})")
     check(moezero("--version").strip().startswith("moezero "), "moezero --version")
@@ -209,7 +209,7 @@ def readme_example() -> tuple[list[list[str]], str]:
     """The README's "Fine-tune" section: its ``sh`` block's commands (continued lines joined)
     and its ``python`` block."""
     text = (REPO / "README.md").read_text()
-    section = text.split("### Fine-tune", 1)[1].split("\n### ", 1)[0]
+    section = text.split("\n## Fine-tune\n", 1)[1].split("\n## ", 1)[0]
     shell = re.search(r"```sh\n(.*?)```", section, re.S).group(1).replace("\\\n", " ")
     python = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     return [shlex.split(line) for line in shell.splitlines() if line.strip()], python
