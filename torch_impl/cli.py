@@ -112,7 +112,11 @@ def _docs(args: argparse.Namespace) -> int:
     from moezero import helpdocs
 
     folder = helpdocs.docs_folder()
-    print(helpdocs.page(folder, args.topic) if args.topic else helpdocs.listing(folder))
+    text = helpdocs.page(folder, args.topic) if args.topic else helpdocs.listing(folder)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `moezero docs finetune | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
