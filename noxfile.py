@@ -82,7 +82,7 @@ def wheel(session: nox.Session) -> None:
     and only the ``hf`` extra into this fresh venv, and run every subcommand from a
     temporary folder outside the repository, then the README's fine-tune example as written
     (tests/wheel/smoke.py: 73 s on 2 idle cores, 220 s under load, before the fine-tune
-    example; it adds about 50 s on 2 loaded cores).
+    example; with it, 336 s on 2 cores shared with other jobs, of which the example 87 s).
     """
     dist = Path(session.create_tmp(), "dist")
     shutil.rmtree(dist, ignore_errors=True)
