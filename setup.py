@@ -11,7 +11,7 @@ edit; ``tests/wheel/check_wheel.py`` holds the built wheel to the source tree.
 from setuptools import find_namespace_packages, setup
 
 ROOTS = {"moezero": "torch_impl", "moezero.plan": "reference/plan",
-         "moezero.reference": "reference"}
+         "moezero.reference": "reference", "moezero.docs": "docs"}  # docs: *.md package data
 
 
 def packages() -> list[str]:

@@ -3,7 +3,7 @@ DeepSpeed ZeRO-3 (issue 26), on the same tiny Qwen3-MoE and chat data at W = 2.
 
 ``python -m benchmarks.run --series finetune --peer-python PATH`` (``nox -s bench -- --series
 finetune``; not in CI): builds its inputs offline under the work directory
-(``benchmarks.finetune_data``: tokenizer + chat template, conversations, a random
+(``moezero.examples.tiny_hf``: tokenizer + chat template, conversations, a random
 ``Qwen3MoeForCausalLM`` folder), ``moezero import-hf`` and ``moezero prepare-data --format
 chat`` them, then runs each row in fresh ``torchrun`` processes: moezero's
 (``benchmarks.finetune_rank``) with this interpreter, the peer's
@@ -21,10 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import finetune_data, finetune_report
+from benchmarks import finetune_report
 from benchmarks.fmt import write_section
 from benchmarks.launch import REPO, error_line, torchrun
 from benchmarks.machine import machine_info
+from moezero.examples import tiny_hf as finetune_data
 
 _MODEL = {"dim": 256, "ffn_dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
           "num_experts": 8, "top_k": 2, "aux_loss_coef": 0.001}

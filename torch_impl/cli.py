@@ -1,4 +1,4 @@
-"""The ``moezero`` command (README.md, "Using it directly").
+"""The ``moezero`` command (``moezero docs`` lists the documentation pages it ships).
 
 ``moezero train [--config FILE] [--set KEY=VALUE ...] [--nproc N] [--out DIR] [--data PATH]``
 with no arguments trains the embedded default recipe on 2 local ranks.
@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moezero.catalog import listing as recipe_listing
+from moezero.catalog import resolve as resolve_recipe
 from moezero.config import ConfigError, load_config
 from moezero.data import DataError
 from moezero.plan.store import CheckpointError, read_manifest
@@ -40,13 +42,24 @@ if TYPE_CHECKING:  # torch-free at import: the CLI's early errors stay fast
 
 HF_FORMATS = ("hf-mixtral", "hf-qwen2_moe", "hf-qwen3_moe", "hf-olmoe")
 """``checkpoint export --format`` values of the Hugging Face families (``checkpoint.hf``)."""
+PEFT_NOTE = ("moezero: note: loading this adapter, PEFT warns that the rank_pattern and "
+             "alpha_pattern key 'mlp\\.experts\\.gate_up_proj' matched no targeted module: "
+             "expected, the key applies to the targeted expert parameter (moezero docs finetune)")
+"""Printed by ``checkpoint export --format peft`` when the adapter has a fused gate_up
+adapter of rank 2r: PEFT's check looks at ``target_modules`` only (docs/finetune.md)."""
+CONFIG_HELP = ("YAML or JSON recipe file, or the name of a packaged one (moezero recipes); "
+               "default: the embedded recipe")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moezero", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="moezero", description="Mixture-of-Experts training with ZeRO-sharded data "
+        "parallelism.", epilog="Documentation: 'moezero docs' lists the pages installed with "
+        "moezero; 'moezero docs TOPIC' prints one (e.g. moezero docs finetune).")
+    parser.add_argument("--version", action="version", version=f"moezero {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a MoE model (the embedded default with no flags)")
-    train.add_argument("--config", help="YAML or JSON recipe (default: the embedded recipe)")
+    train.add_argument("--config", help=CONFIG_HELP)
     train.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="override one dotted config key; repeatable")
     train.add_argument("--nproc", type=int, default=None,
@@ -55,18 +68,27 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", help="run directory (default runs/<timestamp>)")
     train.add_argument("--data", help="train on this prepared dataset (prepare-data) or text "
                                       "file (byte-level) instead of the synthetic corpus")
+    sub.add_parser("recipes", help="list the packaged recipes: model, hardware, predicted peak")
+    example = sub.add_parser("example", help="make inputs for a first run with nothing "
+                                             "downloaded (needs the hf extra)")
+    example.add_argument("name", choices=("tiny-hf",),
+                         help="tiny-hf: DIR/tiny-qwen3/ (a random Hugging Face Qwen3-MoE with a "
+                              "tokenizer and chat template) and DIR/chats.jsonl")
+    example.add_argument("dir", metavar="DIR", help="folder to write them in")
+    docs = sub.add_parser("docs", help="where the documentation is; its pages, or one page")
+    docs.add_argument("topic", nargs="?", metavar="TOPIC", help="a page to print (e.g. finetune)")
     _checkpoint_parser(sub)
     hf = sub.add_parser("import-hf", help="a local Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE "
                                           "or OLMoE directory to a weights-only moezero "
-                                          "checkpoint (docs/hf.md)")
+                                          "checkpoint (moezero docs hf)")
     hf.add_argument("path", metavar="PATH", help="directory with config.json and safetensors")
     hf.add_argument("--out", required=True, metavar="DIR",
                     help="checkpoint root to create (new or empty)")
     _import_deepspeed_parser(sub)
     _prepare_parser(sub)
     est = sub.add_parser("estimate", help="per-rank bytes of params, grads and optimizer state "
-                                          "per tier, from the config alone (docs/scale.md)")
-    est.add_argument("--config", help="YAML or JSON recipe (default: the embedded recipe)")
+                                          "per tier, from the config alone (moezero docs scale)")
+    est.add_argument("--config", help=CONFIG_HELP)
     est.add_argument("--set", dest="overrides", action="append", default=[],
                      metavar="KEY=VALUE", help="override one dotted config key; repeatable")
     est.add_argument("--nproc", type=int, required=True, help="world size W")
@@ -74,6 +96,28 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                      help="compute device kind (precision auto resolves by it; default cuda)")
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (``unknown`` when run from a bare source tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moezero")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _docs(args: argparse.Namespace) -> int:
+    from moezero import helpdocs
+
+    folder = helpdocs.docs_folder()
+    text = helpdocs.page(folder, args.topic) if args.topic else helpdocs.listing(folder)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `moezero docs finetune | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 def _checkpoint_parser(sub) -> None:
@@ -93,8 +137,8 @@ def _checkpoint_parser(sub) -> None:
                              default="moezero",
                              help="moezero: tensors keyed by moezero FQNs; hf: config.json + "
                                   "Hugging Face names of the family that holds the "
-                                  "architecture; hf-<model_type>: of that family (docs/hf.md); "
-                                  "peft: a LoRA checkpoint's adapters for PEFT (docs/finetune.md)")
+                                  "architecture; hf-<model_type>: of that family (moezero docs hf); "
+                                  "peft: a LoRA checkpoint's adapters for PEFT (moezero docs finetune)")
             cmd.add_argument("--merge-lora", action="store_true",
                              help="with --format hf: fold a LoRA checkpoint's adapters into "
                                   "full weights")
@@ -118,7 +162,7 @@ def _adopt(cfg, run_dir: Path):
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(resolve_recipe(args.config), args.overrides)
     cfg = _adopt(cfg, Path(cfg.train.out_dir or "."))
     from moezero.distributed.topology import validate
 
@@ -139,7 +183,7 @@ def _prepare_parser(sub) -> None:
     from moezero.data.readers import ReadOptions
 
     prep = sub.add_parser("prepare-data", help="tokenize .txt/.jsonl/.parquet files into a "
-                                               "prepared dataset (docs/data.md)")
+                                               "prepared dataset (moezero docs data)")
     prep.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt, .jsonl or .parquet")
     prep.add_argument("--tokenizer", required=True, metavar="PATH",
                       help="tokenizer.json, a model folder holding one, or a moezero "
@@ -157,7 +201,7 @@ def _prepare_parser(sub) -> None:
                       metavar="MB", help="input per work item and shard (default 16)")
     prep.add_argument("--format", choices=("text", "chat", "prompt-completion"), default="text",
                       help="documents (text), .jsonl 'messages' rendered with the chat template "
-                           "(chat), or .jsonl 'prompt'/'completion' (docs/data.md)")
+                           "(chat), or .jsonl 'prompt'/'completion' (moezero docs data)")
     prep.add_argument("--train-on", choices=("all", "assistant", "last-assistant"),
                       default="assistant", help="tokens the loss mask keeps (chat formats)")
     prep.add_argument("--chat-template", metavar="FILE",
@@ -187,11 +231,14 @@ def _prepare_data(args: argparse.Namespace) -> int:
 def _import_deepspeed_parser(sub) -> None:
     ds = sub.add_parser("import-deepspeed", help="a DeepSpeed ZeRO checkpoint of a Hugging Face "
                                                  "MoE model, optimizer state included "
-                                                 "(docs/migrate-deepspeed.md)")
+                                                 "(moezero docs migrate-deepspeed)")
     ds.add_argument("path", metavar="CKPT_DIR", help="DeepSpeed checkpoint folder")
     ds.add_argument("--tag", help="tag folder (default: 'latest', else the only global_step*)")
     ds.add_argument("--out", required=True, metavar="DIR",
                     help="checkpoint root to create (new or empty)")
+    ds.add_argument("--model-config", metavar="PATH",
+                    help="the model's Hugging Face config.json (or its folder), where it is not "
+                         "in CKPT_DIR or the folder above it")
     ds.add_argument("--names", metavar="YAML", help="DeepSpeed name pattern -> moezero FQN "
                                                    "pattern, for native MoE modules")
 
@@ -200,7 +247,8 @@ def _import_deepspeed(args: argparse.Namespace) -> int:
     from moezero.checkpoint.deepspeed import import_deepspeed, report
 
     try:
-        done = import_deepspeed(Path(args.path), Path(args.out), args.tag, args.names)
+        done = import_deepspeed(Path(args.path), Path(args.out), args.tag, args.names,
+                                args.model_config)
     except OSError as exc:
         raise CheckpointError(f"import-deepspeed to {args.out}: {exc.strerror or exc}") from None
     print(report.render(done, args.out))
@@ -250,7 +298,9 @@ def _checkpoint(args: argparse.Namespace) -> int:
                 files = checkpoint_tools.export(ckpt, Path(args.out), args.dtype)
         except OSError as exc:
             raise CheckpointError(f"export to {args.out}: {exc.strerror or exc}") from None
-        print(f"exported step {ckpt.name} as {args.format} {args.dtype}: "
+        if args.format == "peft" and "rank_pattern" in json.loads(files[0].read_text()):
+            print(PEFT_NOTE)
+        print(f"exported {ckpt.name} as {args.format} {args.dtype}: "
               + ", ".join(str(f) for f in files))
         return 0
     problems = checkpoint_tools.verify(ckpt)
@@ -268,7 +318,7 @@ def _train(args: argparse.Namespace, io: IOOptions | None = None) -> int:
         overrides.append(f"data.path={args.data}")
     if args.nproc is not None and args.nproc < 1:
         raise ConfigError("--nproc", f"must be >= 1, got {args.nproc}", "command line")
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(resolve_recipe(args.config), overrides)
     run_dir = Path(args.out or cfg.train.out_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     cfg = _adopt(cfg, run_dir)
     from moezero.data.build import check_data
@@ -350,6 +400,15 @@ def main(argv: list[str] | None = None, io: IOOptions | None = None) -> int:
             return _prepare_data(args)
         if args.command == "estimate":
             return _estimate(args)
+        if args.command == "example":
+            from moezero.examples import tiny_hf
+
+            return tiny_hf.main([args.dir])
+        if args.command == "docs":
+            return _docs(args)
+        if args.command == "recipes":
+            print(recipe_listing())
+            return 0
     except (ConfigError, DataError, CheckpointError) as exc:
         print(f"moezero: error: {exc}", file=sys.stderr)
         return 2

@@ -40,16 +40,23 @@ def _mib(n: int) -> str:
 
 
 def log_line(history: list[dict], steps: int, window: int) -> str:
-    """The progress line of a log: the last step, and the peak memory of the last ``window``
-    steps (the logging window)."""
+    """The progress line of a log: the last step's loss terms under their ``metrics.jsonl``
+    names (``loss`` = ``ce`` + ``aux_loss``, docs/data.md), and the peak memory of the last
+    ``window`` steps (the logging window)."""
     row = history[-1]
     peak = max(r.get("peak_mem_bytes") or 0 for r in history[-window:])
-    val = f" val {row['val_loss']:.3f}" if "val_loss" in row else ""
+    val = f" val_loss {row['val_loss']:.3f}" if "val_loss" in row else ""
     mfu = f" mfu {100 * row['mfu']:.1f}%" if row.get("mfu") is not None else ""
     load = row.get("moe_imbalance_max")
-    return (f"step {row['step']}/{steps} loss {row['ce']:.3f}{val} lr {row['lr']:.1e} "
+    return (f"step {row['step']}/{steps} {loss_terms(row)}{val} lr {row['lr']:.1e} "
             f"{row['tokens_per_s']:.0f} tokens/s{_trained(row)}{mfu} peak {_mib(peak)}"
             + (f" expert imbalance {load:.2f}" if load is not None else ""))
+
+
+def loss_terms(row: dict) -> str:
+    """``loss X ce Y aux_loss Z``: what is optimised and its two terms, as metrics.jsonl
+    names them."""
+    return f"loss {row['loss']:.3f} ce {row['ce']:.3f} aux_loss {row['aux_loss']:.3f}"
 
 
 def _trained(row: dict) -> str:
@@ -58,13 +65,19 @@ def _trained(row: dict) -> str:
     return "" if trained is None or trained == row["tokens_per_s"] else f" ({trained:.0f} trained)"
 
 
+SUMMARY_STEPS = 10
+"""The summary's final figures are means over this many last steps."""
+
+
 def summarize(history: list[dict], corpus) -> dict:
-    """Final loss (mean cross-entropy of the last 10 steps) and the last validation loss,
-    beside the corpus's references."""
-    tail = history[-10:]
-    final = sum(r["ce"] for r in tail) / max(len(tail), 1)
+    """The final ``loss`` and ``ce`` (their means over the last ``SUMMARY_STEPS`` steps, which
+    ``mean_steps`` names) and the last validation loss, beside the corpus's references."""
+    tail = history[-SUMMARY_STEPS:]
+    mean = lambda key: sum(r[key] for r in tail) / max(len(tail), 1)
     evals = [r for r in history if "val_loss" in r]
-    return {"steps": len(history), "final_loss": final,
+    return {"steps": len(history), "final_loss": mean("loss"), "final_ce": mean("ce"),
+            "final_aux_loss": mean("aux_loss"),
+            "mean_steps": (tail[0]["step"], tail[-1]["step"]) if tail else None,
             "val_loss": evals[-1]["val_loss"] if evals else None,
             "unigram_baseline": corpus.unigram_entropy, "entropy_floor": corpus.entropy_floor,
             "median_tokens_per_s": _median(history, "tokens_per_s") or 0.0,
@@ -82,8 +95,11 @@ def format_summary(s: dict, run_dir: Path) -> str:
     floor = f"{s['entropy_floor']:.3f}" if s["entropy_floor"] is not None else "n/a (text data)"
     val = "n/a" if s.get("val_loss") is None else \
         f"{s['val_loss']:.3f} (perplexity {math.exp(min(s['val_loss'], 700.0)):.2f})"
-    return (f"done: {s['steps']} steps | final loss {s['final_loss']:.3f} nats/token | "
-            f"val loss {val} | unigram baseline {s['unigram_baseline']:.3f} | "
+    first, last = s["mean_steps"] or (0, 0)
+    return (f"done: {s['steps']} steps | final loss {s['final_loss']:.3f} = ce "
+            f"{s['final_ce']:.3f} nats/token + aux_loss {s['final_aux_loss']:.3f} (means over "
+            f"steps {first}-{last}) | val_loss {val} | "
+            f"unigram baseline {s['unigram_baseline']:.3f} | "
             f"entropy floor {floor} | {s['median_tokens_per_s']:.0f} tokens/s per rank"
             f"{_trained(speed)} | "
             f"run dir {run_dir}")
@@ -96,11 +112,11 @@ def plot_loss(history: list[dict], summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in history], [r["ce"] for r in history], label="train loss (CE)")
+    ax.plot([r["step"] for r in history], [r["ce"] for r in history], label="ce (training cross-entropy)")
     evals = [r for r in history if "val_loss" in r]
     if evals:
         ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-",
-                color="tab:orange", label="validation loss")
+                color="tab:orange", label="val_loss (validation cross-entropy)")
     ax.axhline(summary["unigram_baseline"], color="gray", ls="--", label="unigram baseline")
     if summary["entropy_floor"] is not None:
         ax.axhline(summary["entropy_floor"], color="green", ls=":", label="entropy floor")
@@ -109,4 +125,48 @@ def plot_loss(history: list[dict], summary: dict, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def expert_load_grid(history: list[dict]) -> tuple[list[int], list[str], list[list[list[float]]]]:
+    """What ``expert_load.png`` draws, from the rows' ``moe`` loads (as in metrics.jsonl):
+    the steps, the MoE layers, and per layer [expert][step] the expert's share of the layer's
+    kept assignments at that step (0 where the layer kept none)."""
+    rows = [r for r in history if r.get("moe")]
+    steps = [r["step"] for r in rows]
+    names = [layer["layer"] for layer in rows[0]["moe"]] if rows else []
+    grid = []
+    for i in range(len(names)):
+        loads = [r["moe"][i]["tokens_per_expert"] for r in rows]
+        shares = [[n / max(sum(load), 1) for n in load] for load in loads]
+        grid.append([list(col) for col in zip(*shares, strict=True)])
+    return steps, names, grid
+
+
+def draw_expert_load(history: list[dict], path: Path, tensorboard=None) -> None:
+    """``expert_load.png``: one panel per MoE layer, experts × steps, colour = the expert's
+    share of the layer's tokens (``expert_load_grid``); also a TensorBoard image when
+    ``tensorboard`` (``moezero.telemetry.TensorBoard``) writes one. Nothing without MoE rows."""
+    steps, names, grid = expert_load_grid(history)
+    if not names:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.2 + 1.1 * len(names)), squeeze=False,
+                             sharex=True)
+    for ax, name, shares in zip(axes[:, 0], names, grid, strict=True):
+        image = ax.imshow(shares, aspect="auto", interpolation="nearest", cmap="viridis",
+                          vmin=0.0, extent=(steps[0] - 0.5, steps[-1] + 0.5,
+                                            len(shares) - 0.5, -0.5))
+        ax.set_ylabel(f"{name}\nexpert", fontsize=7)
+        fig.colorbar(image, ax=ax, pad=0.01, label="share")
+    axes[-1, 0].set_xlabel("optimizer step")
+    fig.suptitle("expert load: each expert's share of its layer's routed tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    if tensorboard is not None:
+        tensorboard.figure("moe/expert_load", fig, steps[-1])
     plt.close(fig)

@@ -6,7 +6,8 @@ that keeps one run per run directory (docs/reliability.md).
 on each, and folders the probe created are removed again), the checkpoint root has room for
 one checkpoint (``checkpoint_bytes``), and no live run holds the run directory. ``RunLock``
 is the lock itself: rank 0 holds an ``flock`` on ``<run dir>/.moezero.lock`` for its
-lifetime (the kernel lets go when the process ends, so a crashed run never blocks the next).
+lifetime and removes the file when it lets go (the kernel lets go of the lock when the process
+ends, so a crashed run never blocks the next).
 """
 
 from __future__ import annotations
@@ -123,7 +124,9 @@ def agree_run_dir(proposed: str | os.PathLike, *, rank: int,
 
 class RunLock:
     """An exclusive ``flock`` on ``<run dir>/.moezero.lock``, held by one process (rank 0)
-    while its run lasts. The file stays (it is only a name to lock); it records the holder."""
+    while its run lasts; the file records the holder and is removed on release (a clean
+    finish, an error, SIGTERM's save-and-exit; a killed process leaves it, unlocked, and the
+    next run takes it over)."""
 
     def __init__(self, run_dir: str | os.PathLike):
         self.path = Path(run_dir) / LOCK_NAME
@@ -133,22 +136,38 @@ class RunLock:
         """Take the lock (creating the run directory); ConfigError (one line naming the
         directory and the holder) when another live run holds it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            os.close(fd)
-            raise ConfigError("--out", f"the run directory is in use by a running job "
-                                       f"({holder}); give each run its own --out",
-                              str(self.path.parent)) from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise ConfigError("--out", f"the run directory is in use by a running job "
+                                           f"({holder}); give each run its own --out",
+                                  str(self.path.parent)) from None
+            if self._is_current(fd):
+                break
+            os.close(fd)  # its holder released (and removed) the file we opened: open anew
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         self._fd = fd
         return self
 
+    def _is_current(self, fd: int) -> bool:
+        """Whether ``fd`` is still the file at ``self.path`` (not one a releaser unlinked)."""
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(fd)
+        return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
     def release(self) -> None:
+        """Remove the lock file, then let go (a waiter that opened it opens the path anew)."""
         if self._fd is not None:
+            if self._is_current(self._fd):
+                self.path.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = None
 

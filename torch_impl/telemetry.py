@@ -13,8 +13,11 @@ TensorBoard event files.
   ``/proc/self/clear_refs`` (elsewhere the peak since start is all there is).
 - ``flops_per_token`` and ``peak_flops`` give MFU = achieved model FLOPs / the device's dense
   peak, for devices in ``PEAK_TFLOPS`` (None elsewhere, e.g. CPUs).
-- ``TensorBoard`` writes rank 0's scalars under ``<run dir>/tensorboard`` when the
-  ``tensorboard`` package is installed (the ``tensorboard`` extra); otherwise nothing.
+- ``LoadWatch`` turns the loads into warnings, once per layer: an expert without tokens, or
+  an imbalance above ``telemetry.max_imbalance``, for ``telemetry.dead_expert_steps`` steps.
+- ``TensorBoard`` writes rank 0's scalars (and the expert-load image) under
+  ``<run dir>/tensorboard`` when the ``tensorboard`` package is installed (the ``tensorboard``
+  extra); otherwise nothing.
 """
 
 from __future__ import annotations
@@ -87,6 +90,47 @@ def layer_load(name: str, tokens_E: list[int], dropped: int) -> dict:
     return {"layer": name, "tokens_per_expert": tokens_E,
             "dropped_frac": dropped / (kept + dropped) if kept + dropped else 0.0,
             "imbalance": max(tokens_E) / mean if mean else None}
+
+
+class LoadWatch:
+    """Warns once per MoE layer when its router starves an expert or loads one expert far
+    more than the mean, for ``dead_steps`` consecutive steps (``telemetry`` config section)."""
+
+    def __init__(self, dead_steps: int, max_imbalance: float):
+        self.dead_steps, self.max_imbalance = dead_steps, max_imbalance
+        self.idle: dict[str, list[int]] = {}  # per layer: steps in a row without tokens, by expert
+        self.high: dict[str, int] = {}  # per layer: steps in a row above max_imbalance
+        self.warned: set[str] = set()
+
+    def update(self, step: int, layers: list[dict]) -> list[str]:
+        """This step's per-layer loads (``layer_load`` rows); the warnings due now."""
+        lines = []
+        for layer in layers:
+            name, tokens = layer["layer"], layer["tokens_per_expert"]
+            idle = self.idle.get(name, [0] * len(tokens))
+            self.idle[name] = idle = [n + 1 if t == 0 else 0
+                                      for n, t in zip(idle, tokens, strict=True)]
+            over = layer["imbalance"] is not None and layer["imbalance"] > self.max_imbalance
+            self.high[name] = self.high.get(name, 0) + 1 if over else 0
+            if self.dead_steps and name not in self.warned:
+                line = self._warning(step, name, idle, layer["imbalance"])
+                if line:
+                    self.warned.add(name)
+                    lines.append(line)
+        return lines
+
+    def _warning(self, step: int, name: str, idle: list[int], imbalance: float | None) -> str:
+        dead = [str(e) for e, n in enumerate(idle) if n >= self.dead_steps]
+        tail = (" (router collapse? expert_load.png shows the load; docs/finetune.md, "
+                "'Expert load')")
+        if dead:
+            return (f"moezero: warning: step {step}: {name}: expert{'s' * (len(dead) > 1)} "
+                    f"{', '.join(dead)} received no tokens for {self.dead_steps} steps{tail}")
+        if self.high[name] >= self.dead_steps:
+            return (f"moezero: warning: step {step}: {name}: expert imbalance {imbalance:.2f} "
+                    f"(max / mean tokens) above {self.max_imbalance:g} for {self.dead_steps} "
+                    f"steps{tail}")
+        return ""
 
 
 class PeakMemory:
@@ -162,6 +206,11 @@ class TensorBoard:
                 if layer[key] is not None:
                     self.writer.add_scalar(f"moe/{layer['layer']}/{key}", layer[key], step)
 
+    def figure(self, tag: str, fig, step: int) -> None:
+        """A matplotlib figure as an image (the expert-load plot)."""
+        if self.writer is not None:
+            self.writer.add_figure(tag, fig, step, close=False)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
@@ -171,8 +220,10 @@ class StepTelemetry:
     """What the trainer adds to each step's metrics row: expert load, this step's peak memory,
     MFU; and the TensorBoard writer (rank 0 only)."""
 
-    def __init__(self, engine, args: ModelArgs, seq_len: int, tensorboard: Path | None):
+    def __init__(self, engine, args: ModelArgs, seq_len: int, tensorboard: Path | None,
+                 watch: LoadWatch | None = None):
         self.load = ExpertLoad(engine.model, engine.device)
+        self.watch = watch or LoadWatch(0, float("inf"))
         self.memory = PeakMemory(engine.device)
         self.flops_per_token = flops_per_token(args, seq_len)
         self.peak_flops = peak_flops(engine.device, engine.dtype)
@@ -183,16 +234,17 @@ class StepTelemetry:
         self.memory.reset()
 
     def end_step(self, row: dict) -> dict:
-        """``row`` with ``peak_mem_bytes`` of this step, ``mfu`` and the MoE load
-        (collective: every rank calls it once per step)."""
+        """``row`` with ``peak_mem_bytes`` of this step, ``mfu``, the MoE load and the load
+        ``warnings`` due at this step (collective: every rank calls it once per step)."""
         layers = self.load.collect(self.distributed)
+        warnings = self.watch.update(row["step"], layers)
         imbalance = [x["imbalance"] for x in layers if x["imbalance"] is not None]
         achieved = row["tokens_per_s"] * self.flops_per_token
         return {**row, "peak_mem_bytes": self.memory.peak(),
                 "mfu": achieved / self.peak_flops if self.peak_flops else None,
                 "moe_imbalance_max": max(imbalance) if imbalance else None,
                 "moe_dropped_frac": sum(x["dropped_frac"] for x in layers) / max(1, len(layers)),
-                "moe": layers}
+                "moe": layers, "warnings": warnings}
 
     def close(self) -> None:
         self.tensorboard.close()

@@ -49,6 +49,7 @@ from moezero.offload.aio import OffloadIOError
 from moezero.offload.options import IOOptions
 from moezero.plan import store
 from moezero.report import (
+    draw_expert_load,
     format_summary,
     log_line,
     param_groups_table,
@@ -57,7 +58,7 @@ from moezero.report import (
     summarize,
 )
 from moezero.rundir import agree_run_dir, checkpoint_bytes
-from moezero.telemetry import StepTelemetry
+from moezero.telemetry import LoadWatch, StepTelemetry
 from moezero.validation import evaluate
 from moezero.zero.groups import PlanMismatchError
 
@@ -179,10 +180,13 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
     if lead:
         _start_run_dir(cfg, engine, batches, run_dir, resumed)
     tele = StepTelemetry(engine, model_args(cfg), cfg.train.seq_len,
-                         run_dir / "tensorboard" if lead else None)
+                         run_dir / "tensorboard" if lead else None,
+                         LoadWatch(cfg.telemetry.dead_expert_steps, cfg.telemetry.max_imbalance))
     try:
         history = _loop(cfg, engine, batches, run_dir if lead else None, root, tele,
                         saved=engine.global_steps if resumed is not None else None, stop=stop)
+        if lead:  # beside loss.png; the TensorBoard image before its writer closes
+            draw_expert_load(history, run_dir / "expert_load.png", tele.tensorboard)
     except Preempted as done:
         engine.close()
         if lead:
@@ -214,7 +218,10 @@ def _start_run_dir(cfg: Config, engine: Engine, batches: DataStream, run_dir: Pa
           f"stage={cfg.zero_optimization.stage} dtype={str(engine.dtype).removeprefix('torch.')} "
           f"data: {batches.corpus.describe()}", flush=True)
     print_group_table(engine.groups)
-    if resumed is not None:
+    if resumed is not None and store.read_manifest(resumed).layout.weights_only:
+        print(f"moezero: starting from base {resumed} (its weights; a new optimizer at step 0)",
+              flush=True)
+    elif resumed is not None:
         print(f"moezero: resumed from {resumed} at step {engine.global_steps}", flush=True)
 
 
@@ -243,8 +250,11 @@ def _loop(cfg: Config, engine: Engine, batches: DataStream, run_dir: Path | None
                                                if k in row}) + "\n")
                 metrics_file.flush()
                 tele.tensorboard.write(row)
+                for line in row["warnings"]:
+                    print(line, flush=True) if log_lines else bar.write(line)
                 bar.update(1)
-                bar.set_postfix(loss=f"{row['ce']:.3f}", lr=f"{row['lr']:.1e}", refresh=False)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", ce=f"{row['ce']:.3f}",
+                                lr=f"{row['lr']:.1e}", refresh=False)
             if log_lines and (step % cfg.train.log_every == 0 or step == steps or "val_loss" in row):
                 print(log_line(history, steps, cfg.train.log_every), flush=True)
             if every and step % every == 0 and step < steps:

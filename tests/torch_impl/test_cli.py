@@ -45,6 +45,34 @@ def test_train_writes_the_run_directory(tmp_path):
     assert any(g["name"].startswith("moe/ep_size_2/") for g in groups)
 
 
+def test_progress_line_and_summary_agree_with_metrics_jsonl(tmp_path):
+    """Issue 39: one meaning of each loss figure. ``loss`` is what is optimised, ``ce`` +
+    ``aux_loss``; the progress line shows the three under those names with the values of
+    metrics.jsonl's row, and the summary's final figures are their means over the steps it
+    names (computed here from metrics.jsonl)."""
+    import re
+
+    out = tmp_path / "run"
+    res = moezero("train", *TINY, "--set", "train.steps=12", "--set", "train.log_every=4",
+                  "--set", "train.eval_every=0", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert r["aux_loss"] > 0 and abs(r["loss"] - (r["ce"] + r["aux_loss"])) <= 1e-5 * r["loss"]
+    pattern = r"^step (\d+)/12 loss (\S+) ce (\S+) aux_loss (\S+) lr "
+    shown = [re.match(pattern, line).groups() for line in res.stdout.splitlines()
+             if line.startswith("step ")]
+    assert [int(s[0]) for s in shown] == [4, 8, 12], res.stdout
+    for step, *figures in shown:
+        row = rows[int(step) - 1]
+        assert figures == [f"{row[k]:.3f}" for k in ("loss", "ce", "aux_loss")], (figures, row)
+    tail = rows[-10:]
+    mean = {k: sum(r[k] for r in tail) / len(tail) for k in ("loss", "ce", "aux_loss")}
+    want = (f"final loss {mean['loss']:.3f} = ce {mean['ce']:.3f} nats/token + aux_loss "
+            f"{mean['aux_loss']:.3f} (means over steps 3-12)")
+    assert want in res.stdout, res.stdout[-2000:]
+
+
 @pytest.mark.parametrize("args,key", [
     (["--set", "moe.ep_size=3"], "moe.ep_size"),
     (["--set", "moe.num_experts=4", "--set", "moe.ep_size=4"], "moe.ep_size"),  # W=2
@@ -131,3 +159,33 @@ def test_joins_a_torchrun_world(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "W=2" in res.stdout
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_version_prints_the_package_version():
+    from importlib.metadata import version
+
+    res = moezero("--version", timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == f"moezero {version('moezero')}", res
+
+
+def test_docs_lists_the_pages_and_prints_one(capsys):
+    from moezero.cli import main
+    from moezero.helpdocs import docs_folder
+
+    folder = docs_folder()
+    assert main(["docs"]) == 0
+    out = capsys.readouterr().out
+    assert f"documentation pages in {folder}" in out
+    assert any(line.startswith("finetune ") and "Fine-tuning" in line for line in out.splitlines())
+    assert main(["docs", "finetune"]) == 0
+    assert capsys.readouterr().out.startswith("# Fine-tuning")
+    assert main(["docs", "finetun"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "moezero: error: docs: no page 'finetun' (pages: finetune) (moezero docs)", err
+
+
+def test_help_points_at_the_installed_docs():
+    res = moezero("--help", timeout=60)
+    text = " ".join(res.stdout.split())
+    assert "'moezero docs' lists the pages" in text and "README" not in text, text
+    assert "(moezero docs hf)" in text and "docs/" not in text, text

@@ -71,7 +71,7 @@ def test_import_train_export_with_a_tokenizer(imported, tmp_path, capsys):
                   "--set", "train.eval_batches=2", "--set", "optimizer.lr=1e-2",
                   "--set", "optimizer.warmup_steps=2", "--out", str(tmp_path / "run"), timeout=300)
     assert res.returncode == 0, res.stderr
-    assert "blend of 2 prepared datasets" in res.stdout and "| val loss " in res.stdout
+    assert "blend of 2 prepared datasets" in res.stdout and "| val_loss " in res.stdout
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     print(f"validation loss by step: {evals}")

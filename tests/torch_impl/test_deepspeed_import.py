@@ -559,3 +559,36 @@ def test_two_params_mapped_to_one_fqn_are_one_line_naming_both(tmp_path, capsys)
     assert "deepspeed_experts.0.w1.weight and " in err[0] and "both map to " \
         "layers.0.moe.experts.0.w3.weight" in err[0], err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_model_config_given_for_a_run_saved_without_config_json(tmp_path, capsys):
+    """Issue 39: a plain training loop saves no config.json beside the checkpoint;
+    ``--model-config`` names it (the file or its folder), and the import equals the one with
+    the file beside the checkpoint. A path without a config.json is one line, exit 2."""
+    import shutil
+
+    from moezero.cli import main
+
+    beside = tmp_path / "beside"
+    import_deepspeed(FIXTURES / "mixtral_z2_w2" / "ckpt", beside)
+    ckpt, elsewhere = tmp_path / "ckpt", tmp_path / "model"
+    shutil.copytree(FIXTURES / "mixtral_z2_w2" / "ckpt", ckpt)
+    elsewhere.mkdir()
+    (ckpt / "config.json").rename(elsewhere / "config.json")
+    for i, given in enumerate([elsewhere / "config.json", elsewhere]):
+        out = tmp_path / f"out{i}"
+        assert main(["import-deepspeed", str(ckpt), "--model-config", str(given),
+                     "--out", str(out)]) == 0, capsys.readouterr().err
+        ours = sorted(p.name for p in (out / "step_00000002").iterdir())
+        assert ours == sorted(p.name for p in (beside / "step_00000002").iterdir())
+        for f in ours:
+            if f.endswith(".safetensors"):
+                assert (out / "step_00000002" / f).read_bytes() == \
+                    (beside / "step_00000002" / f).read_bytes(), f
+    capsys.readouterr()
+    assert main(["import-deepspeed", str(ckpt), "--model-config", str(tmp_path / "nope.json"),
+                 "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"moezero: error: --model-config {tmp_path / 'nope.json'}: not a config.json "
+                   "nor a folder holding one"), err
+    assert not (tmp_path / "bad").exists()

@@ -170,9 +170,14 @@ def test_finetune_imported_model_w2_ep2_stage2_then_export(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "moezero: architecture from checkpoint" in res.stdout and "model.dim=32" in res.stdout
     assert "step_00000003" in res.stdout
+    # issue 39: a fine-tune starts from its base; it does not resume "at step 0"
+    assert f"moezero: starting from base {tmp_path / 'ckpt' / 'step_00000000'} " in res.stdout
+    assert "resumed from" not in res.stdout
     res = moezero("checkpoint", "export", str(tmp_path / "run" / "checkpoints"), "--format",
                   "hf-mixtral", "--out", str(tmp_path / "out"), timeout=120)
     assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("exported step_00000003 as hf-mixtral fp32: "), res.stdout
+    assert res.stdout.count("step_00000003") == 1, res.stdout  # the step named once
     tuned = moezero_model(tmp_path / "run" / "checkpoints")
     imported = moezero_model(tmp_path / "ckpt")
     moved = max((a - b).abs().max().item() for a, b in

@@ -113,17 +113,27 @@ def assert_ranks(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("family", list(TARGETS))
-def test_peft_adapters_and_merged_weights_give_moezeros_logits(tmp_path, family, runs):
+def test_peft_adapters_and_merged_weights_give_moezeros_logits(tmp_path, family, runs, capsys):
+    import warnings
+
+    from moezero.cli import PEFT_NOTE
+
     base, adapters = runs(family)
     ours = lora_logits(base, adapters)
     export(str(base), "--format", "hf", "--out", str(tmp_path / "hf_base"))
+    capsys.readouterr()
     export(str(adapters), "--format", "peft", "--out", str(tmp_path / "peft"))
+    assert capsys.readouterr().out.splitlines()[0] == PEFT_NOTE  # issue 39: said, once
     hf_base = hf_class(family).from_pretrained(tmp_path / "hf_base").eval()
     with torch.no_grad():
         moved = (hf_base(TOKENS).logits - ours).abs().max().item()
     assert moved > 1e-3, f"{family}: the adapters changed the logits by only {moved:.2e}"
 
-    model = peft.PeftModel.from_pretrained(hf_base, tmp_path / "peft").eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = peft.PeftModel.from_pretrained(hf_base, tmp_path / "peft").eval()
+    told = [str(w.message) for w in caught if "did not match any targeted module" in str(w.message)]
+    assert told and all(r"mlp\\.experts\\.gate_up_proj" in m for m in told), told  # the note's
     saved = set(json.loads((tmp_path / "peft" / "adapter_config.json").read_text()))
     assert {"target_modules", "target_parameters", "r", "lora_alpha"} <= saved
     assert_ranks(tmp_path / "peft")

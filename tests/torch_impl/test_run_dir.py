@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from moezero.cli import main
+from moezero.config import ConfigError
 from tests.torch_impl.test_cli import TINY, moezero
 
 ONE = [*TINY, "--nproc", "1", "--set", "moe.ep_size=1"]
@@ -100,10 +101,48 @@ def test_a_finished_runs_directory_can_be_resumed(tmp_path):
     out = tmp_path / "run"
     assert moezero("train", *ONE, "--set", "train.steps=1",
                    "--out", str(out)).returncode == 0
+    assert not (out / ".moezero.lock").exists()  # removed at the clean finish (issue 39)
     res = moezero("train", *ONE, "--set", "train.steps=2",
                   "--set", "checkpoint.load=latest", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert _metrics_rows(out) == 2
+    assert not (out / ".moezero.lock").exists()
+
+
+def test_the_lock_file_is_removed_after_sigterm(tmp_path):
+    """SIGTERM: the ranks save and exit 75; rank 0 removes the lock file as it lets go."""
+    from moezero.distributed.signals import PREEMPTED_EXIT
+    from tests.torch_impl.test_preemption import LONG, _finish, _start, _wait_for_steps
+
+    out = tmp_path / "run"
+    proc = _start(LONG, out)
+    _wait_for_steps(proc, lambda: out, steps=2)
+    assert (out / ".moezero.lock").read_text().startswith("pid ")
+    os.kill(proc.pid, signal.SIGTERM)
+    output = _finish(proc)
+    assert proc.returncode == PREEMPTED_EXIT, output[-3000:]
+    assert not (out / ".moezero.lock").exists(), output[-3000:]
+
+
+def test_a_released_lock_file_is_removed_and_a_waiter_opens_it_anew(tmp_path):
+    """A process that opened the file before the holder removed it must not lock the
+    removed file (two holders): it opens the path again."""
+    import fcntl
+
+    from moezero.rundir import LOCK_NAME, RunLock
+
+    first = RunLock(tmp_path).acquire()
+    stale = os.open(tmp_path / LOCK_NAME, os.O_RDWR)  # a waiter between its open and flock
+    first.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+    fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the removed file: nobody else's
+    second = RunLock(tmp_path).acquire()
+    assert (tmp_path / LOCK_NAME).read_text().startswith(f"pid {os.getpid()} ")
+    with pytest.raises(ConfigError, match="in use by a running job"):
+        RunLock(tmp_path).acquire()
+    second.release()
+    os.close(stale)
+    assert not (tmp_path / LOCK_NAME).exists()
 
 
 def test_fault_hooks_are_not_production_options():
@@ -130,7 +169,7 @@ def test_torchrun_workers_share_one_locked_run_directory(tmp_path):
                           "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert _metrics_rows(out) == 2
-    assert (out / ".moezero.lock").read_text().startswith("pid ")
+    assert not (out / ".moezero.lock").exists()  # rank 0 held it and removed it at the end
 
 
 def test_ranks_refuse_a_run_directory_held_after_the_clis_check(tmp_path, capfd):

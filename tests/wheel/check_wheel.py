@@ -4,8 +4,9 @@
 
 The wheel must hold, under its installed name, every module of every package of the source
 tree (each folder with an ``__init__.py`` under ``torch_impl/`` and ``reference/``) and the
-recipes (``torch_impl/recipes/*.yaml``) and the host AdamW kernel's source
-(``torch_impl/zero/csrc/*.cpp``), and nothing else beside its ``.dist-info``: no
+recipes (``torch_impl/recipes/*.yaml``), the host AdamW kernel's source
+(``torch_impl/zero/csrc/*.cpp``) and the documentation pages (``docs/*.md`` as
+``moezero/docs/``), and nothing else beside its ``.dist-info``: no
 ``moezero/reference/plan`` copy of ``moezero.plan``, no tests, no benchmarks. The sdist must
 hold what builds the wheel (pyproject.toml, setup.py, README.md, LICENSE). Exit 1 with one
 line per missing or stray file; exit 0 with one summary line.
@@ -22,8 +23,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 # source folder -> installed name, the longest folder first (reference/plan is moezero/plan)
 ROOTS = (("reference/plan", "moezero/plan"), ("torch_impl", "moezero"),
-         ("reference", "moezero/reference"))
-DATA = ("torch_impl/recipes/*.yaml", "torch_impl/zero/csrc/*.cpp")  # pyproject package-data
+         ("reference", "moezero/reference"), ("docs", "moezero/docs"))
+DATA = ("torch_impl/recipes/*.yaml", "torch_impl/zero/csrc/*.cpp",
+        "docs/*.md")  # pyproject package-data
 SDIST_FILES = ("pyproject.toml", "setup.py", "README.md", "LICENSE")
 
 

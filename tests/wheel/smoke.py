@@ -3,12 +3,13 @@
     cd $(mktemp -d) && python -I /path/to/tests/wheel/smoke.py
 
 Run with ``-I`` from a folder outside the repository, in a venv holding the wheel (not an
-editable install), torch, the ``data`` extra and ``transformers``: the repository is not on
+editable install) with torch and the ``hf`` extra only: the repository is not on
 ``sys.path``, so this sees the installed distribution only (it imports nothing from tests/).
 In the current folder it
 
 1. trains a byte-level BPE with ``tokenizers`` (offline) and ``prepare-data``s a small corpus,
-2. ``train``s a tiny decoder on it (W = 2, ep 2, 3 steps) and ``estimate``s that config,
+2. ``train``s a tiny decoder on it (W = 2, ep 2, 3 steps) and ``estimate``s that config and a
+   packaged recipe by name (``--config qwen3-moe-30b-a3b-lora``); ``moezero recipes``,
 3. ``checkpoint inspect``, ``verify``, ``export`` (moezero) and ``export --format hf`` the run,
    and loads the export with ``from_pretrained``: no missing or unexpected keys, logits within
    1e-5 of moezero's decoder on the same checkpoint,
@@ -16,11 +17,11 @@ In the current folder it
    ``save_pretrained``, ``import-hf``, ``verify``, ``export --format hf`` and
    ``from_pretrained`` again: the logits within 1e-5 of the source model's,
 5. the README's "Fine-tune" example, its commands read from README.md (so the README cannot
-   drift from what CI runs): a tiny Qwen3-MoE with a ChatML template and a chat corpus are
-   made here, then its ``moezero`` lines (import-hf, prepare-data --format chat, LoRA train,
-   export --format hf / peft / --merge-lora) and its Python block (PEFT and transformers load
-   the exports) run as written; the PEFT model's logits equal the merged model's within 1e-5
-   and differ from the base's (about 30 s).
+   drift from what CI runs), as written: ``moezero example tiny-hf .`` (a tiny random
+   Qwen3-MoE with a tokenizer and ChatML template, and a chat corpus, made offline), import-hf,
+   prepare-data --format chat, LoRA train, export --format hf / peft / --merge-lora, then its
+   Python block (PEFT and transformers load the exports, with no PEFT warning); the PEFT
+   model's logits equal the merged model's within 1e-5 and differ from the base's.
 
 Prints one line per step; exits non-zero at the first failure with the command's stderr.
 """
@@ -34,6 +35,7 @@ import shlex
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -81,11 +83,15 @@ def check(ok: bool, what: str) -> None:
 
 
 def installed() -> None:
-    import moezero
+    import moezero as package  # not the moezero() command runner above
 
-    where = Path(moezero.__file__).resolve()
+    where = Path(package.__file__).resolve()
     check(where.parents[1].name == "site-packages",  # an editable install: torch_impl/
           f"moezero imports from the installed wheel ({where.parent})")
+    check(moezero("--version").strip().startswith("moezero "), "moezero --version")
+    out = moezero("docs")
+    check(f"documentation pages in {where.parent / 'docs'}" in out and "\nfinetune " in out,
+          "moezero docs: the pages installed with the wheel")
 
 
 def tokenizer(folder: Path, corpus: Path, specials: tuple | list = ()) -> None:
@@ -152,6 +158,11 @@ def trained_run(work: Path) -> None:
                   "--set", "train.steps=3", "--out", str(work / "run"))
     check("step_00000003" in out, "train saved step_00000003")
     moezero("estimate", "--nproc", "2", "--device", "cpu", *TINY)
+    out = moezero("estimate", "--config", "qwen3-moe-30b-a3b-lora", "--nproc", "8",
+                  "--set", "checkpoint.load=null")
+    check("peak device" in out, "--config qwen3-moe-30b-a3b-lora: the packaged recipe by name")
+    out = moezero("recipes")
+    check("qwen3-moe-30b-a3b-lora " in out, "moezero recipes lists the packaged recipes")
     ckpts = str(work / "run" / "checkpoints")
     moezero("checkpoint", "inspect", ckpts)
     moezero("checkpoint", "verify", ckpts)
@@ -194,48 +205,36 @@ def hf_round_trip(work: Path, family: str) -> None:
     close(back, theirs, f"{family} import + export vs transformers")
 
 
-CHATML = (
-    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-
-
 def readme_example() -> tuple[list[list[str]], str]:
     """The README's "Fine-tune" section: its ``sh`` block's commands (continued lines joined)
     and its ``python`` block."""
     text = (REPO / "README.md").read_text()
-    section = text.split("### Fine-tune", 1)[1].split("\n### ", 1)[0]
+    section = text.split("\n## Fine-tune\n", 1)[1].split("\n## ", 1)[0]
     shell = re.search(r"```sh\n(.*?)```", section, re.S).group(1).replace("\\\n", " ")
     python = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     return [shlex.split(line) for line in shell.splitlines() if line.strip()], python
 
 
-def chat_model(work: Path) -> None:
-    """``tiny-qwen3/``: a tiny random Qwen3-MoE beside a BPE tokenizer with a ChatML template;
-    ``chats.jsonl``: generated conversations."""
-    folder = work / "tiny-qwen3"
-    tokenizer(folder, work / "chat-corpus.txt", specials=["<|im_start|>", "<|im_end|>"])
-    (folder / "chat_template.jinja").write_text(CHATML)
-    own = {**FAMILIES["qwen3_moe"][2], "tie_word_embeddings": False}
-    hf_model("qwen3_moe", vocab_size=320, **own).save_pretrained(folder)
-    rng = random.Random(1)
-    words = (work / "chat-corpus.txt").read_text().split()
-    say = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(4, 16)))
-    (work / "chats.jsonl").write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": say()}, {"role": "assistant", "content": say()}]}) + "\n"
-        for _ in range(200)))
-
-
 def finetune_example(work: Path) -> None:
-    chat_model(work)
     commands, python = readme_example()
-    check(len(commands) == 6 and all(c[0] == "moezero" for c in commands),
-          "the README's Fine-tune example: 6 moezero commands")
+    check(len(commands) == 7 and all(c[0] == "moezero" for c in commands),
+          "the README's Fine-tune example: 7 moezero commands")
+    check(commands[0] == ["moezero", "example", "tiny-hf", "."],
+          "it starts from the tiny model made here (moezero example tiny-hf)")
     for command in commands:
-        moezero(*command[1:])
+        out = moezero(*command[1:])
+        if "peft" in command:
+            note = "moezero: note: loading this adapter, PEFT warns that the rank_pattern"
+            check(out.startswith(note), "export --format peft says PEFT's warning is expected")
     space: dict = {}
     start = time.monotonic()
-    exec(compile(python, "README.md (Fine-tune)", "exec"), space)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(python, "README.md (Fine-tune)", "exec"), space)
     print(f"ok {time.monotonic() - start:5.1f}s  the README's Python block", flush=True)
+    peft_warnings = [str(w.message) for w in caught if "peft" in w.filename]
+    check(all("pattern keys did not match" in w and "gate_up_proj" in w for w in peft_warnings),
+          f"PEFT warns only what moezero's export announced ({len(peft_warnings)} warnings)")
     ids = space["ids"]
     with torch.no_grad():
         merged, adapted = space["merged"](ids).logits, space["adapted"](ids).logits

@@ -255,6 +255,18 @@ class DistConfig(_Section):
                                "named as hung and the job is stopped (docs/reliability.md).")
 
 
+class TelemetryConfig(_Section):
+    """Warnings about the router's expert load in the progress output (docs/data.md)."""
+
+    dead_expert_steps: int = Field(
+        50, ge=0, description="Warn, once per MoE layer, when an expert receives no tokens for "
+                              "this many consecutive steps or the layer's imbalance stays above "
+                              "max_imbalance as long; 0 = never.")
+    max_imbalance: float = Field(
+        3.0, gt=1, description="Imbalance (max / mean tokens per expert) above which a layer "
+                               "counts as unbalanced (E / top_k is all tokens on top_k experts).")
+
+
 class ActivationCheckpointingConfig(_Section):
     """Recompute decoder blocks in backward instead of keeping their activations."""
 
@@ -278,6 +290,8 @@ class Config(_Section):
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
     dist: DistConfig = Field(default_factory=DistConfig, description="torch.distributed.")
     peft: PeftConfig = Field(default_factory=PeftConfig, description="LoRA fine-tuning.")
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig,
+                                       description="Expert-load warnings.")
 
     @model_validator(mode="after")
     def _across_sections(self) -> Config:

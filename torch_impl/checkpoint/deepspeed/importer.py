@@ -3,7 +3,8 @@ a moezero checkpoint with fp32 masters, Adam moments and counters (docs/migrate-
 
 Everything is checked before anything is written: the tag folder (every rank's optimizer file
 present, stage and world size agreeing), the model's ``config.json`` (found in the checkpoint
-folder or the one above it, as the transformers Trainer writes it), and every moezero FQN's
+folder or the one above it, as the transformers Trainer writes it, or given with
+``--model-config``), and every moezero FQN's
 source: a contiguous element range of one DeepSpeed parameter (``hf.names.candidates``, the
 same name mapping as ``import-hf``). Then the writes are streamed rank by rank: one DeepSpeed
 optimizer file open at a time (memory-mapped), each of its pieces written straight to its
@@ -59,16 +60,18 @@ class Write:
 
 
 def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = None,
-                     names: str | Path | None = None) -> Report:
+                     names: str | Path | None = None,
+                     model_config: str | Path | None = None) -> Report:
     """Convert the DeepSpeed checkpoint ``ckpt_dir`` (tag ``tag``) into ``out``; ``names``: a
-    YAML of name patterns for native-MoE modules (``patterns``).
+    YAML of name patterns for native-MoE modules (``patterns``); ``model_config``: the
+    model's ``config.json`` (or its folder) where it is not beside the checkpoint.
 
     Raises:
         CheckpointError: one line naming the file or setting; nothing is left at ``out``.
     """
     ckpt_dir, out = Path(ckpt_dir), Path(out)
     src = read_source(find_tag(ckpt_dir, tag))
-    family, arch, raw = read_hf_config(_config_dir(ckpt_dir))
+    family, arch, raw = read_hf_config(_config_dir(ckpt_dir, model_config and Path(model_config)))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"--out {out}: exists and is not an empty directory")
     first = _read_rank(src, 0)
@@ -100,13 +103,22 @@ def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = No
                   numel=sum(_prod(shape) for shape in where.shapes.values()))
 
 
-def _config_dir(ckpt_dir: Path) -> Path:
+def _config_dir(ckpt_dir: Path, model_config: Path | None = None) -> Path:
+    """The folder of the model's ``config.json``: ``model_config`` (the file or its folder),
+    else the checkpoint folder or the one above it."""
+    if model_config is not None:
+        folder = model_config if model_config.is_dir() else model_config.parent
+        if model_config.name != HF_CONFIG and not model_config.is_dir() or \
+                not (folder / HF_CONFIG).is_file():
+            raise CheckpointError(f"--model-config {model_config}: not a {HF_CONFIG} nor a "
+                                  f"folder holding one")
+        return folder
     for d in (ckpt_dir, ckpt_dir.parent):
         if (d / HF_CONFIG).is_file():
             return d
     raise CheckpointError(f"{ckpt_dir}: no {HF_CONFIG} here or one folder up (the Hugging Face "
                           "config of the trained model; the transformers Trainer saves it "
-                          "beside global_stepN)")
+                          "beside global_stepN; else give it with --model-config)")
 
 
 def _config(arch, raw: dict, src: Source, first: ranks.RankState, out: Path):

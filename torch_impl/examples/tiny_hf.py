@@ -1,9 +1,15 @@
-"""The ``finetune`` series' inputs, built offline: a tokenizer with a chat template, synthetic
-conversations and a tiny random Qwen3-MoE saved as a Hugging Face folder.
+"""A tiny Hugging Face Qwen3-MoE folder and a chat JSONL, made offline and seeded: the
+README's fine-tune starts from ``moezero example tiny-hf DIR`` (or ``python -m
+moezero.examples.tiny_hf DIR``), and the ``finetune`` benchmark series builds its inputs here.
 
-Everything is seeded, so every run (and both systems) sees the same tokens. Conversations are
-kept under the series' sequence length, so neither system truncates one (TRL's BFD packing
-truncates what overflows a bin) and both train the same tokens.
+- ``save_tokenizer``: a byte-level BPE trained with ``tokenizers`` on generated sentences, with
+  a ChatML chat template (``TEMPLATE``) as transformers 5 saves one;
+- ``save_model``: a random ``Qwen3MoeForCausalLM`` (transformers' own init) beside it;
+- ``conversations``: synthetic user/assistant chats, written by ``write_jsonl``.
+
+Everything is seeded, so every run sees the same tokens. The benchmark keeps conversations
+under its sequence length, so neither system it compares truncates one (TRL's BFD packing
+truncates what overflows a bin) and both train the same tokens. Needs the ``hf`` extra.
 """
 
 from __future__ import annotations
@@ -111,3 +117,46 @@ def save_model(folder: Path, model: dict, vocab_size: int, seed: int) -> int:
     hf = transformers.Qwen3MoeForCausalLM(cfg)
     hf.save_pretrained(folder)
     return sum(p.numel() for p in hf.parameters())
+
+
+TINY_MODEL = {"dim": 32, "ffn_dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+              "num_experts": 4, "top_k": 2, "aux_loss_coef": 0.001}
+"""The example's shape: trains in seconds on a CPU."""
+
+
+def make(out: Path, *, chats: int = 200, vocab_size: int = 320, seed: int = 0) -> str:
+    """``out/tiny-qwen3/`` (weights, tokenizer, chat template) and ``out/chats.jsonl``;
+    returns what it wrote, in one line. Refuses (ValueError) to write over either."""
+    model_dir, data = out / "tiny-qwen3", out / "chats.jsonl"
+    for path in (model_dir, data):
+        if path.exists():
+            raise ValueError(f"{path}: exists (the example writes a new one)")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # one line of output, not a bar
+    vocab = save_tokenizer(model_dir, vocab_size)
+    params = save_model(model_dir, TINY_MODEL, vocab, seed)
+    write_jsonl(conversations(chats, seed, 24), data)
+    return (f"wrote {model_dir} (a random Qwen3-MoE: {TINY_MODEL['n_layers']} layers, "
+            f"{TINY_MODEL['num_experts']} experts, {params:,} parameters; a {vocab}-token BPE "
+            f"tokenizer with a ChatML template) and {data} ({chats} conversations)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m moezero.examples.tiny_hf DIR``."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m moezero.examples.tiny_hf DIR", file=sys.stderr)
+        return 2
+    try:
+        print(make(Path(args[0])))
+    except (ValueError, ImportError) as exc:
+        print(f"moezero: error: example tiny-hf: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Inputs made here, with nothing downloaded, for a first run (``moezero example``)."""
