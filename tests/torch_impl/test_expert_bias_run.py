@@ -39,20 +39,22 @@ def biases(cfg_data: dict, run_dir: str, steps: int, load: str | None = None) ->
             if k.endswith("expert_bias")}
 
 
-def whole_and_resumed(cfg_data: dict, root: str) -> tuple[dict, dict]:
-    """The biases of ``STEPS`` steps in one run, and of ``FIRST`` steps resumed to ``STEPS``."""
+def whole_and_resumed(cfg_data: dict, root: str) -> tuple[dict, dict, dict]:
+    """The biases of ``STEPS`` steps in one run, of its first ``FIRST`` steps in a run of its
+    own, and of that run resumed to ``STEPS``."""
     whole = biases(cfg_data, str(Path(root, "whole")), STEPS)
-    biases(cfg_data, str(Path(root, "parts")), FIRST)
-    return whole, biases(cfg_data, str(Path(root, "parts")), STEPS, load="latest")
+    first = biases(cfg_data, str(Path(root, "parts")), FIRST)
+    return whole, first, biases(cfg_data, str(Path(root, "parts")), STEPS, load="latest")
 
 
 def config(*extra: str) -> dict:
     return load_config(None, [*SETS, *extra]).model_dump(by_alias=True)
 
 
-def check(whole: dict, resumed: dict) -> None:
+def check(whole: dict, first: dict, resumed: dict) -> None:
     assert sorted(whole) == [f"layers.{i}.moe.router.expert_bias" for i in range(2)]
-    assert any(np.any(b != 0) for b in whole.values())  # the biases moved
+    assert any(np.any(b != 0) for b in first.values())  # the resume has biases to restore
+    assert any(np.any(b != first[k]) for k, b in whole.items())  # and moved on after it
     for k, b in whole.items():
         np.testing.assert_array_equal(resumed[k], b, err_msg=k)
 
