@@ -1,7 +1,8 @@
 """Sharded construction (torch_impl/model/materialize.py): a model built on the meta device,
 materialised by the engine, starts from the same weights and optimizer state, bit for bit, as
 the fully built model (``train.build_model``), for W = 1, 2, 4, ep 1 and 2, stages 0-3 and
-offload none/cpu/nvme; and initialising a model larger than a memory budget stays under it.
+offload none/cpu/nvme, with the same buffers (the routers' expert bias, also with LoRA); and
+initialising a model larger than a memory budget stays under it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from moezero.config import Config
@@ -93,6 +95,22 @@ def test_buffers_get_the_built_models_values():
 def test_buffers_at_w2(tmp_path):
     cases = [biased(case(3, ep=2)), biased(case(0, ep=2, dtype="bf16"), lora=True)]
     assert run_world(compare, 2, tmp_path, cases) == [[[]] * len(cases)] * 2
+
+
+class _Counts(torch.nn.Module):
+    """A module with a buffer and no ``reset_buffers``."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(3))
+
+
+def test_a_meta_buffer_without_reset_buffers_is_one_line():
+    model = meta_model(lambda: torch.nn.Sequential(_Counts()))
+    with pytest.raises(ValueError, match=r"^materialize: buffer 0\.seen is on the meta device "
+                                         r"and _Counts has no reset_buffers\(\)"):
+        materialize(model, KeyedInit(0), device=torch.device("cpu"), dtype=torch.float32,
+                    values=True)
 
 
 def test_keyed_init_equals_init_weights_and_keeps_expert_tags():
