@@ -1,7 +1,8 @@
 """Sharded construction (torch_impl/model/materialize.py): a model built on the meta device,
 materialised by the engine, starts from the same weights and optimizer state, bit for bit, as
 the fully built model (``train.build_model``), for W = 1, 2, 4, ep 1 and 2, stages 0-3 and
-offload none/cpu/nvme; and initialising a model larger than a memory budget stays under it.
+offload none/cpu/nvme, with the same buffers (the routers' expert bias, also with LoRA); and
+initialising a model larger than a memory budget stays under it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from moezero.config import Config
@@ -23,9 +25,12 @@ from tests.torch_impl.test_estimate import case
 
 
 def state_of(engine) -> dict:
-    """This rank's params (full, by FQN) and fp32 optimizer state (by group and state) as bytes."""
+    """This rank's params (full, by FQN), buffers (by FQN, with their dtype) and fp32 optimizer
+    state (by group and state) as bytes."""
     out = {fqn: p.detach().contiguous().view(torch.uint8).numpy().tobytes()
            for fqn, p in engine.full_parameters().items()}
+    out.update({f"buffer:{fqn}:{b.dtype}": b.contiguous().view(torch.uint8).numpy().tobytes()
+                for fqn, b in engine.model.named_buffers()})
     for shard in engine.optimizer.shards():
         name = shard.partition.group
         for state, t in (shard.tensors or {}).items():
@@ -70,6 +75,42 @@ def test_same_values_at_w2(tmp_path):
 def test_same_values_at_w4(tmp_path):
     cases = [case(2, ep=2), case(3, ep=2, param="nvme", optim="nvme", nvme=str(tmp_path))]
     assert run_world(compare, 4, tmp_path, cases, timeout_s=120) == [[[]] * len(cases)] * 4
+
+
+def biased(cfg_data: dict, lora: bool = False) -> dict:
+    """``cfg_data`` with the routers' expert bias (buffers: the bias and the load counts) and,
+    with ``lora``, adapters on the attention and the experts."""
+    out = {**cfg_data, "moe": {**cfg_data["moe"], "expert_bias": True}}
+    return {**out, "peft": {"method": "lora", "targets": ["attn", "experts"]}} if lora else out
+
+
+def test_buffers_get_the_built_models_values():
+    """The expert bias and load counts of a meta-built model materialise as the built model's
+    (zeros; the bias fp32 also in bf16), at every stage and with LoRA; at W = 2 below."""
+    cases = [biased(case(s)) for s in (0, 1, 2, 3)] + [
+        biased(case(3, dtype="bf16")), biased(case(2), lora=True), biased(case(3), lora=True)]
+    assert compare(cases) == [[]] * len(cases)
+
+
+def test_buffers_at_w2(tmp_path):
+    cases = [biased(case(3, ep=2)), biased(case(0, ep=2, dtype="bf16"), lora=True)]
+    assert run_world(compare, 2, tmp_path, cases) == [[[]] * len(cases)] * 2
+
+
+class _Counts(torch.nn.Module):
+    """A module with a buffer and no ``reset_buffers``."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(3))
+
+
+def test_a_meta_buffer_without_reset_buffers_is_one_line():
+    model = meta_model(lambda: torch.nn.Sequential(_Counts()))
+    with pytest.raises(ValueError, match=r"^materialize: buffer 0\.seen is on the meta device "
+                                         r"and _Counts has no reset_buffers\(\)"):
+        materialize(model, KeyedInit(0), device=torch.device("cpu"), dtype=torch.float32,
+                    values=True)
 
 
 def test_keyed_init_equals_init_weights_and_keeps_expert_tags():

@@ -13,6 +13,11 @@ one-parameter view, so the values stay bit-identical whatever that rule becomes)
   optimizer fills its shards from ``KeyedInit.source`` (FQN -> value), which keeps only the
   last parameter it made, so the working set is one parameter, never the model.
 
+Buffers (the router's expert bias and load counts) are small and whole on every rank at every
+stage: each meta buffer is allocated on the device in its own dtype and filled by its module's
+``reset_buffers()``, the initial values the module's constructor gives them (the engine's
+``model.to`` then casts them as it casts a built model's).
+
 Offloaded state is written shard by shard by the optimizer as it is built (docs/scale.md).
 """
 
@@ -77,9 +82,15 @@ def meta_model(build: Callable[[], nn.Module]) -> nn.Module:
 def materialize(model: nn.Module, init: KeyedInit, *, device: torch.device, dtype: torch.dtype,
                 values: bool) -> None:
     """Replace each meta parameter by one on ``device`` in ``dtype`` (its attributes, e.g. the
-    expert tag, kept): filled from ``init`` when ``values``, else with an empty storage."""
+    expert tag, kept): filled from ``init`` when ``values``, else with an empty storage; and
+    each meta buffer by its initial value on ``device`` (``reset_buffers``), whatever ``values``.
+
+    Raises:
+        ValueError: a module holds a meta buffer but has no ``reset_buffers`` to fill it.
+    """
     made: dict[int, nn.Parameter] = {}
     for module_name, module in model.named_modules():
+        _reset_buffers(module, module_name, device)
         for name, param in list(module._parameters.items()):
             if param is None or not param.is_meta:
                 continue
@@ -87,6 +98,22 @@ def materialize(model: nn.Module, init: KeyedInit, *, device: torch.device, dtyp
                 fqn = f"{module_name}.{name}" if module_name else name
                 made[id(param)] = _make(param, fqn, init, device, dtype, values)
             module._parameters[name] = made[id(param)]
+
+
+def _reset_buffers(module: nn.Module, module_name: str, device: torch.device) -> None:
+    """Give ``module``'s meta buffers storage on ``device`` (their dtype kept) and their initial
+    values from the module's ``reset_buffers``."""
+    meta = [name for name, b in module._buffers.items() if b is not None and b.is_meta]
+    if not meta:
+        return
+    if not callable(getattr(module, "reset_buffers", None)):
+        fqn = f"{module_name}.{meta[0]}" if module_name else meta[0]
+        raise ValueError(f"materialize: buffer {fqn} is on the meta device and "
+                         f"{type(module).__name__} has no reset_buffers() to give it its "
+                         "initial value")
+    for name in meta:
+        module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
+    module.reset_buffers()
 
 
 def _make(param: nn.Parameter, fqn: str, init: KeyedInit, device: torch.device,

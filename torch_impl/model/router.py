@@ -76,11 +76,20 @@ class Router(nn.Linear):
                  options: RouterOptions = RouterOptions()):
         super().__init__(dim, num_experts, bias=False)
         self.num_experts, self.top_k, self.options = num_experts, top_k, options
-        self.register_buffer("expert_bias", torch.zeros(num_experts) if options.expert_bias
+        self.register_buffer("expert_bias", torch.empty(num_experts) if options.expert_bias
                              else None)
         if options.expert_bias:
-            self.register_buffer("pending_load", torch.zeros(num_experts, dtype=torch.int64),
+            self.register_buffer("pending_load", torch.empty(num_experts, dtype=torch.int64),
                                  persistent=False)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The buffers' initial values: no bias, no load counted. Also how a router built on
+        the meta device gets them (``moezero.model.materialize``)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+            self.pending_load.zero_()
 
     def forward(self, x_TD: torch.Tensor):
         logits_TE = F.linear(x_TD.float(), self.weight.float())
