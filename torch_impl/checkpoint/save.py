@@ -28,14 +28,14 @@ import numpy as np
 import torch
 
 from moezero.checkpoint import writer as ckpt_write
-from moezero.checkpoint.group import CheckpointGroup, failure
 from moezero.checkpoint.options import CheckpointOptions
+from moezero.checkpoint.ranks import CheckpointGroup, failure
 from moezero.plan import store
-from moezero.plan.buffer_io import write_buffers
 from moezero.plan.layout import Layout
+from moezero.plan.model_buffer_io import write_buffers
 from moezero.plan.partition import Partition
+from moezero.plan.state_shard import StateShard
 from moezero.plan.store import CheckpointError
-from moezero.zero.shards import StateShard
 
 RANK_KEYS = ("rng",)
 """Entries of the saved state that each rank has its own of (its generator states): gathered
