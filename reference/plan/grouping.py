@@ -13,8 +13,8 @@ indices are those of the same model with the frozen parameters left out. A froze
 partitioned, gathered, offloaded and checkpointed (weights only) like the others but belongs
 to no optimizer group: it is never stepped (docs/grouping.md, "Frozen parameters").
 
-Torch counterpart: ``moezero.zero.groups`` (builds the specs from a module, then builds
-torch param groups from this plan).
+Torch counterpart: ``moezero.model.specs`` builds the specs from a module, then
+``moezero.zero.groups`` builds torch param groups from this plan.
 """
 
 from __future__ import annotations
