@@ -4,10 +4,10 @@
 (``ranks.CheckpointGroup``), the options (``options.CheckpointOptions``) and the writer thread
 of an async save. It receives state, never the engine (as DCP's ``save(state_dict,
 storage_writer)``): ``save`` takes the layout, this rank's fp32 shards
-(``zero.shards.StateShard``) and the engine's small JSON state (``Engine.state_dict()`` plus
-the caller's); ``load`` takes the targets to fill and returns this rank's state, which the
-engine gives to ``Engine.load_state_dict``. The protocols are ``save.write`` and
-``load.read_checkpoint``. With ``background`` the shards are cloned to host memory at the
+(``plan.state_shard.StateShard``) and the engine's small JSON state
+(``Engine.state_dict()`` plus the caller's); ``load`` takes the targets to fill and returns
+this rank's state, which the engine gives to ``Engine.load_state_dict``. The protocols are
+``save.write`` and ``load.read_checkpoint``. With ``background`` the shards are cloned to host memory at the
 step boundary and the whole save (files, collectives on the checkpoint group, commit) runs on
 one background thread per rank, while training continues on the world's other groups; at most
 one save is in flight (the next save, a load or ``wait`` joins it first). Shards in NVMe swap

@@ -1,8 +1,8 @@
 """Saving a checkpoint: the plan's layout written rank by rank (docs/checkpoint.md).
 
 The saver receives state, never the engine: the layout (``moezero.plan.plan_layout`` of the
-optimizer groups), this rank's fp32 shards (``zero.shards.StateShard``: tensors, or the NVMe
-swap files that hold the same ranges) and the engine's small JSON state (``Engine.state_dict``
+optimizer groups), this rank's fp32 shards (``plan.state_shard.StateShard``: tensors, or the
+NVMe swap files that hold the same ranges) and the engine's small JSON state (``Engine.state_dict``
 plus the caller's). Rank 0 creates the ``step_XXXXXXXX.partial/`` directory and every file's
 header; each rank writes its own fp32 partition of every group it holds (master, exp_avg,
 exp_avg_sq) through its ``writer.SaveWriter`` (``store.write_partition``, the aligned bulk of
