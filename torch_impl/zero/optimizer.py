@@ -42,6 +42,7 @@ from torch import nn
 
 from moezero.distributed.topology import Topology
 from moezero.plan.partition import Partition
+from moezero.plan.state_shard import StateShard
 from moezero.zero.adamw import clip_coef
 from moezero.zero.behind import StepBehind
 from moezero.zero.buckets import GroupColumns, plan_windows
@@ -52,7 +53,7 @@ from moezero.zero.groups import OptimizerGroups
 from moezero.zero.hostadam import adamw_step_, load_compiled
 from moezero.zero.options import ZeroOptions
 from moezero.zero.reduce import GradReduction
-from moezero.zero.shards import MemoryMeter, Slot, StateShard, nbytes
+from moezero.zero.shards import MemoryMeter, Slot, nbytes
 from moezero.zero.state_view import StateView
 from moezero.zero.states import OptimizerStates
 from moezero.zero.swaps import Swaps
