@@ -74,7 +74,7 @@ class AnonPeak:
 
 def peak_rss() -> int:
     """This program's peak resident set size so far, in bytes (``VmHWM``)."""
-    from moezero.engine import peak_memory_bytes
+    from moezero.memory.peak import peak_memory_bytes
 
     return peak_memory_bytes(torch.device("cpu"))
 

@@ -24,7 +24,7 @@ from moezero.model.build import build_decoder
 from moezero.model.decoder import Decoder, ModelArgs
 from moezero.model.lora import LoraOptions
 from moezero.model.materialize import KeyedInit
-from moezero.plan.buffers import is_buffer
+from moezero.plan.model_buffers import is_buffer
 from moezero.reference.model import ModelConfig, forward, loss_fn, oracle_loss
 from moezero.reference.optim import OptimConfig, train_step
 from moezero.reference.weights import from_fqn_dict

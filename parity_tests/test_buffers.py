@@ -18,7 +18,7 @@ import torch
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
 from moezero.plan import store
-from moezero.plan.buffers import is_buffer
+from moezero.plan.model_buffers import is_buffer
 from moezero.reference.checkpoint import load_train_state, save_train_state
 from moezero.reference.optim import OptimConfig, TrainConfig, train_step
 from moezero.reference.weights import to_fqn_dict

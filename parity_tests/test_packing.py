@@ -18,7 +18,7 @@ import torch
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize, loss_divisor
 from moezero.model.packing import Batch
-from moezero.plan.buffers import is_buffer
+from moezero.plan.model_buffers import is_buffer
 from moezero.reference.model import forward, loss_fn, masked_oracle_loss
 from moezero.reference.optim import OptimConfig
 from parity_tests.models import SEQ, engine_config, tiny, to_jax, tokens, torch_model

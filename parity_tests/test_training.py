@@ -18,14 +18,14 @@ import pytest
 
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
-from moezero.plan.buffers import is_buffer
+from moezero.model.specs import config_user_group
+from moezero.plan.model_buffers import is_buffer
 from moezero.reference.optim import (
     OptimConfig,
     TrainConfig,
     decay_mask,
     init_train_state,
 )
-from moezero.zero.groups import config_user_group
 from parity_tests.models import engine_config, tiny, to_jax, torch_model, train_both
 from parity_tests.tolerances import FP32, SCHEDULE_REL
 from tests.support.compare import (

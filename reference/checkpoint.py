@@ -44,7 +44,7 @@ from moezero.plan import (
     plan_layout,
     store,
 )
-from moezero.plan.buffer_io import check_buffers, write_buffers
+from moezero.plan.model_buffer_io import check_buffers, write_buffers
 from moezero.plan.records import EngineRecord, TopologyRecord
 from moezero.plan.store import CheckpointError, find_checkpoint
 from moezero.reference.optim import TrainConfig, TrainState, lr_at, make_optimizer

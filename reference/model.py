@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moezero.plan.buffers import is_buffer
+from moezero.plan.model_buffers import is_buffer
 from moezero.reference.dense import dense_mlp, init_dense
 from moezero.reference.lora import linear
 from moezero.reference.lora import with_lora as _with_lora

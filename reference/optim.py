@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moezero.plan.buffers import is_buffer
 from moezero.plan.freeze import frozen_fqns
+from moezero.plan.model_buffers import is_buffer
 from moezero.plan.rules import weight_decay_applies
 from moezero.reference.model import ModelConfig, oracle_loss
 from moezero.reference.moe import update_expert_bias

@@ -1,7 +1,7 @@
 """Params ↔ ``{FQN: np.ndarray}`` ↔ safetensors, keyed by the FQNs of docs/model.md.
 
 Torch counterpart: the ``state_dict()`` of ``torch_impl/model/decoder.py`` (same FQNs; the
-expert biases are torch buffers and leaves of the params tree here, ``moezero.plan.buffers``).
+expert biases are torch buffers and leaves of the params tree here, ``moezero.plan.model_buffers``).
 
 The reference stacks experts on a leading global expert axis
 (``layers[i]["moe"]["experts"]["w1"]["weight"]`` is [E, F, D]); on the exchange side every
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from moezero.plan.buffers import split_buffers
+from moezero.plan.model_buffers import split_buffers
 from moezero.plan.rules import EXPERTS, expert_fqn
 from moezero.reference.model import ModelConfig, init_params
 
@@ -63,7 +63,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def buffer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every buffer (``moezero.plan.buffers``: the expert biases) of the model and its shape."""
+    """Every buffer (``moezero.plan.model_buffers``: the expert biases) of the model and its
+    shape."""
     return split_buffers(tensor_shapes(cfg))[1]
 
 

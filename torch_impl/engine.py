@@ -16,23 +16,21 @@ those shards, the layout and ``state_dict()``, never the engine. Reference count
 from __future__ import annotations
 
 import base64
-import re
-import resource
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moezero.checkpoint import base as adapter_ckpt
-from moezero.checkpoint.buffers import buffer_shapes, buffer_targets, buffer_values
+from moezero.checkpoint import adapter_ckpt
 from moezero.checkpoint.core import Checkpointer, model_shapes
+from moezero.checkpoint.model_buffers import buffer_shapes, buffer_targets, buffer_values
 from moezero.checkpoint.options import CheckpointOptions
 from moezero.config import Config
 from moezero.distributed.agree import all_gather_json
 from moezero.distributed.topology import Topology, build_topology
+from moezero.memory.peak import peak_memory_bytes
 from moezero.model import determinism
 from moezero.model.materialize import KeyedInit, materialize
 from moezero.model.moe import expert_tag
@@ -348,19 +346,6 @@ def _host_blocks(zero, io: IOOptions) -> None:
     offloaded = zero.offload_optimizer.device != "none" or zero.offload_param.device != "none"
     if offloaded and io.host_mmap_threshold is not None:
         map_large_blocks(io.host_mmap_threshold)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA max allocated on GPU; on CPU this program's peak RSS (``VmHWM``; ``ru_maxrss``
-    where ``/proc`` is missing: on Linux it keeps the peak of the process this one was forked
-    from, e.g. a launcher, so it is only the fallback)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    try:
-        status = Path("/proc/self/status").read_text()
-        return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
-    except (OSError, AttributeError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def initialize(model: nn.Module, config: Config, *, topology: Topology | None = None,

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moezero.engine import peak_memory_bytes
+from moezero.memory.peak import peak_memory_bytes
 from moezero.model.decoder import ModelArgs
 from moezero.model.moe import MoE
 from moezero.model.recompute import recomputing

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from moezero.checkpoint import base as adapter_ckpt
+from moezero.checkpoint import adapter_ckpt
 from moezero.checkpoint.core import CheckpointError, check_shapes, model_shapes, resolve_load
 from moezero.checkpoint.schedule import SaveClock, agree_step
 from moezero.config import Config, ConfigError, dump_config

@@ -13,8 +13,8 @@ indices are those of the same model with the frozen parameters left out. A froze
 partitioned, gathered, offloaded and checkpointed (weights only) like the others but belongs
 to no optimizer group: it is never stepped (docs/grouping.md, "Frozen parameters").
 
-Torch counterpart: ``moezero.zero.groups`` (builds the specs from a module, then builds
-torch param groups from this plan).
+Torch counterpart: ``moezero.model.specs`` builds the specs from a module, then
+``moezero.zero.groups`` builds torch param groups from this plan.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from moezero.plan.buffers import is_buffer
+from moezero.plan.model_buffers import is_buffer
 from moezero.plan.rules import check_ep_size, ep_size_problem
 from moezero.plan.specs import ParamSpec, Slice, UserGroup, natural_key, user_groups_by_name
 
@@ -192,7 +192,7 @@ def _validate(specs: Sequence[ParamSpec], max_group_size: int | None) -> dict[st
         if spec.numel == 0:
             raise ValueError(f"param {spec.fqn!r} has no elements (shape {spec.shape})")
         if is_buffer(spec.fqn):  # the expert bias: checkpointed, but in no optimizer group
-            raise ValueError(f"param {spec.fqn!r} is a buffer (moezero.plan.buffers), never "
+            raise ValueError(f"param {spec.fqn!r} is a buffer (moezero.plan.model_buffers), never "
                              "optimized")
     return _validate_experts([s for s in specs if s.is_expert])
 

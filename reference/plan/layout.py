@@ -5,7 +5,7 @@ one ``model-{i+1:05d}-of-{G:05d}.safetensors`` file (fp32 master) and one ``opti
 (all members' ``exp_avg``, then all members' ``exp_avg_sq``), tensors in group order. A
 file's data is therefore the group's unpadded flat buffer (one buffer per state), so a
 rank's ZeRO partition is one contiguous byte range per state (``rank_ranges``). Buffers
-(checkpointed, never optimized: ``moezero.plan.buffers``) are in no group; they lie whole in
+(checkpointed, never optimized: ``moezero.plan.model_buffers``) are in no group; they lie whole in
 one more file, ``buffers.safetensors``, when the model has any. A frozen group
 (``GroupPlan.frozen``) has its model file only: its weights, no moments.
 
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple
 
-from moezero.plan.buffers import BUFFERS_FILE
 from moezero.plan.grouping import GroupPlan, locate_params
+from moezero.plan.model_buffers import BUFFERS_FILE
 from moezero.plan.partition import Partition
 from moezero.plan.rules import MASTER, MOMENTS, STATES
 from moezero.plan.specs import ParamSpec, Slice, natural_key
@@ -232,7 +232,7 @@ def plan_layout(groups: Sequence[GroupPlan], shapes: Mapping[str, Sequence[int]]
         shapes: Full shape of every parameter in ``groups`` (``shapes_of(specs)``).
         step: Optimizer step, recorded in each header's metadata.
         weights_only: Model files only (fp32 masters), no optim files.
-        buffers: Full shape of every buffer (``moezero.plan.buffers``): stored whole, in
+        buffers: Full shape of every buffer (``moezero.plan.model_buffers``): stored whole, in
             natural FQN order, in ``buffers.safetensors``; none: no such file.
 
     Raises:

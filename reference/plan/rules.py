@@ -1,7 +1,7 @@
 """The rules both sides need, each written once: expert names, the expert group's default
 name, the optimizer's state names, the ``ep`` divisibility check and the weight-decay rule.
 
-Pure Python (no numpy, torch or jax), so the torch side (``moezero.zero.groups``,
+Pure Python (no numpy, torch or jax), so the torch side (``moezero.model.specs``,
 ``moezero.model.moe``, ``moezero.config``, ``moezero.distributed.topology``) and the JAX
 reference (``moezero.reference.optim``, ``.weights``, ``.zero_layout``, ``.sharded``) call the
 same functions and agree by construction.

@@ -2,8 +2,9 @@
 
 Everything here is pure data (frozen, hashable, printable, comparable) keyed by the
 parameter's fully qualified name (FQN), so both sides can build the same plan from the
-same specs. Torch counterpart: ``moezero.zero.groups`` builds ``ParamSpec``s from an
-``nn.Module`` and consumes the plan; it imports this module rather than copying it.
+same specs. Torch counterpart: ``moezero.model.specs`` builds ``ParamSpec``s from an
+``nn.Module`` and ``moezero.zero.groups`` consumes the plan; both import this module rather
+than copying it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moezero.plan.buffers import is_buffer
+from moezero.plan.model_buffers import is_buffer
 from moezero.reference.model import ModelConfig, attention, forward_with_stats
 from moezero.reference.moe_mlp import shared_expert
 from moezero.reference.optim import (

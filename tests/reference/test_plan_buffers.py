@@ -1,6 +1,6 @@
-"""Buffers in the plan (``moezero.plan.buffers``): the expert bias is in no optimizer group, and
-the layout stores it whole in ``buffers.safetensors``, written, checksummed and read back like
-every other file; a manifest without buffers is unchanged."""
+"""Buffers in the plan (``moezero.plan.model_buffers``): the expert bias is in no optimizer
+group, and the layout stores it whole in ``buffers.safetensors``, written, checksummed and read
+back like every other file; a manifest without buffers is unchanged."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from moezero.plan import ParamSpec, plan_groups, plan_layout, store
-from moezero.plan.buffer_io import check_buffers, write_buffers
-from moezero.plan.buffers import BUFFERS_FILE, is_buffer, split_buffers
 from moezero.plan.manifest import manifest_from_json, manifest_to_json
+from moezero.plan.model_buffer_io import check_buffers, write_buffers
+from moezero.plan.model_buffers import BUFFERS_FILE, is_buffer, split_buffers
 
 SPECS = [ParamSpec("layers.0.moe.router.weight", (4, 3)), ParamSpec("norm.weight", (3,))]
 BUFFERS = {"layers.10.moe.router.expert_bias": (4,), "layers.2.moe.router.expert_bias": (4,)}

@@ -18,13 +18,13 @@ import torch
 from moezero import cli
 from moezero.config import load_config
 from moezero.engine import Engine
+from moezero.memory.pinned import PinnedPool
 from moezero.model.experts import SwiGLU, grouped_kernel_ok
 from moezero.model.moe import MoE
 from moezero.model.router import Router, RouterOptions
 from moezero.offload.aio import AsyncIO
 from moezero.offload.state import SwapState
 from moezero.train import model_numel
-from moezero.zero.pinned import PinnedPool
 from moezero.zero.transfer import HostTransfer
 from tests.support.fake_cuda import fake_gpus, fake_launch
 
@@ -194,9 +194,9 @@ def test_micro_batch_reaches_the_gpu_pinned_and_non_blocking(monkeypatch):
 def registered(monkeypatch):
     """cudaHostRegister/Unregister faked: ``{ptr: nbytes}`` of what is page-locked now."""
     pinned: dict[int, int] = {}
-    monkeypatch.setattr("moezero.zero.pinned.cuda_register",
+    monkeypatch.setattr("moezero.memory.pinned.cuda_register",
                         lambda ptr, nbytes: pinned.__setitem__(ptr, nbytes))
-    monkeypatch.setattr("moezero.zero.pinned.cuda_unregister", lambda ptr: pinned.pop(ptr))
+    monkeypatch.setattr("moezero.memory.pinned.cuda_unregister", lambda ptr: pinned.pop(ptr))
     return pinned
 
 

@@ -111,7 +111,7 @@ _PEAK = """
 import sys
 import torch
 from moezero.config import load_config
-from moezero.engine import peak_memory_bytes
+from moezero.memory.peak import peak_memory_bytes
 from moezero.estimate import estimate
 est = estimate(load_config(None, sys.argv[1:]), 8)
 print(est.model_numel, peak_memory_bytes(torch.device("cpu")))  # this program's peak (VmHWM)

@@ -8,8 +8,9 @@ from torch import nn
 from moezero.config import Config
 from moezero.distributed.topology import Topology
 from moezero.model.moe import MoE, SwiGLU
+from moezero.model.specs import config_user_group, param_specs
 from moezero.plan import UserGroup
-from moezero.zero.groups import build_groups, config_user_group, param_specs
+from moezero.zero.groups import build_groups
 
 
 class TwoMoE(nn.Module):

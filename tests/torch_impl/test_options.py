@@ -15,9 +15,9 @@ from moezero.engine import initialize
 from moezero.model.build import build_decoder, config_decoder
 from moezero.model.decoder import ModelArgs
 from moezero.model.router import Router, RouterOptions, route, update_expert_biases
+from moezero.model.specs import config_user_group, param_specs
 from moezero.plan import plan_groups, store
 from moezero.train import build_model
-from moezero.zero.groups import config_user_group, param_specs
 from tests.support.compare import assert_close_by_fqn, rel_err
 from tests.support.world import run_world
 from tests.torch_impl.tolerances import RTOL

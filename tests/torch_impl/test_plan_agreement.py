@@ -16,7 +16,8 @@ from moezero.config import Config
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
 from moezero.model.moe import MoE, SwiGLU
-from moezero.zero.groups import PlanMismatchError, config_user_group, param_specs
+from moezero.model.specs import config_user_group, param_specs
+from moezero.zero.groups import PlanMismatchError
 from tests.support.world import run_world
 from tests.torch_impl.test_distributed import small_config
 

@@ -53,7 +53,7 @@ print(0)
 """
 
 _LOAD = _NATIVE + r"""
-from moezero.checkpoint.buffers import buffer_targets
+from moezero.checkpoint.model_buffers import buffer_targets
 from moezero.train import setup
 root, nvme = sys.argv[1], (sys.argv[2] if sys.argv[2] != "-" else None)
 engine = setup(native(False, None, 3 if nvme else 2, nvme), torch.device("cpu"))[0]

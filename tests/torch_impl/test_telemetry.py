@@ -120,7 +120,7 @@ def test_validation_without_gradients_then_training_goes_on(stage):
 
 _CHILD_PEAK = """
 import torch
-from moezero.engine import peak_memory_bytes
+from moezero.memory.peak import peak_memory_bytes
 from moezero.telemetry import PeakMemory
 print(peak_memory_bytes(torch.device("cpu")), PeakMemory(torch.device("cpu")).peak())
 """

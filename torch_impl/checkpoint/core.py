@@ -1,13 +1,13 @@
 """Checkpoints of training state: the plan's layout, written rank by rank (docs/checkpoint.md).
 
 ``Checkpointer`` is the per-engine context: the gloo group for checkpoint traffic
-(``group.CheckpointGroup``), the options (``options.CheckpointOptions``) and the writer thread
+(``ranks.CheckpointGroup``), the options (``options.CheckpointOptions``) and the writer thread
 of an async save. It receives state, never the engine (as DCP's ``save(state_dict,
 storage_writer)``): ``save`` takes the layout, this rank's fp32 shards
-(``zero.shards.StateShard``) and the engine's small JSON state (``Engine.state_dict()`` plus
-the caller's); ``load`` takes the targets to fill and returns this rank's state, which the
-engine gives to ``Engine.load_state_dict``. The protocols are ``save.write`` and
-``load.read_checkpoint``. With ``background`` the shards are cloned to host memory at the
+(``plan.state_shard.StateShard``) and the engine's small JSON state
+(``Engine.state_dict()`` plus the caller's); ``load`` takes the targets to fill and returns
+this rank's state, which the engine gives to ``Engine.load_state_dict``. The protocols are
+``save.write`` and ``load.read_checkpoint``. With ``background`` the shards are cloned to host memory at the
 step boundary and the whole save (files, collectives on the checkpoint group, commit) runs on
 one background thread per rank, while training continues on the world's other groups; at most
 one save is in flight (the next save, a load or ``wait`` joins it first). Shards in NVMe swap
@@ -26,15 +26,15 @@ from pathlib import Path
 import torch
 
 from moezero.checkpoint import save as saving
-from moezero.checkpoint.group import CheckpointGroup, one_line
 from moezero.checkpoint.load import read_checkpoint, resolve_load
 from moezero.checkpoint.options import CheckpointOptions
+from moezero.checkpoint.ranks import CheckpointGroup, one_line
+from moezero.model.specs import param_specs
 from moezero.plan import store
 from moezero.plan.layout import Layout
 from moezero.plan.specs import UserGroup
+from moezero.plan.state_shard import StateShard
 from moezero.plan.store import CheckpointError, check_shapes, find_checkpoint
-from moezero.zero.groups import param_specs
-from moezero.zero.shards import StateShard
 
 __all__ = ["CheckpointError", "Checkpointer", "check_shapes", "find_checkpoint", "model_shapes",
            "resolve_load"]
@@ -65,7 +65,7 @@ class Checkpointer:
             state: JSON state: rank 0's is written, except each rank's ``save.RANK_KEYS``.
             meta: ``{"config": ..., "topology": ...}`` for the manifest (rank 0's).
             buffers: ``{fqn: fp32 array}`` of the checkpointed buffers (rank 0's are written;
-                ``checkpoint.buffers.buffer_values``).
+                ``checkpoint.model_buffers.buffer_values``).
             background: Write on a background thread (default ``options.background``).
 
         Returns:
@@ -120,7 +120,7 @@ class Checkpointer:
         (collective); any world size, ``ep``, ZeRO stage or group cap may have saved it.
 
         ``buffers``: ``{fqn: tensor}`` of the checkpointed buffers to fill
-        (``checkpoint.buffers.buffer_targets``). Returns this rank's saved state
+        (``checkpoint.model_buffers.buffer_targets``). Returns this rank's saved state
         (``load.read_checkpoint``; {} when weights only). ``exact=False``: the checkpoint may
         hold more params than ``shapes`` (a base checkpoint read for the frozen ones).
         A read that fails after the checks (a damaged file) leaves the targets partly

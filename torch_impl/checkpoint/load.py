@@ -1,7 +1,7 @@
 """Loading a checkpoint into state: the optimizer's load targets and this rank's small state.
 
-The loader receives what to fill (``zero.shards.StateShard`` targets: views of the live fp32
-state, or the NVMe swap files) and returns this rank's JSON state; it never sees the trainer.
+The loader receives what to fill (``plan.state_shard.StateShard`` targets: views of the live
+fp32 state, or the NVMe swap files) and returns this rank's JSON state; it never sees the trainer.
 Each target is read under the *current* plan with ``store.read_shard``, whatever world size,
 ``ep``, stage or group cap saved it; a swap-file target whose group the checkpoint holds
 unchanged is filled file to file (``store.copy_range``), any other span by span through one
@@ -24,16 +24,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moezero.checkpoint.buffers import read_buffers
+from moezero.checkpoint.model_buffers import read_buffers
 from moezero.checkpoint.save import RANK_KEYS
 from moezero.plan import store
-from moezero.plan.buffer_io import check_buffers
 from moezero.plan.bytes_io import CHUNK
 from moezero.plan.checked import CheckedReader, PlainReader
 from moezero.plan.layout import ITEMSIZE, rank_ranges, same_group
+from moezero.plan.model_buffer_io import check_buffers
 from moezero.plan.rules import STATES
+from moezero.plan.state_shard import StateShard
 from moezero.plan.store import CheckpointError, find_checkpoint
-from moezero.zero.shards import StateShard
 
 
 def resolve_load(value: str, root: str | os.PathLike) -> Path:

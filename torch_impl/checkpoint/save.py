@@ -1,8 +1,8 @@
 """Saving a checkpoint: the plan's layout written rank by rank (docs/checkpoint.md).
 
 The saver receives state, never the engine: the layout (``moezero.plan.plan_layout`` of the
-optimizer groups), this rank's fp32 shards (``zero.shards.StateShard``: tensors, or the NVMe
-swap files that hold the same ranges) and the engine's small JSON state (``Engine.state_dict``
+optimizer groups), this rank's fp32 shards (``plan.state_shard.StateShard``: tensors, or the
+NVMe swap files that hold the same ranges) and the engine's small JSON state (``Engine.state_dict``
 plus the caller's). Rank 0 creates the ``step_XXXXXXXX.partial/`` directory and every file's
 header; each rank writes its own fp32 partition of every group it holds (master, exp_avg,
 exp_avg_sq) through its ``writer.SaveWriter`` (``store.write_partition``, the aligned bulk of
@@ -28,14 +28,14 @@ import numpy as np
 import torch
 
 from moezero.checkpoint import writer as ckpt_write
-from moezero.checkpoint.group import CheckpointGroup, failure
 from moezero.checkpoint.options import CheckpointOptions
+from moezero.checkpoint.ranks import CheckpointGroup, failure
 from moezero.plan import store
-from moezero.plan.buffer_io import write_buffers
 from moezero.plan.layout import Layout
+from moezero.plan.model_buffer_io import write_buffers
 from moezero.plan.partition import Partition
+from moezero.plan.state_shard import StateShard
 from moezero.plan.store import CheckpointError
-from moezero.zero.shards import StateShard
 
 RANK_KEYS = ("rng",)
 """Entries of the saved state that each rank has its own of (its generator states): gathered

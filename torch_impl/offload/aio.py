@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moezero.memory.pinned import ALIGN, PinnedPool, aligned_size, host_map
 from moezero.plan.bytes_io import CHUNK, byte_view
-from moezero.zero.pinned import ALIGN, PinnedPool, aligned_size, host_map
 
 __all__ = ["ALIGN", "AsyncIO", "OffloadIOError", "aligned_empty", "aligned_size", "wait"]
 

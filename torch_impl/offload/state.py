@@ -27,12 +27,12 @@ from contextlib import contextmanager
 
 import torch
 
+from moezero.memory.pinned import PinnedPool
 from moezero.offload.aio import AsyncIO, aligned_empty, aligned_size, wait
 from moezero.offload.options import IOOptions
 from moezero.offload.readahead import ReadAhead
 from moezero.offload.swapdir import OPTIMIZER_KEY, PARAM_KEY, SwapDir
 from moezero.plan.layout import STATES
-from moezero.zero.pinned import PinnedPool
 
 
 class _Gate:
@@ -82,7 +82,7 @@ class SwapState:
 
     def buffers(self, slot) -> dict[str, torch.Tensor]:
         """Fresh aligned host buffers for ``slot``'s states (counted by the meter while alive;
-        with ``pin``, from this state's pool of pinned buffers: ``moezero.zero.pinned``)."""
+        with ``pin``, from this state's pool of pinned buffers: ``moezero.memory.pinned``)."""
         take = self.pool.take if self.pool is not None else aligned_empty
         bufs = {s: take(slot.shard, self.dtype) for s in self.states}
         if self.meter is not None:

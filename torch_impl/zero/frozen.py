@@ -15,7 +15,8 @@ from typing import Protocol
 
 import torch
 
-from moezero.zero.shards import Slot, StateShard
+from moezero.plan.state_shard import StateShard
+from moezero.zero.shards import Slot
 
 __all__ = ["FrozenWeights", "ParamFiles"]
 

@@ -12,7 +12,7 @@ layer's expert weights in every forward and backward: on the ``nvme`` benchmark 
 another unit also needs gets a storage of its own, a group with a sliced param a storage per
 param, as before. Storages are freed with ``untyped_storage().resize_(0)`` and re-allocated
 while used (the params keep their shape, autograd its references); host storages ask for
-transparent huge pages before their first touch (``moezero.zero.pinned``).
+transparent huge pages before their first touch (``moezero.memory.pinned``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from moezero.zero.pinned import advise_huge_pages
+from moezero.memory.pinned import advise_huge_pages
 from moezero.zero.shards import Slot
 
 

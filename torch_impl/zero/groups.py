@@ -1,32 +1,24 @@
 """Optimizer groups of a torch model, built from the plan in ``reference/plan``.
 
-Turns any ``nn.Module`` containing moezero ``MoE`` layers into ``ParamSpec``s (every expert by
-global index, also those held by other EP ranks), asks the plan for the groups, and keeps the
-ones whose parameters live on this rank. User hyperparameter groups come from the config
-(no weight decay where the plan's ``weight_decay_applies`` says so: norm gains, biases;
-optional expert and router learning rates) or from
-a caller's function. Reference counterpart: ``reference/plan/grouping.py``.
+Takes the model's ``ParamSpec``s and user groups (``moezero.model.specs``: every expert by
+global index, also those held by other EP ranks; user groups from the config or from a
+caller's function), asks the plan for the groups, and keeps the ones whose parameters live on
+this rank. Reference counterpart: ``reference/plan/grouping.py``.
 """
-
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import torch
 from torch import nn
 
 from moezero.config import Config, ConfigError
 from moezero.distributed.topology import Topology
-from moezero.model.moe import ExpertTag, MoE, expert_tag
+from moezero.model.specs import UserGroupFn, config_user_group, param_specs
 from moezero.plan.freeze import freeze_patterns, frozen_fqns
 from moezero.plan.grouping import GroupPlan, plan_groups
 from moezero.plan.partition import Partition, plan_partitions
-from moezero.plan.rules import expert_fqn, parse_expert_fqn, weight_decay_applies
 from moezero.plan.specs import ParamSpec, UserGroup
-
-UserGroupFn = Callable[[str, nn.Parameter], UserGroup]
 
 
 class PlanMismatchError(ValueError):
@@ -58,87 +50,6 @@ class OptimizerGroups:
     partitions: tuple[Partition, ...]
     user_groups: tuple[UserGroup, ...]
     local: tuple[LocalGroup, ...]
-
-
-def config_user_group(cfg: Config) -> UserGroupFn:
-    """User groups from the config: decay / no_decay, times expert / router / dense.
-
-    ``lr_scale`` is relative to ``optimizer.lr`` so one schedule drives every group.
-    """
-    opt = cfg.optimizer
-
-    def user_group(fqn: str, param: nn.Parameter) -> UserGroup:
-        no_decay = opt.no_decay_on_norms and not weight_decay_applies(fqn, param.shape)
-        kind, lr = "", opt.lr
-        if expert_tag(param) is not None and opt.expert_lr is not None:
-            kind, lr = "expert_", opt.expert_lr
-        elif fqn.endswith("router.weight") and opt.router_lr is not None:
-            kind, lr = "router_", opt.router_lr
-        name = f"{kind}{'no_decay' if no_decay else 'decay'}"
-        return UserGroup(name, {"weight_decay": 0.0 if no_decay else opt.weight_decay,
-                                "lr_scale": lr / opt.lr})
-
-    return user_group
-
-
-def param_specs(model: nn.Module, user_group: UserGroupFn) -> tuple[list[ParamSpec], list[UserGroup]]:
-    """Specs of every parameter of the *global* model and the user groups they use.
-
-    Each expert of a MoE layer is specified from its own shapes (``MoE.expert_shapes``), also
-    the experts other EP ranks hold, so experts of different shapes plan alike everywhere.
-    Raises ValueError (one line naming the layer) when an expert cannot be sized.
-    """
-    specs: dict[str, ParamSpec] = {}
-    groups: dict[str, UserGroup] = {}
-    present, done = dict(model.named_parameters()), set()
-    for fqn, param in present.items():
-        tag = expert_tag(param)
-        if tag is None:
-            ug = groups.setdefault(*_user_group(user_group, fqn, param))
-            specs[fqn] = ParamSpec(fqn, tuple(param.shape), _dtype(param), ug.name)
-            continue
-        layer, moe = _moe_layer(model, fqn)
-        for e in range(moe.num_experts) if layer not in done else ():
-            for rest, shape in _shapes(moe, layer, e).items():
-                name = expert_fqn(layer, e, rest)
-                target = present.get(name)
-                if target is None:  # held by another EP rank
-                    target = _meta_param(shape, ExpertTag(tag.group_name, tag.ep_size, e))
-                ug = groups.setdefault(*_user_group(user_group, name, target))
-                specs[name] = ParamSpec(name, shape, _dtype(param), ug.name, tag.group_name,
-                                        tag.ep_size, layer, e)
-        done.add(layer)
-    return list(specs.values()), list(groups.values())
-
-
-def _user_group(user_group: UserGroupFn, fqn: str, param) -> tuple[str, UserGroup]:
-    ug = user_group(fqn, param)
-    return ug.name, ug
-
-
-def _moe_layer(model: nn.Module, fqn: str) -> tuple[str, MoE]:
-    parts = parse_expert_fqn(fqn)
-    if parts is None:
-        raise ValueError(f"{fqn}: expert parameter outside an 'experts.<index>' module")
-    moe = model.get_submodule(parts.layer)
-    if not isinstance(moe, MoE):
-        raise ValueError(f"{fqn}: expert parameter whose layer {parts.layer!r} is not a MoE")
-    return parts.layer, moe
-
-
-def _shapes(moe: MoE, layer: str, e: int) -> dict[str, tuple[int, ...]]:
-    try:
-        return moe.expert_shapes(e)
-    except ValueError as exc:
-        raise ValueError(f"{layer}: {exc}") from None
-
-
-def _meta_param(shape: tuple[int, ...], tag: ExpertTag) -> nn.Parameter:
-    """A stand-in for another rank's expert parameter (shape and tag, no memory) for the
-    user-group function."""
-    param = nn.Parameter(torch.empty(shape, device="meta"))
-    param.moe = tag
-    return param
 
 
 @dataclass(frozen=True)
@@ -187,10 +98,6 @@ def freeze_specs(specs: list[ParamSpec], patterns: list[str]) -> list[ParamSpec]
     except ValueError as exc:
         raise ConfigError("train.freeze", str(exc), "config") from None
     return [replace(s, frozen=True) if s.fqn in frozen else s for s in specs]
-
-
-def _dtype(param: nn.Parameter) -> str:
-    return str(param.dtype).removeprefix("torch.")
 
 
 def plan_digest(groups: OptimizerGroups) -> str:

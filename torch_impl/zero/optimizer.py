@@ -3,7 +3,7 @@
 ``Optimizer`` is what the engine holds: ``moezero.zero.replicated.ReplicatedOptimizer`` (stage
 0: every rank keeps the whole state of its groups) or ``moezero.zero.sharded.ShardedOptimizer``
 (stages 1-3: each rank keeps a shard). Both are built on the same pieces: flat buffers by kind
-(``moezero.zero.buffers``), one ``Slot`` per local optimizer group in plan order, the bucketed
+(``moezero.zero.flat``), one ``Slot`` per local optimizer group in plan order, the bucketed
 gradient reduction (``moezero.zero.reduce``) and the step below. The engine calls, per training
 step: ``before_backward`` / ``after_backward`` around each micro-batch's backward,
 ``reduce_gradients``, ``step``, ``zero_grad``. A checkpoint receives ``shards()`` (what this rank
@@ -42,17 +42,18 @@ from torch import nn
 
 from moezero.distributed.topology import Topology
 from moezero.plan.partition import Partition
+from moezero.plan.state_shard import StateShard
 from moezero.zero.adamw import clip_coef
 from moezero.zero.behind import StepBehind
 from moezero.zero.buckets import GroupColumns, plan_windows
-from moezero.zero.buffers import attach_grad_views, build_kinds, flatten_params, param_positions
+from moezero.zero.flat import attach_grad_views, build_kinds, flatten_params, param_positions
 from moezero.zero.frozen import FrozenWeights
 from moezero.zero.gradtier import square_sum
 from moezero.zero.groups import OptimizerGroups
 from moezero.zero.hostadam import adamw_step_, load_compiled
 from moezero.zero.options import ZeroOptions
 from moezero.zero.reduce import GradReduction
-from moezero.zero.shards import MemoryMeter, Slot, StateShard, nbytes
+from moezero.zero.shards import MemoryMeter, Slot, nbytes
 from moezero.zero.state_view import StateView
 from moezero.zero.states import OptimizerStates
 from moezero.zero.swaps import Swaps

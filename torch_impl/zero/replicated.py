@@ -1,7 +1,7 @@
 """ZeRO stage 0: plain data parallelism with replicated fp32 optimizer state.
 
 Every rank keeps the whole state of its optimizer groups: the parameters and their full
-gradients are views of one flat buffer per data-parallel kind (``moezero.zero.buffers``), and
+gradients are views of one flat buffer per data-parallel kind (``moezero.zero.flat``), and
 each group (``Slot``) holds its fp32 master (in fp32, the group's range of the flat params
 itself), exp_avg and exp_avg_sq over all of its elements. The gradients are all-reduced in
 fp32 buckets (``moezero.zero.reduce``, one row per group): dense gradients averaged over the W

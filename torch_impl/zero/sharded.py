@@ -1,7 +1,7 @@
 """ZeRO stages 1-3: sharded fp32 state, reduce-scattered gradients, the all-gather after the step.
 
 **Layout.** At stages 1-2 the model's compute-dtype parameters are views into flat buffers,
-one per data-parallel *kind* (``moezero.zero.buffers``): the dense params (sharded over all W
+one per data-parallel *kind* (``moezero.zero.flat``): the dense params (sharded over all W
 ranks) and, for each moe group, the experts of this rank's EP rank (sharded over its EDP group
 of W/ep ranks). Nothing else holds the params' storage.
 

@@ -1,18 +1,17 @@
 """The pieces the optimizers are made of: one local group's state (``Slot``), the groups that
-share one data-parallel group (``Kind``), the engine's memory accounting (``MemoryMeter``) and
-the record a checkpoint receives of one shard (``StateShard``).
+share one data-parallel group (``Kind``) and the engine's memory accounting (``MemoryMeter``).
+The record a checkpoint receives of one shard, ``StateShard``, lives below both sides in
+``moezero.plan.state_shard``.
 
-Used by ``moezero.zero.reduce`` (gradient reduction), ``moezero.zero.gather`` (stage 3),
-``moezero.zero.optimizer`` (the step) and ``moezero.checkpoint``.
+Used by ``moezero.zero.reduce`` (gradient reduction), ``moezero.zero.gather`` (stage 3) and
+``moezero.zero.optimizer`` (the step).
 Reference counterpart: ``reference/plan/partition.py``.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -99,19 +98,6 @@ class Kind:
     params: torch.Tensor | None = None
     grads: torch.Tensor | None = None  # stage 1: full local grads, viewed by param.grad
     frozen: bool = False  # frozen groups only (``train.freeze``): no gradients, never stepped
-
-
-@dataclass(frozen=True)
-class StateShard:
-    """One DP rank's fp32 state of one group, as checkpoints see it: the partition and DP
-    rank, and either ``tensors`` (state -> fp32 tensor of the shard's real elements, or the
-    padded shard) or, NVMe-offloaded, ``files`` (state -> swap file holding the padded shard
-    from byte 0). Produced by the optimizers, consumed by ``moezero.checkpoint``."""
-
-    partition: Partition
-    dp_rank: int
-    tensors: Mapping[str, torch.Tensor] | None = None
-    files: Mapping[str, Path] | None = None
 
 
 def read_members(columns: GroupColumns, lo: int, hi: int, dst: torch.Tensor, tensor_of) -> None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from moezero.plan.state_shard import StateShard
 from moezero.zero.frozen import FrozenWeights
-from moezero.zero.shards import Slot, StateShard
+from moezero.zero.shards import Slot
 from moezero.zero.states import OptimizerStates
 
 __all__ = ["StateView"]

@@ -14,7 +14,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from moezero.plan.layout import STATES
-from moezero.zero.shards import Slot, StateShard
+from moezero.plan.state_shard import StateShard
+from moezero.zero.shards import Slot
 
 __all__ = ["OptimizerStates"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moezero.zero.pinned import PinnedPool
+from moezero.memory.pinned import PinnedPool
 
 
 def batch_to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -29,12 +29,12 @@ from moezero.checkpoint.hf.names import candidates
 from moezero.checkpoint.hf.reader import HFTensors
 from moezero.config import Config, dump_config
 from moezero.model.build import config_decoder
+from moezero.model.specs import config_user_group, param_specs
 from moezero.plan import plan_groups, plan_layout, store
 from moezero.plan.bytes_io import CHUNK, byte_view
 from moezero.plan.files import pwrite_all, read_json
 from moezero.plan.layout import ITEMSIZE, RangeRecord
 from moezero.plan.store import CheckpointError
-from moezero.zero.groups import config_user_group, param_specs
 
 HF_CONFIG = "config.json"
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq")  # a buffer some old checkpoints saved

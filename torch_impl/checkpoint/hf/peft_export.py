@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from moezero.checkpoint import base as adapter_base
+from moezero.checkpoint import adapter_ckpt
 from moezero.checkpoint import tokenizer as hf_tokenizer
 from moezero.checkpoint.hf.arch import arch_of
 from moezero.checkpoint.hf.exporter import HF_CONFIG
@@ -49,7 +49,7 @@ def _adapter_checkpoint(ckpt: Path, what: str):
     if not manifest.base:
         raise CheckpointError(f"{ckpt}: holds no LoRA adapters (not a peft.method: lora "
                               f"checkpoint); {what} needs them (docs/finetune.md)")
-    base_dir = adapter_base.check(manifest.base, ckpt)
+    base_dir = adapter_ckpt.check(manifest.base, ckpt)
     trained = {k: torch.from_numpy(v) for k, v in read_tensors(ckpt, manifest).items()}
     return manifest, base_dir, trained
 
@@ -69,7 +69,7 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
     """``adapter_config.json`` + ``adapter_model.safetensors`` of an adapter checkpoint, for
     the family that holds its architecture."""
     manifest, base_dir, trained = _adapter_checkpoint(ckpt, "--format peft")
-    others = sorted(f for f in trained if not f.endswith(adapter_base.ADAPTER_SUFFIXES))
+    others = sorted(f for f in trained if not f.endswith(adapter_ckpt.ADAPTER_SUFFIXES))
     if others:
         raise CheckpointError(f"{ckpt}: trains {others[0]} besides the LoRA adapters "
                               f"({len(others)} such tensors); a PEFT adapter holds adapters "
@@ -161,7 +161,7 @@ def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
     for fqn, (a, b) in _lora(trained).items():
         weights[fqn + ".weight"] = weights[fqn + ".weight"] + scale * (b @ a)
     weights.update({k: v for k, v in trained.items()
-                    if not k.endswith(adapter_base.ADAPTER_SUFFIXES)})
+                    if not k.endswith(adapter_ckpt.ADAPTER_SUFFIXES)})
     arch = arch_of(base_manifest)
     family = family_for(arch, model_type)
     tensors = {hf_name(fqn, family): weights[fqn].to(DTYPES[dtype]).contiguous()

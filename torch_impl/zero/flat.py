@@ -1,4 +1,5 @@
-"""Flat buffers shared by the optimizers: local groups sorted into data-parallel *kinds*, and
+"""Flat parameter buffers shared by the optimizers (not the model's buffers:
+``moezero.plan.model_buffers``): local groups sorted into data-parallel *kinds*, and
 each kind's parameters (and, where full gradients are kept, their gradients) as one flat buffer
 that the parameters view.
 

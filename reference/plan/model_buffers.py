@@ -1,4 +1,5 @@
-"""Buffers: model state that is checkpointed but never optimized (docs/grouping.md).
+"""Model buffers: model state that is checkpointed but never optimized (docs/grouping.md);
+not the optimizer's flat parameter buffers (``moezero.zero.flat``).
 
 The router's aux-loss-free expert bias (``layers.{i}.moe.router.expert_bias``, DeepSeek-V3) is
 state the forward reads and that changes after every optimizer step, by a rule outside the

@@ -1,7 +1,7 @@
-"""Checkpointed buffers of a model (``moezero.plan.buffers``: the routers' expert biases).
+"""Checkpointed buffers of a model (``moezero.plan.model_buffers``: the routers' expert biases).
 
 They are replicated, identical on every rank, and in no optimizer group: rank 0 writes them
-whole into the layout's ``buffers.safetensors`` (``plan.buffer_io.write_buffers``); every
+whole into the layout's ``buffers.safetensors`` (``plan.model_buffer_io.write_buffers``); every
 rank reads them back on load. Reference counterpart: ``reference/checkpoint.py`` (the same file, the
 biases in its params tree).
 """
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from moezero.plan import store
-from moezero.plan.buffers import is_buffer
+from moezero.plan.model_buffers import is_buffer
 
 __all__ = ["buffer_shapes", "buffer_targets", "buffer_values", "read_buffers"]
 
@@ -40,7 +40,7 @@ def buffer_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def read_buffers(targets: dict[str, torch.Tensor], where: Path, manifest, reader=None) -> None:
     """Each target buffer from the checkpoint, or zero (its initial value, e.g. the expert
     bias of an imported model) where the checkpoint has none. Check the shapes first
-    (``plan.buffer_io.check_buffers``); ``reader`` verifies what it reads
+    (``plan.model_buffer_io.check_buffers``); ``reader`` verifies what it reads
     (``plan.checked.CheckedReader``)."""
     saved = dict(manifest.layout.buffers)
     for fqn, buf in targets.items():

@@ -1,8 +1,8 @@
-"""Buffers on disk: the writer and the load-time check of ``buffers.safetensors``
-(``moezero.plan.buffers``; the file itself is planned by ``plan_layout(..., buffers=...)`` and
-read with ``store.read_param`` like any tensor).
+"""Model buffers on disk: the writer and the load-time check of ``buffers.safetensors``
+(``moezero.plan.model_buffers``; the file itself is planned by
+``plan_layout(..., buffers=...)`` and read with ``store.read_param`` like any tensor).
 
-Torch counterpart: ``moezero.checkpoint.buffers``; the reference calls these from
+Torch counterpart: ``moezero.checkpoint.model_buffers``; the reference calls these from
 ``moezero.reference.checkpoint``.
 """
 
@@ -21,7 +21,7 @@ __all__ = ["check_buffers", "write_buffers"]
 
 def write_buffers(ckpt_dir: str | Path, layout: Layout,
                   values: Mapping[str, np.ndarray]) -> list[RangeRecord]:
-    """Write every buffer of the layout (``moezero.plan.buffers``) whole into its file, from
+    """Write every buffer of the layout (``moezero.plan.model_buffers``) whole into its file, from
     ``values`` ({fqn: array of its shape}, cast to fp32); one checksum record per buffer.
     One writer (rank 0) calls it: buffers are replicated, never sharded."""
     f, records = layout.buffer_file, []
