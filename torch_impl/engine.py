@@ -287,7 +287,8 @@ class Engine:
         """An adapter checkpoint: the frozen params from its base (checked unchanged), the
         rest from it. Any other checkpoint becomes the base of this run's saves; the adapters
         come from it too, or keep their initial values where it has none (a fine-tune from
-        step 0: returns {})."""
+        step 0: returns {}); then every other param comes from it, the base params that
+        ``train.freeze``'s "!" patterns train too included (their masters; moments zero)."""
         where = store.find_checkpoint(path)
         manifest = store.read_manifest(where)
         split, load = adapter_ckpt.AdapterPlan.of(self.groups.plan, self.shapes), \
@@ -301,6 +302,9 @@ class Engine:
         self.base = adapter_ckpt.record(where)
         if split.lacks_adapters(dict(manifest.layout.shapes)):
             load(where, frozen, split.frozen, buffers=buffers, exact=False)
+            if split.unfrozen:  # base params trained too ("!" patterns): their values
+                load(where, self.optimizer.load_targets(frozen=False), split.unfrozen,
+                     exact=False, only=True)
             return {}
         return load(where, self.optimizer.load_targets(), self.shapes, buffers=buffers)
 

@@ -21,6 +21,8 @@ from moezero.checkpoint.tools import describe
 from moezero.config import Config, ConfigError, load_config
 from moezero.distributed.topology import build_topology
 from moezero.model.moe import MoE
+from moezero.plan import store
+from moezero.plan.reading import read_tensors
 from moezero.train import build_model, preflight
 from tests.support.compare import assert_close_by_fqn, rel_err
 from tests.support.world import run_world
@@ -256,3 +258,53 @@ def test_an_adapter_checkpoint_is_described_and_not_exported_to_hf_unmerged(ckpt
         export_hf(step, root / "hf")
     assert "\n" not in str(err.value) and "holds LoRA adapters" in str(err.value)
     assert not (root / "hf").exists()
+
+
+# ---------------------------------------------------------------------------- "!" patterns
+UNFROZEN = ["!*norm.weight", "!*.router.*"]  # base params that a LoRA run trains too
+
+
+def _trained_base_then_lora(root: str) -> dict:
+    """A base trained 2 steps at a high lr (its norm gains and routers leave moezero's fresh
+    init), then LoRA runs with ``UNFROZEN`` at stages 0 and 3 loading it: their params before
+    and after the load."""
+    cfg = lora_cfg(0, "none", None, ep=1)
+    base = {**cfg, "peft": {"method": "none"}}
+    base["optimizer"] = {**cfg["optimizer"], "lr": 5e-2}
+    engine, _, batches = engine_and_batches(base, 1)
+    for _ in range(2):
+        engine.train_step([torch.from_numpy(batches.next())])
+    engine.save_checkpoint(f"{root}/base")
+    engine.close()
+    out = {}
+    for stage, offload in ((0, "none"), (3, "cpu")):
+        cfg = lora_cfg(stage, offload, None, ep=1)
+        cfg["train"]["freeze"] = UNFROZEN
+        engine, _, _ = engine_and_batches(cfg, 1)
+        fresh = _full(engine)
+        engine.load_checkpoint(f"{root}/base")
+        out[stage] = {"fresh": fresh, "loaded": _full(engine)}
+        engine.close()
+    return out
+
+
+def test_lora_with_unfrozen_base_params_loads_every_base_param_from_the_base(tmp_path):
+    """issue 38 fault 1: with ``train.freeze: ["!..."]`` the un-frozen base params (norm gains,
+    routers) come from the base too, not from moezero's fresh init; only the adapters keep
+    their initial values."""
+    (res,) = run_world(_trained_base_then_lora, 1, tmp_path / "w1", str(tmp_path))
+    where = store.find_checkpoint(tmp_path / "base")
+    base = read_tensors(where, store.read_manifest(where))
+    norms = [f for f in base if f.endswith("norm.weight")]
+    routers = [f for f in base if ".router." in f]
+    assert norms and routers
+    assert all(not np.allclose(base[f], 1.0) for f in norms)  # not HF's nor moezero's init
+    for stage, run in res.items():
+        assert not any(np.array_equal(run["fresh"][f], base[f].reshape(run["fresh"][f].shape))
+                       for f in routers), stage
+        for fqn, value in run["loaded"].items():
+            if ".lora_" in fqn:
+                np.testing.assert_array_equal(value, run["fresh"][fqn], err_msg=fqn)
+            else:
+                np.testing.assert_array_equal(value, base[fqn].reshape(value.shape),
+                                              err_msg=f"stage {stage}: {fqn}")
