@@ -257,10 +257,66 @@ def _no_config_json(folder: Path, tmp: Path) -> str:
     return "no config.json here or one folder up"
 
 
+def _edit_rank(path: Path, edit) -> None:
+    """Rewrite an optimizer file with ``edit(obj, optimizer_state_dict)`` applied. DeepSpeed's
+    own objects cannot be pickled back under their names here: the loss scaler (rank 0's is
+    the one read) and the slice mappings (not read) are dropped, the stage is a plain int."""
+    from moezero.checkpoint.deepspeed import pickles
+
+    obj = {k: v for k, v in pickles.load(path).items()}
+    top = dict(obj["optimizer_state_dict"])
+    top.pop("param_slice_mappings", None)
+    top["loss_scaler"], top["zero_stage"] = None, int(top["zero_stage"])
+    top["base_optimizer_state"] = {**top["base_optimizer_state"]}
+    edit(obj, top)
+    new = path.with_name(path.name + ".new")  # the old file stays mapped until replaced
+    torch.save({**obj, "optimizer_state_dict": top}, new)
+    os.replace(new, path)
+
+
+RANK1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+def _rank_of_an_earlier_step(folder: Path, tmp: Path) -> str:
+    """issue 38 #2: rank 1's file of the save one step earlier (same size)."""
+    def earlier(obj, top):
+        state = top["base_optimizer_state"]["state"]
+        top["base_optimizer_state"]["state"] = {g: {**e, "step": e["step"] - 1}
+                                                for g, e in state.items()}
+    _edit_rank(folder / RANK1, earlier)
+    return f"{RANK1}: Adam step 1, rank 0's file says 2 (rank files of different saves)"
+
+
+def _rank_of_a_bf16_run(folder: Path, tmp: Path) -> str:
+    def bf16(obj, top):
+        obj["ds_config"] = {**obj["ds_config"], "bf16": {"enabled": True}}
+    _edit_rank(folder / RANK1, bf16)
+    return f"{RANK1}: ds_config differs from the model states' (at 'bf16'): a file of " \
+        "another run"
+
+
+def _rank_of_another_version(folder: Path, tmp: Path) -> str:
+    def older(obj, top):
+        obj["ds_version"] = "0.18.0"
+    _edit_rank(folder / RANK1, older)
+    return f"{RANK1}: ds_version 0.18.0, the model states say 0.19.8: a file of another run"
+
+
+def _rank_of_another_partition_count(folder: Path, tmp: Path) -> str:
+    def count(obj, top):
+        top["partition_count"] = [4]
+    _edit_rank(folder / RANK1, count)
+    return f"{RANK1}: partition_count [4], a world of 2 ranks gives [2]"
+
+
 FAULTS = {"forbidden_global": _forbidden_global, "truncated": _truncated,
           "no_config_json": _no_config_json,
           "missing_rank": _missing_rank, "partition_of_another_world":
-          _partition_of_another_world, "extra_rank": _extra_rank}
+          _partition_of_another_world, "extra_rank": _extra_rank,
+          "rank_of_an_earlier_step": _rank_of_an_earlier_step,
+          "rank_of_a_bf16_run": _rank_of_a_bf16_run,
+          "rank_of_another_version": _rank_of_another_version,
+          "rank_of_another_partition_count": _rank_of_another_partition_count}
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -278,6 +334,24 @@ def test_a_bad_checkpoint_is_one_line_and_nothing_written(tmp_path, capsys, faul
     assert err[0].startswith("moezero: error: ") and expected in err[0], err[0]
     assert not (tmp_path / "out").exists()
     assert not (tmp_path / "pwned").exists()
+
+
+def test_every_rank_file_of_another_step_than_the_model_states_is_noted(tmp_path, capsys):
+    """Every rank file at Adam step 2 in a tag folder whose model states say step 3: imported
+    (DeepSpeed's ``load_optimizer_states=False`` resets Adam's step in a real run), noted."""
+    import shutil
+
+    from moezero.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "mixtral_z2_w2" / "ckpt", ckpt)
+    path = ckpt / "global_step2" / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    state["global_steps"] = 3
+    torch.save(state, path)
+    assert main(["import-deepspeed", str(ckpt), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "Adam step 2, but the model states say global_steps 3 (0 skipped)" in out, out
 
 
 def _rewrite(path: Path, edit) -> None:

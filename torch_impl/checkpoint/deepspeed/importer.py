@@ -21,7 +21,14 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from moezero.checkpoint.deepspeed import patterns, placement, ranks, settings, unsharded
+from moezero.checkpoint.deepspeed import (
+    agreement,
+    patterns,
+    placement,
+    ranks,
+    settings,
+    unsharded,
+)
 from moezero.checkpoint.deepspeed.source import Source, find_tag, read_source
 from moezero.checkpoint.hf.importer import HF_CONFIG, _layout, import_config, read_hf_config
 from moezero.checkpoint.hf.names import candidates
@@ -77,7 +84,7 @@ def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = No
     first = _read_rank(src, 0)
     eps = _group_eps(first, src)
     where = placement.plan(src.stage, src.world_size, src.groups, eps)
-    _check_ranks(src, where)
+    _check_ranks(src, where, first, eps)
     cfg, notes = _config(arch, raw, src, first, out)
     layout = _layout(cfg, step=src.global_steps, weights_only=False)
     mapped = patterns.by_fqn(where.shapes, patterns.load(names and Path(names)))
@@ -98,7 +105,8 @@ def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = No
     dump_config(cfg, out / "config.yaml")
     bytes_in = sum(p.stat().st_size for p in src.folder.rglob("*") if p.is_file())
     bytes_out = sum(p.stat().st_size for p in step_dir.iterdir())
-    return Report(src, step_dir, bytes_in, bytes_out, _found(first), notes + _unknown(src),
+    return Report(src, step_dir, bytes_in, bytes_out, _found(first),
+                  agreement.step_notes(first, src) + notes + _unknown(src),
                   eps=sorted({e for e in eps if e}) or [1],
                   numel=sum(_prod(shape) for shape in where.shapes.values()))
 
@@ -241,11 +249,14 @@ def _write_rank(state: ranks.RankState, partial: Path, writes: list[Write]) -> l
     return records
 
 
-def _check_ranks(src: Source, where: placement.Placement) -> None:
+def _check_ranks(src: Source, where: placement.Placement, first: ranks.RankState,
+                 eps: tuple[int | None, ...]) -> None:
     """Every rank's file read (its pickle; tensor data stays on disk) and checked against the
-    model states."""
+    model states and rank 0's file (``agreement``: one save)."""
     for rank in range(len(src.optim_files)):
-        _check_rank(_read_rank(src, rank), where, src, rank)
+        state = _read_rank(src, rank)
+        _check_rank(state, where, src, rank)
+        agreement.check_rank(state, first, src, rank, eps)
 
 
 def _read_rank(src: Source, rank: int) -> ranks.RankState:
