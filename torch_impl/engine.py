@@ -46,6 +46,7 @@ from moezero.plan.records import EngineRecord, TopologyRecord
 from moezero.zero.adamw import LossScaler, lr_at
 from moezero.zero.build import build_optimizer
 from moezero.zero.groups import OptimizerGroups, build_groups, check_digests, plan_digest
+from moezero.zero.lr_schedule import scheduled_lr
 from moezero.zero.transfer import batch_to_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -177,7 +178,11 @@ class Engine:
         return self.optimizer.full_parameters()
 
     def current_lr(self) -> float:
+        """The lr of the next optimizer step: ``optimizer.scheduler``'s (a DeepSpeed schedule)
+        where set, else moezero's warmup + cosine."""
         opt = self.cfg.optimizer
+        if opt.scheduler is not None:
+            return scheduled_lr(opt.scheduler, self.step_count, peak=opt.lr)
         return lr_at(self.step_count, lr=opt.lr, warmup_steps=opt.warmup_steps,
                      total_steps=self.cfg.train.steps, min_lr_ratio=opt.min_lr_ratio)
 

@@ -21,6 +21,7 @@ from moezero.config.errors import FieldError
 from moezero.config.model import ARCHITECTURE_KEYS, ModelConfig, MoEConfig
 from moezero.config.offload import OptimizerOffloadConfig, ParamOffloadConfig
 from moezero.config.peft import PeftConfig
+from moezero.config.schedule import LRScheduleConfig
 from moezero.config.section import Section as _Section
 
 
@@ -91,6 +92,9 @@ class OptimizerConfig(_Section):
         1.0, ge=0, description="Clip the global grad norm to this; 0 or None disables.")
     warmup_steps: int = Field(30, ge=0, description="Linear warmup steps from 0 to lr.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay ends at lr * this.")
+    scheduler: LRScheduleConfig | None = Field(
+        None, description="A DeepSpeed lr schedule (WarmupLR, WarmupDecayLR, WarmupCosineLR) "
+                          "in place of warmup_steps/min_lr_ratio; import-deepspeed sets it.")
 
     @property
     def max_grad_norm(self) -> float | None:

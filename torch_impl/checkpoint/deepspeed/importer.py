@@ -141,6 +141,8 @@ def _config(arch, raw: dict, src: Source, first: ranks.RankState, out: Path):
     aux = raw.get("router_aux_loss_coef", 0.0) if raw.get("output_router_logits") else 0.0
     data["moe"].update(aux_loss_coef=float(aux), z_loss_coef=0.0)
     data["optimizer"].update(opt)
+    data["zero_optimization"].update(settings.zero_section(src.ds_config, src.stage))
+    data["moe"]["ep_size"] = max((e for e in _group_eps(first, src) if e), default=1)
     data["precision"].update(settings.precision_section(src.ds_config))
     data["train"].update(settings.train_section(src.ds_config))
     try:
@@ -341,8 +343,10 @@ def _unknown(src: Source) -> list[str]:
     if src.global_samples is not None:
         notes.append(f"data position: DeepSpeed counted {src.global_samples} samples but not "
                      "which; moezero's data starts at its own position 0")
-    if src.lr_scheduler:
-        notes.append("lr scheduler state: kept as the step count only")
+    if src.lr_scheduler and not src.ds_config.get("scheduler"):
+        notes.append("lr scheduler: one DeepSpeed's config does not name (a client's, e.g. the "
+                     "transformers Trainer's): optimizer.lr is the lr of its last step, "
+                     "constant (set optimizer.scheduler or warmup_steps yourself)")
     return notes
 
 
