@@ -216,3 +216,32 @@ def test_a_probe_survives_another_worker_removing_the_new_folder(tmp_path, monke
     monkeypatch.setattr(os, "open", racing_open)
     rundir.probe_writable(target, "checkpoint.dir")
     assert raced and not (tmp_path / "a").exists()
+
+
+def _listing(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` and its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != ".moezero.lock"}
+
+
+def test_a_lora_run_in_its_bases_run_directory_is_refused(tmp_path, capsys):
+    """issue 38 #5: a LoRA run started in the --out of the full run it uses as its base would
+    restart the step count at 0 in the base's checkpoint root, and its saves and keep_last
+    delete the base: refused in one line before any rank starts; the base is untouched."""
+    out = tmp_path / "run"
+    assert moezero("train", *ONE, "--set", "train.steps=2", "--out", str(out)).returncode == 0
+    before = _listing(out / "checkpoints")
+    for load in ("latest", str(out / "checkpoints" / "step_00000002")):
+        code = main(["train", *ONE, "--set", "train.steps=1", "--set", "peft.method=lora",
+                     "--set", f"checkpoint.load={load}", "--out", str(out)])
+        line = _one_line(capsys.readouterr().err)
+        assert code == 2, line
+        assert line.startswith(f"moezero: error: checkpoint.dir: {out / 'checkpoints'} holds "
+                               f"{out / 'checkpoints' / 'step_00000002'}, the base of this LoRA "
+                               "run"), line
+        assert _listing(out / "checkpoints") == before
+    other = tmp_path / "lora"  # its own --out: fine
+    res = moezero("train", *ONE, "--set", "train.steps=1", "--set", "peft.method=lora",
+                  "--set", f"checkpoint.load={out / 'checkpoints'}", "--out", str(other))
+    assert res.returncode == 0, res.stderr
+    assert _listing(out / "checkpoints") == before
