@@ -361,7 +361,8 @@ def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None, *,
     cfg = Config.model_validate(cfg_data)
     device = rank_device(resolve_backend(cfg.dist.backend, cuda_device_count()))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    run_dir, lock = agree_run_dir(run_dir, rank=rank, device=device)
+    run_dir, lock = agree_run_dir(run_dir, rank=rank, device=device,
+                                  ckpt_root=cfg.checkpoint.resolve_dir(run_dir))
     try:
         with rank_errors(rank, run_dir / "logs", EXPECTED_ERRORS):
             train(cfg, run_dir, device, io, stop)

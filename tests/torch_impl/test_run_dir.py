@@ -245,3 +245,35 @@ def test_a_lora_run_in_its_bases_run_directory_is_refused(tmp_path, capsys):
                   "--set", f"checkpoint.load={out / 'checkpoints'}", "--out", str(other))
     assert res.returncode == 0, res.stderr
     assert _listing(out / "checkpoints") == before
+
+
+def test_two_runs_on_one_checkpoint_dir_are_refused(tmp_path):
+    """issue 38 #6: two runs with their own --out and one checkpoint.dir both died at their
+    first save and left the root empty: the lock covers checkpoint.dir too; the second run is
+    refused in one line, the first's checkpoints survive."""
+    shared = tmp_path / "shared_ckpt"
+    sets = ["--set", f"checkpoint.dir={shared}", "--set", "checkpoint.every=1"]
+    first = subprocess.Popen([sys.executable, "-m", "moezero.cli", "train", *ONE, *sets,
+                              "--set", "train.steps=100000", "--out", str(tmp_path / "a")],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while _metrics_rows(tmp_path / "a") < 2:
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+            time.sleep(0.2)
+        res = moezero("train", *ONE, *sets, "--set", "train.steps=1",
+                      "--out", str(tmp_path / "b"))
+        line = _one_line(res.stderr)
+        assert res.returncode == 2, res.stderr
+        assert "checkpoint.dir: the checkpoint root is in use by a running job; give each run " \
+            "its own checkpoint.dir" in line
+        assert str(shared) in line, line
+        rows = _metrics_rows(tmp_path / "a")
+        while _metrics_rows(tmp_path / "a") <= rows:  # the first run still trains and saves
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+            time.sleep(0.2)
+        assert any(p.name.startswith("step_") for p in shared.iterdir())
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=60)
