@@ -361,6 +361,7 @@ def _train(args: argparse.Namespace, io: IOOptions | None = None) -> int:
 
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     check_run(run_dir, cfg.checkpoint.resolve_dir(run_dir), checkpoint_size(cfg),
+              keep_last=cfg.checkpoint.keep_last,
               lock=int(os.environ.get("RANK", "0")) == 0)  # torchrun: rank 0 holds the lock
     return launch_training(cfg, run_dir, args.nproc, io)
 

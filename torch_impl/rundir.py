@@ -4,7 +4,8 @@ that keeps one run per run directory (docs/reliability.md).
 ``check_run`` is what the CLI calls before any rank starts: the run directory (``--out``) and
 ``checkpoint.dir`` can be created and written (a probe file is created, fsynced and removed
 on each, and folders the probe created are removed again), the checkpoint root has room for
-one checkpoint (``checkpoint_bytes``), and no live run holds the run directory. ``RunLock``
+``keep_last + 1`` checkpoints (``checkpoint_bytes`` each; a save writes the newest before it
+deletes the oldest), and no live run holds the run directory. ``RunLock``
 is the lock itself: rank 0 holds an ``flock`` on ``<run dir>/.moezero.lock`` for its
 lifetime and removes the file when it lets go (the kernel lets go of the lock when the process
 ends, so a crashed run never blocks the next). ``RootLock`` covers ``checkpoint.dir`` the same
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -32,6 +34,7 @@ HEADER_BYTES = 256
 """Allowance per tensor and state in a checkpoint's safetensors headers and manifest."""
 JSON_BYTES = 1 << 20
 """Allowance for a checkpoint's manifest, index and per-rank state beyond the tensors."""
+_STEP = re.compile(r"step_\d{8,}")
 
 
 def checkpoint_bytes(numel: int, num_tensors: int) -> int:
@@ -81,25 +84,37 @@ def _probe(path: Path, attempts: int = 5) -> None:
         return
 
 
-def _check_free(path: Path, need: int, key: str) -> None:
+def _check_free(path: Path, one: int, keep_last: int, key: str) -> None:
     """ConfigError unless the filesystem of ``path`` (or its nearest existing parent) has
-    ``need`` bytes free."""
+    room for ``keep_last + 1`` checkpoints of ``one`` bytes (a save writes the newest while
+    the oldest kept one still exists), less those the root already holds."""
     path = Path(os.path.abspath(path))
+    held = min(keep_last, _held(path))
+    need = one * (keep_last + 1 - held)
     free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
     if free < need:
         gib = lambda n: f"{n / (1 << 30):.2f} GiB"
-        raise ConfigError(key, f"one checkpoint needs {need} bytes ({gib(need)}), only {free} "
-                               f"bytes ({gib(free)}) free", str(path))
+        less = f" less the {held} it holds" if held else ""
+        raise ConfigError(key, f"one checkpoint needs {one} bytes ({gib(one)}); keep_last "
+                               f"{keep_last} + 1{less}: {need} bytes ({gib(need)}), only "
+                               f"{free} bytes ({gib(free)}) free", str(path))
 
 
-def check_run(run_dir: Path, ckpt_root: Path, ckpt_bytes: int, *, lock: bool = True) -> None:
+def _held(root: Path) -> int:
+    """Committed step directories in ``root``."""
+    return sum(1 for p in root.iterdir() if _STEP.fullmatch(p.name)) if root.is_dir() else 0
+
+
+def check_run(run_dir: Path, ckpt_root: Path, ckpt_bytes: int, *, lock: bool = True,
+              keep_last: int = 1) -> None:
     """Before any rank starts: the run directory and checkpoint root are writable, the root
-    has ``ckpt_bytes`` free, and (with ``lock``) no live run holds the run directory. One-line
-    ConfigError; leaves the filesystem as it found it. ``lock`` False: a torchrun worker other
-    than rank 0 (rank 0 may already hold the lock of this very run)."""
+    has room for ``keep_last + 1`` checkpoints of ``ckpt_bytes`` (less those it holds), and
+    (with ``lock``) no live run holds the run directory or the root. One-line ConfigError;
+    leaves the filesystem as it found it. ``lock`` False: a torchrun worker other than rank 0
+    (rank 0 may already hold the lock of this very run)."""
     probe_writable(run_dir, "--out")
     probe_writable(ckpt_root, "checkpoint.dir")
-    _check_free(ckpt_root, ckpt_bytes, "checkpoint.dir")
+    _check_free(ckpt_root, ckpt_bytes, keep_last, "checkpoint.dir")
     if lock and (Path(run_dir) / LOCK_NAME).exists():
         RunLock(run_dir).acquire().release()
     if lock and Path(ckpt_root).is_dir():

@@ -60,6 +60,25 @@ def test_too_little_space_for_a_checkpoint_is_refused_before_the_first_step(
     assert not (out / "metrics.jsonl").exists()
 
 
+def test_room_for_keep_last_plus_one_checkpoints_is_checked(tmp_path, monkeypatch, capsys):
+    """issue 38 #8: a save needs room for keep_last + 1 checkpoints while the oldest is still
+    kept; with room for two (keep_last 2) the run used to pass and die at its third save."""
+    from moezero.config import load_config
+    from moezero.train import checkpoint_size
+
+    one = checkpoint_size(load_config(None, [a for a in ONE if a.startswith(("model", "moe",
+                                                                                 "train"))]))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 0, 2 * one + 4096))
+    out = tmp_path / "run"
+    code = main(["train", *ONE, "--set", "train.steps=1", "--out", str(out)])
+    line = _one_line(capsys.readouterr().err)
+    assert code == 2, line
+    assert line.startswith(f"moezero: error: checkpoint.dir: one checkpoint needs {one} bytes"), line
+    assert f"keep_last 2 + 1: {3 * one} bytes" in line and f"only {2 * one + 4096} bytes" in line
+    assert not (out / "metrics.jsonl").exists()
+
+
 def _metrics_rows(out: Path) -> int:
     path = out / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
