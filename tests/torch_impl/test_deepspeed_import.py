@@ -412,6 +412,20 @@ def test_a_bad_checkpoint_is_one_line_and_nothing_written(tmp_path, capsys, faul
     assert not (tmp_path / "pwned").exists()
 
 
+def test_an_out_holding_a_killed_imports_partial_is_named(tmp_path, capsys):
+    """issue 38 #12: re-importing into an --out that holds a killed import's step directory
+    names it, not just 'not an empty directory'."""
+    from moezero.cli import main
+
+    (tmp_path / "out" / "step_00000002.partial").mkdir(parents=True)
+    code = main(["import-deepspeed", str(FIXTURES / "mixtral_z2_w2" / "ckpt"),
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"--out {tmp_path / 'out'}: exists and is not an empty directory: it holds " \
+        "step_00000002.partial, left by a killed import or export; remove it" in err[0], err[0]
+
+
 def test_every_rank_file_of_another_step_than_the_model_states_is_noted(tmp_path, capsys):
     """Every rank file at Adam step 2 in a tag folder whose model states say step 3: imported
     (DeepSpeed's ``load_optimizer_states=False`` resets Adam's step in a real run), noted."""

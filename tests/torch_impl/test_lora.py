@@ -308,3 +308,44 @@ def test_lora_with_unfrozen_base_params_loads_every_base_param_from_the_base(tmp
             else:
                 np.testing.assert_array_equal(value, base[fqn].reshape(value.shape),
                                               err_msg=f"stage {stage}: {fqn}")
+
+
+def test_shared_targets_are_checked_after_the_checkpoints_architecture_is_adopted(tmp_path):
+    """issue 38 #12: ``peft.targets=[attn, shared, experts]`` with ``checkpoint.load`` of a
+    Qwen2-MoE import (a shared expert) is accepted: the target check runs on the adopted
+    architecture; with a Mixtral import (none) it is refused, naming the checkpoint."""
+    from moezero.checkpoint.adopt import adopt_architecture
+    from moezero.checkpoint.hf import import_hf
+    from tests.torch_impl.test_hf_families import hf_model, save_hf
+
+    sets = ["peft.method=lora", "peft.targets=[attn, shared, experts]"]
+    for family in ("qwen2_moe", "mixtral"):
+        save_hf(hf_model(family), tmp_path / family)
+        step = import_hf(tmp_path / family, tmp_path / f"{family}_ckpt")
+        cfg = load_config(None, [*sets, f"checkpoint.load={tmp_path / f'{family}_ckpt'}"])
+        if family == "qwen2_moe":
+            cfg, _ = adopt_architecture(cfg, tmp_path / "run")
+            assert cfg.moe.shared_ffn_dim > 0 and "shared" in cfg.peft.targets
+            continue
+        with pytest.raises(ConfigError) as err:
+            adopt_architecture(cfg, tmp_path / "run")
+        line = str(err.value)
+        assert "\n" not in line and line.startswith(
+            "peft.targets: names the shared expert, but the model has none "
+            "(moe.shared_ffn_dim is 0)"), line
+        assert str(step) in line, line
+
+
+def test_freezing_the_adapters_of_a_lora_run_is_refused_by_its_cause():
+    """issue 38 #12: ``train.freeze: ["*.lora_A"]`` in a LoRA run froze the adapters, and the
+    run then failed with 'lora_A is not in the checkpoint'; the pattern is refused instead."""
+    from moezero.zero.groups import build_groups
+
+    cfg = Config.model_validate(lora_cfg(0, "none", None, ep=1))
+    cfg.train.freeze = ["*.lora_A"]
+    topo = build_topology([1], num_experts=cfg.moe.num_experts)
+    with pytest.raises(ConfigError) as err:
+        build_groups(build_model(cfg, topo), cfg, topo)
+    line = str(err.value)
+    assert line.startswith("train.freeze: pattern '*.lora_A' freezes the LoRA adapter "
+                           "layers.0.attn.wq.lora_A: a LoRA run trains its adapters"), line

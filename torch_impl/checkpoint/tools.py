@@ -29,15 +29,26 @@ from moezero.plan.checked import CheckedReader
 from moezero.plan.files import pwrite_all
 from moezero.plan.layout import FORMAT_VERSION, safetensors_header
 
-__all__ = ["describe", "export", "into_empty", "verify", "write_weights"]
+__all__ = ["describe", "export", "into_empty", "refuse_non_empty", "verify", "write_weights"]
+
+
+def refuse_non_empty(out: Path) -> None:
+    """One-line CheckpointError unless ``out`` is absent or an empty directory, naming what it
+    holds (a ``.partial`` left by a killed import or export says so)."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    partial = next((n for n in held if n.endswith(".partial")), None)
+    what = (f": it holds {partial}, left by a killed import or export; remove it" if partial
+            else f": it holds {held[0]}" if held else "")
+    raise store.CheckpointError(f"--out {out}: exists and is not an empty directory{what}")
 
 
 def into_empty(out: Path, write: Callable[[], list[Path]]) -> list[Path]:
     """``write()``'s files in ``out``, which must be absent or an empty directory (one-line
     CheckpointError otherwise, as import refuses); if ``write`` fails, what it left in
     ``out`` is removed (and ``out`` if it made it), then the error is raised."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise store.CheckpointError(f"--out {out}: exists and is not an empty directory")
+    refuse_non_empty(out)
     made = not out.exists()
     try:
         return write()

@@ -255,8 +255,9 @@ class DistConfig(_Section):
 
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on CUDA, else gloo.")
     timeout_s: float = Field(300.0, gt=0, description="Collective timeout in seconds.")
-    heartbeat_s: float = Field(30.0, gt=0, description="A spawned rank silent this long is "
-                               "named as hung and the job is stopped (docs/reliability.md).")
+    heartbeat_s: float = Field(30.0, ge=1, description="A spawned rank silent this long is "
+                               "named as hung and the job is stopped (docs/reliability.md); "
+                               "at least 1 s (ranks beat every heartbeat_s / 6).")
 
 
 class TelemetryConfig(_Section):
@@ -297,20 +298,27 @@ class Config(_Section):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig,
                                        description="Expert-load warnings.")
 
+    def check_peft_targets(self) -> None:
+        """FieldError when ``peft.targets`` names the shared expert or the dense MLP of a
+        model without one. With ``checkpoint.load`` the model is the checkpoint's:
+        ``checkpoint.adopt`` checks after adopting its architecture."""
+        if self.peft.uses_lora and not self.moe.shared_ffn_dim \
+                and any(t.startswith("shared") for t in self.peft.targets):
+            raise FieldError("peft.targets", "names the shared expert, but the model has none "
+                                             "(moe.shared_ffn_dim is 0)")
+        if self.peft.uses_lora and not self.model.first_k_dense \
+                and any(t.startswith("mlp") for t in self.peft.targets):
+            raise FieldError("peft.targets", "names the dense MLP, but the model has none "
+                                             "(model.first_k_dense is 0)")
+
     @model_validator(mode="after")
     def _across_sections(self) -> Config:
         if self.data.path is None and self.data.synthetic_vocab > self.model.vocab_size:
             raise FieldError("data.synthetic_vocab",
                               f"must be <= model.vocab_size ({self.model.vocab_size}), "
                               f"got {self.data.synthetic_vocab}")
-        if self.peft.uses_lora and not self.moe.shared_ffn_dim \
-                and any(t.startswith("shared") for t in self.peft.targets):
-            raise FieldError("peft.targets", "names the shared expert, but the model has none "
-                                             "(moe.shared_ffn_dim is 0)")
-        if self.peft.method == "lora" and not self.model.first_k_dense \
-                and any(t.startswith("mlp") for t in self.peft.targets):
-            raise FieldError("peft.targets", "names the dense MLP, but the model has none "
-                                             "(model.first_k_dense is 0)")
+        if not self.checkpoint.load:  # else after adopting its architecture (checkpoint.adopt)
+            self.check_peft_targets()
         if (self.tokenizer.vocab_size or 0) > self.model.vocab_size:
             raise FieldError("tokenizer.vocab_size",
                              f"must be <= model.vocab_size ({self.model.vocab_size}), "

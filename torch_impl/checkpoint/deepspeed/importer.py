@@ -32,6 +32,7 @@ from moezero.checkpoint.deepspeed import (
 from moezero.checkpoint.deepspeed.source import Source, find_tag, read_source
 from moezero.checkpoint.hf.importer import HF_CONFIG, _layout, import_config, read_hf_config
 from moezero.checkpoint.hf.names import candidates
+from moezero.checkpoint.tools import refuse_non_empty
 from moezero.config import Config, dump_config
 from moezero.plan import store
 from moezero.plan.files import fsync_file
@@ -79,8 +80,7 @@ def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = No
     ckpt_dir, out = Path(ckpt_dir), Path(out)
     src = read_source(find_tag(ckpt_dir, tag))
     family, arch, raw = read_hf_config(_config_dir(ckpt_dir, model_config and Path(model_config)))
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"--out {out}: exists and is not an empty directory")
+    refuse_non_empty(out)
     first = _read_rank(src, 0)
     eps = _group_eps(first, src)
     where = placement.plan(src.stage, src.world_size, src.groups, eps)
