@@ -251,6 +251,10 @@ def _import_deepspeed(args: argparse.Namespace) -> int:
                                 args.model_config)
     except OSError as exc:
         raise CheckpointError(f"import-deepspeed to {args.out}: {exc.strerror or exc}") from None
+    except KeyboardInterrupt:  # the importer has removed what it wrote
+        print(f"moezero: interrupted: import-deepspeed stopped; nothing was kept in {args.out}",
+              file=sys.stderr)
+        return 130
     print(report.render(done, args.out))
     return 0
 

@@ -426,6 +426,25 @@ def test_an_out_holding_a_killed_imports_partial_is_named(tmp_path, capsys):
         "step_00000002.partial, left by a killed import or export; remove it" in err[0], err[0]
 
 
+def test_ctrl_c_during_an_import_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """issue 38 #11: Ctrl-C while the rank files are copied printed a 25-line traceback; now
+    one line, exit 130, and no --out left."""
+    from moezero.checkpoint.deepspeed import importer
+    from moezero.cli import main
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importer, "_write_rank", interrupted)
+    code = main(["import-deepspeed", str(FIXTURES / "mixtral_z2_w2" / "ckpt"),
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130 and len(err) == 1, err
+    assert err[0] == f"moezero: interrupted: import-deepspeed stopped; nothing was kept in " \
+        f"{tmp_path / 'out'}", err[0]
+    assert not (tmp_path / "out").exists()
+
+
 def test_every_rank_file_of_another_step_than_the_model_states_is_noted(tmp_path, capsys):
     """Every rank file at Adam step 2 in a tag folder whose model states say step 3: imported
     (DeepSpeed's ``load_optimizer_states=False`` resets Adam's step in a real run), noted."""
