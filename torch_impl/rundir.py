@@ -16,6 +16,7 @@ checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -214,10 +215,12 @@ class RootLock:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
         self._fd: int | None = None
+        self._made = False
 
     def acquire(self) -> RootLock:
-        """Take the lock (creating the root); ConfigError (one line naming it) when another
-        live run holds it."""
+        """Take the lock (creating the root, removed again at release if still empty);
+        ConfigError (one line naming it) when another live run holds it."""
+        self._made = not self.root.exists()
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -234,3 +237,6 @@ class RootLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+            if self._made:  # a run that saved nothing leaves no empty root behind
+                with contextlib.suppress(OSError):
+                    self.root.rmdir()
