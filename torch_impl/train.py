@@ -131,7 +131,7 @@ def preflight(cfg: Config, run_dir: str | Path) -> Path | None:
         check_shapes(manifest, shapes, where)
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint.load: {exc}") from None
-    if cfg.peft.method == "lora":
+    if cfg.peft.uses_lora:
         _check_base_outside(where, cfg.checkpoint.resolve_dir(run_dir))
     return ckpt
 
