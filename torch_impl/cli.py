@@ -251,6 +251,10 @@ def _import_deepspeed(args: argparse.Namespace) -> int:
                                 args.model_config)
     except OSError as exc:
         raise CheckpointError(f"import-deepspeed to {args.out}: {exc.strerror or exc}") from None
+    except KeyboardInterrupt:  # the importer has removed what it wrote
+        print(f"moezero: interrupted: import-deepspeed stopped; nothing was kept in {args.out}",
+              file=sys.stderr)
+        return 130
     print(report.render(done, args.out))
     return 0
 
@@ -269,6 +273,26 @@ def _import_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(ckpt: Path, args: argparse.Namespace) -> list[Path]:
+    """``checkpoint export``'s files in ``args.out`` (``args.format`` resolved for the line)."""
+    from moezero.checkpoint import tools as checkpoint_tools
+
+    if args.format == "peft":
+        from moezero.checkpoint.hf.peft_export import export_peft
+
+        return export_peft(ckpt, Path(args.out), args.dtype)
+    if args.format.startswith("hf"):
+        from moezero.checkpoint.hf import export_hf
+        from moezero.checkpoint.hf.peft_export import export_merged
+
+        model_type = args.format.removeprefix("hf").lstrip("-") or None
+        export = export_merged if args.merge_lora else export_hf
+        files = export(ckpt, Path(args.out), args.dtype, model_type=model_type)
+        args.format = "hf-" + json.loads(files[0].read_text())["model_type"]
+        return files
+    return checkpoint_tools.export(ckpt, Path(args.out), args.dtype)
+
+
 def _checkpoint(args: argparse.Namespace) -> int:
     from moezero.checkpoint import tools as checkpoint_tools  # torch import deferred, as for train
     from moezero.checkpoint.core import find_checkpoint
@@ -282,20 +306,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
             raise CheckpointError(f"--merge-lora writes Hugging Face weights: it needs --format "
                                   f"hf or hf-<model_type>, not --format {args.format}")
         try:
-            if args.format == "peft":
-                from moezero.checkpoint.hf.peft_export import export_peft
-
-                files = export_peft(ckpt, Path(args.out), args.dtype)
-            elif args.format.startswith("hf"):
-                from moezero.checkpoint.hf import export_hf
-                from moezero.checkpoint.hf.peft_export import export_merged
-
-                model_type = args.format.removeprefix("hf").lstrip("-") or None
-                export = export_merged if args.merge_lora else export_hf
-                files = export(ckpt, Path(args.out), args.dtype, model_type=model_type)
-                args.format = "hf-" + json.loads(files[0].read_text())["model_type"]
-            else:
-                files = checkpoint_tools.export(ckpt, Path(args.out), args.dtype)
+            files = checkpoint_tools.into_empty(Path(args.out), lambda: _export(ckpt, args))
         except OSError as exc:
             raise CheckpointError(f"export to {args.out}: {exc.strerror or exc}") from None
         if args.format == "peft" and "rank_pattern" in json.loads(files[0].read_text()):
@@ -354,6 +365,7 @@ def _train(args: argparse.Namespace, io: IOOptions | None = None) -> int:
 
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     check_run(run_dir, cfg.checkpoint.resolve_dir(run_dir), checkpoint_size(cfg),
+              keep_last=cfg.checkpoint.keep_last,
               lock=int(os.environ.get("RANK", "0")) == 0)  # torchrun: rank 0 holds the lock
     return launch_training(cfg, run_dir, args.nproc, io)
 

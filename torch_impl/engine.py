@@ -46,6 +46,7 @@ from moezero.plan.records import EngineRecord, TopologyRecord
 from moezero.zero.adamw import LossScaler, lr_at
 from moezero.zero.build import build_optimizer
 from moezero.zero.groups import OptimizerGroups, build_groups, check_digests, plan_digest
+from moezero.zero.lr_schedule import scheduled_lr
 from moezero.zero.transfer import batch_to_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -177,7 +178,11 @@ class Engine:
         return self.optimizer.full_parameters()
 
     def current_lr(self) -> float:
+        """The lr of the next optimizer step: ``optimizer.scheduler``'s (a DeepSpeed schedule)
+        where set, else moezero's warmup + cosine."""
         opt = self.cfg.optimizer
+        if opt.scheduler is not None:
+            return scheduled_lr(opt.scheduler, self.step_count, peak=opt.lr)
         return lr_at(self.step_count, lr=opt.lr, warmup_steps=opt.warmup_steps,
                      total_steps=self.cfg.train.steps, min_lr_ratio=opt.min_lr_ratio)
 
@@ -287,7 +292,8 @@ class Engine:
         """An adapter checkpoint: the frozen params from its base (checked unchanged), the
         rest from it. Any other checkpoint becomes the base of this run's saves; the adapters
         come from it too, or keep their initial values where it has none (a fine-tune from
-        step 0: returns {})."""
+        step 0: returns {}); then every other param comes from it, the base params that
+        ``train.freeze``'s "!" patterns train too included (their masters; moments zero)."""
         where = store.find_checkpoint(path)
         manifest = store.read_manifest(where)
         split, load = adapter_ckpt.AdapterPlan.of(self.groups.plan, self.shapes), \
@@ -301,6 +307,9 @@ class Engine:
         self.base = adapter_ckpt.record(where)
         if split.lacks_adapters(dict(manifest.layout.shapes)):
             load(where, frozen, split.frozen, buffers=buffers, exact=False)
+            if split.unfrozen:  # base params trained too ("!" patterns): their values
+                load(where, self.optimizer.load_targets(frozen=False), split.unfrozen,
+                     exact=False, only=True)
             return {}
         return load(where, self.optimizer.load_targets(), self.shapes, buffers=buffers)
 

@@ -131,7 +131,19 @@ def preflight(cfg: Config, run_dir: str | Path) -> Path | None:
         check_shapes(manifest, shapes, where)
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint.load: {exc}") from None
+    if cfg.peft.uses_lora:
+        _check_base_outside(where, cfg.checkpoint.resolve_dir(run_dir))
     return ckpt
+
+
+def _check_base_outside(base: Path, root: Path) -> None:
+    """A LoRA run's base checkpoint must not lie in the checkpoint root the run saves into:
+    the run counts steps from 0 there, and its saves and ``keep_last`` would replace the base
+    (docs/finetune.md). One-line CheckpointError naming both."""
+    if Path(base).resolve().is_relative_to(Path(root).resolve()):
+        raise CheckpointError(f"checkpoint.dir: {root} holds {base}, the base of this LoRA run: "
+                              "its saves and keep_last would replace it; give the LoRA run its "
+                              "own --out (or checkpoint.dir)")
 
 
 def model_numel(cfg: Config) -> int:
@@ -349,7 +361,8 @@ def _train_rank(cfg_data: dict, run_dir: str, io: IOOptions | None = None, *,
     cfg = Config.model_validate(cfg_data)
     device = rank_device(resolve_backend(cfg.dist.backend, cuda_device_count()))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    run_dir, lock = agree_run_dir(run_dir, rank=rank, device=device)
+    run_dir, lock = agree_run_dir(run_dir, rank=rank, device=device,
+                                  ckpt_root=cfg.checkpoint.resolve_dir(run_dir))
     try:
         with rank_errors(rank, run_dir / "logs", EXPECTED_ERRORS):
             train(cfg, run_dir, device, io, stop)

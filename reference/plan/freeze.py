@@ -43,4 +43,18 @@ def frozen_fqns(patterns: Sequence[str], fqns: Iterable[str]) -> frozenset[str]:
         frozen = frozen - hits if negate else frozen | hits
     if fqns and frozen == set(fqns):
         raise ValueError(f"patterns {list(patterns)} freeze every parameter: nothing to train")
+    _check_adapters(patterns, [f for f in fqns if f in frozen])
     return frozenset(frozen)
+
+
+def _check_adapters(patterns: Sequence[str], frozen: list[str]) -> None:
+    """ValueError naming the pattern that freezes a LoRA adapter (the first of ``frozen``,
+    in model order; only LoRA runs have them):
+    a LoRA run trains its adapters, and a frozen one would be read from the base, which has
+    none."""
+    adapters = [f for f in frozen if any(fnmatchcase(f, p) for p in LORA_PARAMS)]
+    if adapters:
+        pattern = next(p for p in reversed(patterns)
+                       if not p.startswith("!") and fnmatchcase(adapters[0], p))
+        raise ValueError(f"pattern {pattern!r} freezes the LoRA adapter {adapters[0]}: a LoRA "
+                         "run trains its adapters (leave them out of train.freeze)")

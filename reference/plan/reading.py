@@ -161,11 +161,12 @@ def _span(span: tuple[int, int] | None, partition: Partition) -> tuple[int, int]
 
 
 def read_tensors(ckpt_dir: str | os.PathLike, manifest: Manifest,
-                 state: str = MASTER) -> dict[str, np.ndarray]:
+                 state: str = MASTER, *, reader=None) -> dict[str, np.ndarray]:
     """Every parameter's ``state`` reassembled to its full shape, fragments joined (export),
-    and, for the master, every buffer."""
+    and, for the master, every buffer. ``reader`` as in ``read_param`` (export passes a
+    ``checked.CheckedReader``: every byte verified)."""
     buffers = manifest.layout.buffers if state == MASTER else ()
-    return {fqn: read_param(ckpt_dir, manifest, fqn, state=state).reshape(shape)
+    return {fqn: read_param(ckpt_dir, manifest, fqn, state=state, reader=reader).reshape(shape)
             for fqn, shape in manifest.layout.shapes + buffers}
 
 

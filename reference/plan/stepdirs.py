@@ -77,11 +77,19 @@ def commit(partial_dir: str | os.PathLike, *, flushed: bool = False,
 
 
 def _write_latest(root: Path, name: str) -> None:
+    """Point ``latest`` at ``name`` (committed already) through ``latest.tmp``. A failure
+    (a full disk) removes ``latest.tmp`` and is one CheckpointError naming ``latest`` and
+    the committed step; ``latest`` then still names the previous checkpoint."""
     tmp = root / "latest.tmp"
-    tmp.write_text(name)
-    fsync_file(tmp)
-    os.replace(tmp, root / "latest")
-    fsync_dir(root)
+    try:
+        tmp.write_text(name)
+        fsync_file(tmp)
+        os.replace(tmp, root / "latest")
+        fsync_dir(root)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"{root / 'latest'}: {exc.strerror or exc} ({name} is committed; "
+                              "latest still names the checkpoint before it)") from None
 
 
 def find_latest(root: str | os.PathLike) -> Path | None:

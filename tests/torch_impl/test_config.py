@@ -304,3 +304,14 @@ def test_config_error_pickles():
     back = pickle.loads(pickle.dumps(err))
     assert str(back) == str(err) == "moe.top_k: too big (--set moe.top_k=9); x: y (z)"
     assert (back.key, back.where) == ("moe.top_k", "--set moe.top_k=9")
+
+
+def test_a_heartbeat_below_a_second_is_refused():
+    """issue 38 #12: ``dist.heartbeat_s=1e-4`` was accepted, then every run was stopped as
+    hung; the schema refuses a heartbeat under 1 s in one line."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["dist.heartbeat_s=1e-4"])
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("dist.heartbeat_s: "), line
+    assert "greater than or equal to 1" in line, line
+    assert load_config(None, ["dist.heartbeat_s=1"]).dist.heartbeat_s == 1.0

@@ -10,6 +10,7 @@ fp32 tolerance; the control (Adam moments dropped) lands far outside it.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -158,11 +159,15 @@ def batch(case: str) -> torch.Tensor:
     return load_file(FIXTURES / case / "batch.safetensors")["tokens"]
 
 
+NO_OFFLOAD = ["zero_optimization.offload_optimizer.device=none",
+              "zero_optimization.offload_param.device=none"]  # the config keeps the source's
+
+
 @pytest.mark.parametrize("case", LOCAL)
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_w1_continues_the_deepspeed_run(imported, case, stage):
     result = continue_one_step(str(imported / case), ["moe.ep_size=1",
-                               f"zero_optimization.stage={stage}"], batch(case))
+                               f"zero_optimization.stage={stage}", *NO_OFFLOAD], batch(case))
     check_continuation(case, [result])
 
 
@@ -207,6 +212,77 @@ def test_import_records_the_deepspeed_counters_and_settings(imported):
     assert (opt.warmup_steps, opt.min_lr_ratio, opt.max_grad_norm) == (0, 1.0, None)
     assert not opt.no_decay_on_norms and cfg.precision.dtype == "fp32"
     assert store.verify(store.find_checkpoint(imported / "mixtral_z2_w2")) == []
+
+
+KEPT = {"mixtral_z1_w1": (1, "none", 1), "mixtral_z2_w2": (2, "none", 1),
+        "mixtral_z3_w2": (3, "none", 1), "mixtral_z2_w2_cpu": (2, "cpu", 1),
+        "native_moe_z2_w2_ep2": (2, "none", 2), "native_moe_z0_w2_ep2": (0, "none", 2)}
+
+
+@pytest.mark.parametrize("case", KEPT)
+def test_the_written_config_keeps_the_sources_stage_offload_and_ep(imported, case):
+    """issue 38 #3: config.yaml runs as DeepSpeed ran (ZeRO stage, optimizer offload, ep: no
+    ep_size 2 for a run without expert parallelism)."""
+    cfg = load_config(imported / case / "config.yaml")
+    zero = cfg.zero_optimization
+    assert (zero.stage, zero.offload_optimizer.device, cfg.moe.ep_size) == KEPT[case]
+
+
+def _warmup_lr_run(ckpt: Path, scheduler: dict, last_batch_iteration: int, lr: float) -> None:
+    """The fixture's run as DeepSpeed saves it with ``scheduler`` in its ds_config: the
+    scheduler's state in the model states, every rank's param group at the scheduled ``lr``."""
+    tag = ckpt / "global_step2"
+    path = tag / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    config = {**state["ds_config"], "scheduler": scheduler}
+    state.update(ds_config=config, lr_scheduler={"last_batch_iteration": last_batch_iteration})
+    torch.save(state, path)
+
+    def scheduled(obj, top):
+        obj["ds_config"] = config
+        groups = top["base_optimizer_state"]["param_groups"]
+        top["base_optimizer_state"]["param_groups"] = [{**g, "lr": lr} for g in groups]
+    for rank in (0, 1):
+        _edit_rank(tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", scheduled)
+
+
+def deepspeed_warmup_lr(iteration: int, *, warmup_min_lr: float, warmup_max_lr: float,
+                        warmup_num_steps: int) -> float:
+    """DeepSpeed's documented WarmupLR (log warmup, its default): from warmup_min_lr to
+    warmup_max_lr as log(iteration + 1) / log(warmup_num_steps), then warmup_max_lr. The
+    scheduler steps after each optimizer step, so optimizer step s (1-based) runs at iteration
+    s - 2 (the first two at warmup_min_lr)."""
+    if iteration >= warmup_num_steps:
+        return warmup_max_lr
+    gamma = math.log(max(iteration, 0) + 1) / math.log(warmup_num_steps)
+    return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma
+
+
+def test_a_run_stopped_mid_warmup_continues_at_deepspeeds_lr(tmp_path):
+    """issue 38 #3: a WarmupLR run stopped after 2 steps of 10 in warmup: the import carries
+    the schedule (not the current lr as a constant), and moezero's steps 3 and 4 run at the lr
+    DeepSpeed would have used."""
+    import shutil
+
+    from tests.torch_impl.test_cli import moezero
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "mixtral_z2_w2" / "ckpt", ckpt)
+    params = {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}
+    _warmup_lr_run(ckpt, {"type": "WarmupLR", "params": params}, 1,
+                   deepspeed_warmup_lr(1, **params))
+    import_deepspeed(ckpt, tmp_path / "imported")
+    cfg = load_config(tmp_path / "imported" / "config.yaml")
+    assert cfg.optimizer.lr == params["warmup_max_lr"]
+    res = moezero("train", "--nproc", "1", "--config", str(tmp_path / "imported" / "config.yaml"),
+                  "--set", "train.steps=4", "--set", "train.seq_len=12",
+                  "--out", str(tmp_path / "run"), timeout=240)
+    assert res.returncode == 0, res.stderr
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [m["step"] for m in metrics] == [3, 4]
+    for m in metrics:
+        want = deepspeed_warmup_lr(m["step"] - 2, **params)
+        assert abs(m["lr"] - want) <= 1e-12 * want, (m["step"], m["lr"], want)
 
 
 # ---------------------------------------------------------------------------- refusals
@@ -257,10 +333,66 @@ def _no_config_json(folder: Path, tmp: Path) -> str:
     return "no config.json here or one folder up"
 
 
+def _edit_rank(path: Path, edit) -> None:
+    """Rewrite an optimizer file with ``edit(obj, optimizer_state_dict)`` applied. DeepSpeed's
+    own objects cannot be pickled back under their names here: the loss scaler (rank 0's is
+    the one read) and the slice mappings (not read) are dropped, the stage is a plain int."""
+    from moezero.checkpoint.deepspeed import pickles
+
+    obj = {k: v for k, v in pickles.load(path).items()}
+    top = dict(obj["optimizer_state_dict"])
+    top.pop("param_slice_mappings", None)
+    top["loss_scaler"], top["zero_stage"] = None, int(top["zero_stage"])
+    top["base_optimizer_state"] = {**top["base_optimizer_state"]}
+    edit(obj, top)
+    new = path.with_name(path.name + ".new")  # the old file stays mapped until replaced
+    torch.save({**obj, "optimizer_state_dict": top}, new)
+    os.replace(new, path)
+
+
+RANK1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+def _rank_of_an_earlier_step(folder: Path, tmp: Path) -> str:
+    """issue 38 #2: rank 1's file of the save one step earlier (same size)."""
+    def earlier(obj, top):
+        state = top["base_optimizer_state"]["state"]
+        top["base_optimizer_state"]["state"] = {g: {**e, "step": e["step"] - 1}
+                                                for g, e in state.items()}
+    _edit_rank(folder / RANK1, earlier)
+    return f"{RANK1}: Adam step 1, rank 0's file says 2 (rank files of different saves)"
+
+
+def _rank_of_a_bf16_run(folder: Path, tmp: Path) -> str:
+    def bf16(obj, top):
+        obj["ds_config"] = {**obj["ds_config"], "bf16": {"enabled": True}}
+    _edit_rank(folder / RANK1, bf16)
+    return f"{RANK1}: ds_config differs from the model states' (at 'bf16'): a file of " \
+        "another run"
+
+
+def _rank_of_another_version(folder: Path, tmp: Path) -> str:
+    def older(obj, top):
+        obj["ds_version"] = "0.18.0"
+    _edit_rank(folder / RANK1, older)
+    return f"{RANK1}: ds_version 0.18.0, the model states say 0.19.8: a file of another run"
+
+
+def _rank_of_another_partition_count(folder: Path, tmp: Path) -> str:
+    def count(obj, top):
+        top["partition_count"] = [4]
+    _edit_rank(folder / RANK1, count)
+    return f"{RANK1}: partition_count [4], a world of 2 ranks gives [2]"
+
+
 FAULTS = {"forbidden_global": _forbidden_global, "truncated": _truncated,
           "no_config_json": _no_config_json,
           "missing_rank": _missing_rank, "partition_of_another_world":
-          _partition_of_another_world, "extra_rank": _extra_rank}
+          _partition_of_another_world, "extra_rank": _extra_rank,
+          "rank_of_an_earlier_step": _rank_of_an_earlier_step,
+          "rank_of_a_bf16_run": _rank_of_a_bf16_run,
+          "rank_of_another_version": _rank_of_another_version,
+          "rank_of_another_partition_count": _rank_of_another_partition_count}
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -278,6 +410,57 @@ def test_a_bad_checkpoint_is_one_line_and_nothing_written(tmp_path, capsys, faul
     assert err[0].startswith("moezero: error: ") and expected in err[0], err[0]
     assert not (tmp_path / "out").exists()
     assert not (tmp_path / "pwned").exists()
+
+
+def test_an_out_holding_a_killed_imports_partial_is_named(tmp_path, capsys):
+    """issue 38 #12: re-importing into an --out that holds a killed import's step directory
+    names it, not just 'not an empty directory'."""
+    from moezero.cli import main
+
+    (tmp_path / "out" / "step_00000002.partial").mkdir(parents=True)
+    code = main(["import-deepspeed", str(FIXTURES / "mixtral_z2_w2" / "ckpt"),
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"--out {tmp_path / 'out'}: exists and is not an empty directory: it holds " \
+        "step_00000002.partial, left by a killed import or export; remove it" in err[0], err[0]
+
+
+def test_ctrl_c_during_an_import_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """issue 38 #11: Ctrl-C while the rank files are copied printed a 25-line traceback; now
+    one line, exit 130, and no --out left."""
+    from moezero.checkpoint.deepspeed import importer
+    from moezero.cli import main
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importer, "_write_rank", interrupted)
+    code = main(["import-deepspeed", str(FIXTURES / "mixtral_z2_w2" / "ckpt"),
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 130 and len(err) == 1, err
+    assert err[0] == f"moezero: interrupted: import-deepspeed stopped; nothing was kept in " \
+        f"{tmp_path / 'out'}", err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_rank_file_of_another_step_than_the_model_states_is_noted(tmp_path, capsys):
+    """Every rank file at Adam step 2 in a tag folder whose model states say step 3: imported
+    (DeepSpeed's ``load_optimizer_states=False`` resets Adam's step in a real run), noted."""
+    import shutil
+
+    from moezero.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "mixtral_z2_w2" / "ckpt", ckpt)
+    path = ckpt / "global_step2" / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    state["global_steps"] = 3
+    torch.save(state, path)
+    assert main(["import-deepspeed", str(ckpt), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "Adam step 2, but the model states say global_steps 3 (0 skipped)" in out, out
 
 
 def _rewrite(path: Path, edit) -> None:
@@ -527,6 +710,45 @@ def test_trainer_style_groups_and_schedules_map_or_are_refused():
     assert notes and "'WarmupLR'" in notes[0]
     with pytest.raises(CheckpointError, match="only Adam/AdamW"):
         settings.optimizer_section({"optimizer": {"type": "Lamb"}}, groups, names, "f")
+
+
+def test_deepspeeds_warmup_schedules_map_and_others_are_named():
+    """WarmupDecayLR and WarmupCosineLR become ``optimizer.scheduler`` with their peak as
+    ``optimizer.lr``; moezero's lr follows DeepSpeed's definitions (computed here by hand at
+    iterations in the warmup, the decay and past its end); OneCycle is named in one note."""
+    from moezero.checkpoint.deepspeed import settings
+    from moezero.config import Config
+    from moezero.zero.lr_schedule import scheduled_lr
+
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 2e-3}}}
+    groups, names = [{"lr": 5e-4}], [["x.weight"]]
+    decay = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                 "warmup_num_steps": 4, "total_num_steps": 12,
+                                                 "warmup_type": "linear"}}
+    opt, notes = settings.optimizer_section({**ds, "scheduler": decay}, groups, names, "f")
+    assert notes == [] and opt["lr"] == 1e-3
+    assert opt["scheduler"] == {"type": "WarmupDecayLR", "warmup_min_lr": 0.0,
+                                "warmup_num_steps": 4, "total_num_steps": 12,
+                                "warmup_type": "linear"}
+    schedule = Config.model_validate({"optimizer": opt}).optimizer.scheduler
+    # step s (applied steps so far) runs at DeepSpeed's iteration s - 1
+    for step, want in ((0, 0.0), (1, 0.0), (3, 1e-3 * 2 / 4), (5, 1e-3),
+                       (9, 1e-3 * (12 - 8) / (12 - 4)), (20, 0.0)):
+        assert scheduled_lr(schedule, step, peak=1e-3) == pytest.approx(want, abs=1e-15), step
+    cosine = {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 3, "total_num_steps": 9,
+                                                   "warmup_min_ratio": 0.1,
+                                                   "cos_min_ratio": 0.01}}
+    opt, notes = settings.optimizer_section({**ds, "scheduler": cosine}, groups, names, "f")
+    assert notes == [] and opt["lr"] == 2e-3
+    schedule = Config.model_validate({"optimizer": opt}).optimizer.scheduler
+    for step, ratio in ((0, 0.0), (2, 0.1 + 0.9 * math.log(2) / math.log(3)),
+                        (5, 0.01 + 0.99 * (1 + math.cos(math.pi * 2 / 6)) / 2), (30, 0.01)):
+        assert scheduled_lr(schedule, step, peak=2e-3) == pytest.approx(2e-3 * ratio), step
+    _, notes = settings.optimizer_section({**ds, "scheduler": {"type": "OneCycle"}}, groups,
+                                          names, "f")
+    assert notes == ["lr scheduler 'OneCycle': not carried over (no moezero counterpart); "
+                     "optimizer.lr is the lr of its last step, constant (set "
+                     "optimizer.scheduler or warmup_steps yourself)"]
 
 
 def test_deepspeeds_dynamic_loss_scale_becomes_moezeros():

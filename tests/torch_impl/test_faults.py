@@ -71,6 +71,37 @@ def test_a_failed_save_removes_its_partial_and_keeps_latest(tmp_path, monkeypatc
     assert re.search(r"step_00000002\.partial/\S+\.safetensors: ", message), message
 
 
+def test_a_failed_latest_after_the_commit_names_latest_and_leaves_no_tmp(tmp_path,
+                                                                         monkeypatch):
+    """issue 38 #8: the disk fills while ``latest`` is replaced, after step 2 was renamed into
+    place: the line names ``latest`` and says step 2 is committed (not ``step_2.partial``), and
+    no ``latest.tmp`` is left; ``latest`` still names step 1."""
+    import moezero.plan.stepdirs as stepdirs
+
+    cfg = Config.model_validate(ccfg(world=1, stage=2))
+    engine, batches = setup(cfg, torch.device("cpu"), IOOptions(direct_min_bytes=0))
+    engine.train_step([torch.from_numpy(batches.next())])
+    engine.save_checkpoint(tmp_path)
+    engine.train_step([torch.from_numpy(batches.next())])
+    real = stepdirs.fsync_file
+
+    def full(path):
+        if Path(path).name == "latest.tmp":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(path)
+
+    monkeypatch.setattr(stepdirs, "fsync_file", full)
+    with pytest.raises(CheckpointError) as err:
+        engine.save_checkpoint(tmp_path)
+    message = str(err.value)
+    assert "\n" not in message and ".partial" not in message, message
+    assert f"{tmp_path / 'latest'}: {os.strerror(errno.ENOSPC)}" in message, message
+    assert "step_00000002 is committed" in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001",
+                                                          "step_00000002"]
+    assert _step(tmp_path) == "step_00000001"
+
+
 def test_injected_enospc_fails_only_its_rank_and_step(tmp_path):
     """``faulty_io(enospc=(rank, step))``: the fault the CLI tests use."""
     cfg = Config.model_validate(ccfg(world=1, stage=2))

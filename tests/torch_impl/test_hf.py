@@ -273,3 +273,38 @@ def test_estimate_adopts_the_architecture_of_checkpoint_load(tmp_path, capsys):
     assert code == 0 and "moezero: architecture from checkpoint" in out
     numel = sum(p.numel() for p in moezero_model(tmp_path / "ckpt").parameters())
     assert f"model {numel:,} params" in out
+
+
+def _one_line(capsys, *argv) -> str:
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("moezero: error: "), (code, err)
+    return err[0]
+
+
+@pytest.mark.parametrize("fmt", ["moezero", "hf"])
+def test_export_verifies_checksums_and_refuses_a_non_empty_out(hf_dir, tmp_path, capsys, fmt):
+    """issue 38 #4: one changed byte of embed_tokens is refused as a load refuses it (one line
+    naming the file and range, exit 2, no --out left); a non-empty --out is refused and kept."""
+    step = import_hf(hf_dir, tmp_path / "ckpt")
+    manifest = store.read_manifest(step)
+    f = next(f for f in manifest.layout.files if any(
+        t.fqn == "embed.weight" and t.state == "master" for t in f.tensors))
+    data = bytearray((step / f.name).read_bytes())
+    data[f.data_start + 5] ^= 0x40
+    (step / f.name).write_bytes(bytes(data))
+    line = _one_line(capsys, "checkpoint", "export", step, "--format", fmt,
+                     "--out", tmp_path / "out")
+    assert f"{f.name} bytes [" in line and "crc32" in line, line
+    assert not (tmp_path / "out").exists()
+
+    data[f.data_start + 5] ^= 0x40
+    (step / f.name).write_bytes(bytes(data))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    line = _one_line(capsys, "checkpoint", "export", step, "--format", fmt,
+                     "--out", tmp_path / "full")
+    assert f"--out {tmp_path / 'full'}: exists and is not an empty directory" in line, line
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+    assert main(["checkpoint", "export", str(step), "--format", fmt,
+                 "--out", str(tmp_path / "out")]) == 0

@@ -21,6 +21,8 @@ from moezero.checkpoint.tools import describe
 from moezero.config import Config, ConfigError, load_config
 from moezero.distributed.topology import build_topology
 from moezero.model.moe import MoE
+from moezero.plan import store
+from moezero.plan.reading import read_tensors
 from moezero.train import build_model, preflight
 from tests.support.compare import assert_close_by_fqn, rel_err
 from tests.support.world import run_world
@@ -256,3 +258,94 @@ def test_an_adapter_checkpoint_is_described_and_not_exported_to_hf_unmerged(ckpt
         export_hf(step, root / "hf")
     assert "\n" not in str(err.value) and "holds LoRA adapters" in str(err.value)
     assert not (root / "hf").exists()
+
+
+# ---------------------------------------------------------------------------- "!" patterns
+UNFROZEN = ["!*norm.weight", "!*.router.*"]  # base params that a LoRA run trains too
+
+
+def _trained_base_then_lora(root: str) -> dict:
+    """A base trained 2 steps at a high lr (its norm gains and routers leave moezero's fresh
+    init), then LoRA runs with ``UNFROZEN`` at stages 0 and 3 loading it: their params before
+    and after the load."""
+    cfg = lora_cfg(0, "none", None, ep=1)
+    base = {**cfg, "peft": {"method": "none"}}
+    base["optimizer"] = {**cfg["optimizer"], "lr": 5e-2}
+    engine, _, batches = engine_and_batches(base, 1)
+    for _ in range(2):
+        engine.train_step([torch.from_numpy(batches.next())])
+    engine.save_checkpoint(f"{root}/base")
+    engine.close()
+    out = {}
+    for stage, offload in ((0, "none"), (3, "cpu")):
+        cfg = lora_cfg(stage, offload, None, ep=1)
+        cfg["train"]["freeze"] = UNFROZEN
+        engine, _, _ = engine_and_batches(cfg, 1)
+        fresh = _full(engine)
+        engine.load_checkpoint(f"{root}/base")
+        out[stage] = {"fresh": fresh, "loaded": _full(engine)}
+        engine.close()
+    return out
+
+
+def test_lora_with_unfrozen_base_params_loads_every_base_param_from_the_base(tmp_path):
+    """issue 38 fault 1: with ``train.freeze: ["!..."]`` the un-frozen base params (norm gains,
+    routers) come from the base too, not from moezero's fresh init; only the adapters keep
+    their initial values."""
+    (res,) = run_world(_trained_base_then_lora, 1, tmp_path / "w1", str(tmp_path))
+    where = store.find_checkpoint(tmp_path / "base")
+    base = read_tensors(where, store.read_manifest(where))
+    norms = [f for f in base if f.endswith("norm.weight")]
+    routers = [f for f in base if ".router." in f]
+    assert norms and routers
+    assert all(not np.allclose(base[f], 1.0) for f in norms)  # not HF's nor moezero's init
+    for stage, run in res.items():
+        assert not any(np.array_equal(run["fresh"][f], base[f].reshape(run["fresh"][f].shape))
+                       for f in routers), stage
+        for fqn, value in run["loaded"].items():
+            if ".lora_" in fqn:
+                np.testing.assert_array_equal(value, run["fresh"][fqn], err_msg=fqn)
+            else:
+                np.testing.assert_array_equal(value, base[fqn].reshape(value.shape),
+                                              err_msg=f"stage {stage}: {fqn}")
+
+
+def test_shared_targets_are_checked_after_the_checkpoints_architecture_is_adopted(tmp_path):
+    """issue 38 #12: ``peft.targets=[attn, shared, experts]`` with ``checkpoint.load`` of a
+    Qwen2-MoE import (a shared expert) is accepted: the target check runs on the adopted
+    architecture; with a Mixtral import (none) it is refused, naming the checkpoint."""
+    from moezero.checkpoint.adopt import adopt_architecture
+    from moezero.checkpoint.hf import import_hf
+    from tests.torch_impl.test_hf_families import hf_model, save_hf
+
+    sets = ["peft.method=lora", "peft.targets=[attn, shared, experts]"]
+    for family in ("qwen2_moe", "mixtral"):
+        save_hf(hf_model(family), tmp_path / family)
+        step = import_hf(tmp_path / family, tmp_path / f"{family}_ckpt")
+        cfg = load_config(None, [*sets, f"checkpoint.load={tmp_path / f'{family}_ckpt'}"])
+        if family == "qwen2_moe":
+            cfg, _ = adopt_architecture(cfg, tmp_path / "run")
+            assert cfg.moe.shared_ffn_dim > 0 and "shared" in cfg.peft.targets
+            continue
+        with pytest.raises(ConfigError) as err:
+            adopt_architecture(cfg, tmp_path / "run")
+        line = str(err.value)
+        assert "\n" not in line and line.startswith(
+            "peft.targets: names the shared expert, but the model has none "
+            "(moe.shared_ffn_dim is 0)"), line
+        assert str(step) in line, line
+
+
+def test_freezing_the_adapters_of_a_lora_run_is_refused_by_its_cause():
+    """issue 38 #12: ``train.freeze: ["*.lora_A"]`` in a LoRA run froze the adapters, and the
+    run then failed with 'lora_A is not in the checkpoint'; the pattern is refused instead."""
+    from moezero.zero.groups import build_groups
+
+    cfg = Config.model_validate(lora_cfg(0, "none", None, ep=1))
+    cfg.train.freeze = ["*.lora_A"]
+    topo = build_topology([1], num_experts=cfg.moe.num_experts)
+    with pytest.raises(ConfigError) as err:
+        build_groups(build_model(cfg, topo), cfg, topo)
+    line = str(err.value)
+    assert line.startswith("train.freeze: pattern '*.lora_A' freezes the LoRA adapter "
+                           "layers.0.attn.wq.lora_A: a LoRA run trains its adapters"), line

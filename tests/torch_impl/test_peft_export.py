@@ -212,3 +212,34 @@ def test_a_changed_base_is_refused_in_one_line(mixtral_run, tmp_path, capsys):
     finally:
         manifest.write_bytes(original)
     assert not (tmp_path / "o").exists()
+
+
+def _flip_data_byte(step: Path) -> tuple[Path, bytes, str]:
+    """One byte of the first model file's tensor data flipped: (path, original bytes, name)."""
+    f = store.read_manifest(step).layout.files[0]
+    path = step / f.name
+    original = path.read_bytes()
+    data = bytearray(original)
+    data[f.data_start + 3] ^= 0x10
+    path.write_bytes(bytes(data))
+    return path, original, f.name
+
+
+@pytest.mark.parametrize("which,argv", [("base", ("--merge-lora", "--format", "hf")),
+                                        ("adapters", ("--merge-lora", "--format", "hf")),
+                                        ("adapters", ("--format", "peft"))])
+def test_export_of_a_changed_byte_is_one_line(mixtral_run, tmp_path, capsys, which, argv):
+    """issue 38 #4: export verifies the stored checksums of the base and the adapters as a
+    load does; a non-empty --out is refused."""
+    base, adapters = mixtral_run
+    path, original, name = _flip_data_byte(base if which == "base" else adapters)
+    try:
+        line = one_line(capsys, str(adapters), *argv, "--out", str(tmp_path / "o"))
+    finally:
+        path.write_bytes(original)
+    assert f"{name} bytes [" in line and "crc32" in line, line
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "x").write_text("x")
+    line = one_line(capsys, str(adapters), *argv, "--out", str(tmp_path / "o"))
+    assert "exists and is not an empty directory" in line

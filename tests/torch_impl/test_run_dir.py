@@ -60,6 +60,25 @@ def test_too_little_space_for_a_checkpoint_is_refused_before_the_first_step(
     assert not (out / "metrics.jsonl").exists()
 
 
+def test_room_for_keep_last_plus_one_checkpoints_is_checked(tmp_path, monkeypatch, capsys):
+    """issue 38 #8: a save needs room for keep_last + 1 checkpoints while the oldest is still
+    kept; with room for two (keep_last 2) the run used to pass and die at its third save."""
+    from moezero.config import load_config
+    from moezero.train import checkpoint_size
+
+    one = checkpoint_size(load_config(None, [a for a in ONE if a.startswith(("model", "moe",
+                                                                                 "train"))]))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 0, 2 * one + 4096))
+    out = tmp_path / "run"
+    code = main(["train", *ONE, "--set", "train.steps=1", "--out", str(out)])
+    line = _one_line(capsys.readouterr().err)
+    assert code == 2, line
+    assert line.startswith(f"moezero: error: checkpoint.dir: one checkpoint needs {one} bytes"), line
+    assert f"keep_last 2 + 1: {3 * one} bytes" in line and f"only {2 * one + 4096} bytes" in line
+    assert not (out / "metrics.jsonl").exists()
+
+
 def _metrics_rows(out: Path) -> int:
     path = out / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
@@ -216,3 +235,64 @@ def test_a_probe_survives_another_worker_removing_the_new_folder(tmp_path, monke
     monkeypatch.setattr(os, "open", racing_open)
     rundir.probe_writable(target, "checkpoint.dir")
     assert raced and not (tmp_path / "a").exists()
+
+
+def _listing(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` and its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != ".moezero.lock"}
+
+
+def test_a_lora_run_in_its_bases_run_directory_is_refused(tmp_path, capsys):
+    """issue 38 #5: a LoRA run started in the --out of the full run it uses as its base would
+    restart the step count at 0 in the base's checkpoint root, and its saves and keep_last
+    delete the base: refused in one line before any rank starts; the base is untouched."""
+    out = tmp_path / "run"
+    assert moezero("train", *ONE, "--set", "train.steps=2", "--out", str(out)).returncode == 0
+    before = _listing(out / "checkpoints")
+    for load in ("latest", str(out / "checkpoints" / "step_00000002")):
+        code = main(["train", *ONE, "--set", "train.steps=1", "--set", "peft.method=lora",
+                     "--set", f"checkpoint.load={load}", "--out", str(out)])
+        line = _one_line(capsys.readouterr().err)
+        assert code == 2, line
+        assert line.startswith(f"moezero: error: checkpoint.dir: {out / 'checkpoints'} holds "
+                               f"{out / 'checkpoints' / 'step_00000002'}, the base of this LoRA "
+                               "run"), line
+        assert _listing(out / "checkpoints") == before
+    other = tmp_path / "lora"  # its own --out: fine
+    res = moezero("train", *ONE, "--set", "train.steps=1", "--set", "peft.method=lora",
+                  "--set", f"checkpoint.load={out / 'checkpoints'}", "--out", str(other))
+    assert res.returncode == 0, res.stderr
+    assert _listing(out / "checkpoints") == before
+
+
+def test_two_runs_on_one_checkpoint_dir_are_refused(tmp_path):
+    """issue 38 #6: two runs with their own --out and one checkpoint.dir both died at their
+    first save and left the root empty: the lock covers checkpoint.dir too; the second run is
+    refused in one line, the first's checkpoints survive."""
+    shared = tmp_path / "shared_ckpt"
+    sets = ["--set", f"checkpoint.dir={shared}", "--set", "checkpoint.every=1"]
+    first = subprocess.Popen([sys.executable, "-m", "moezero.cli", "train", *ONE, *sets,
+                              "--set", "train.steps=100000", "--out", str(tmp_path / "a")],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while _metrics_rows(tmp_path / "a") < 2:
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+            time.sleep(0.2)
+        res = moezero("train", *ONE, *sets, "--set", "train.steps=1",
+                      "--out", str(tmp_path / "b"))
+        line = _one_line(res.stderr)
+        assert res.returncode == 2, res.stderr
+        assert "checkpoint.dir: the checkpoint root is in use by a running job; give each run " \
+            "its own checkpoint.dir" in line
+        assert str(shared) in line, line
+        rows = _metrics_rows(tmp_path / "a")
+        while _metrics_rows(tmp_path / "a") <= rows:  # the first run still trains and saves
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+            time.sleep(0.2)
+        assert any(p.name.startswith("step_") for p in shared.iterdir())
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=60)

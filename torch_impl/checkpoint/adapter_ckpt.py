@@ -64,6 +64,12 @@ class AdapterPlan:
         return cls(groups, {f: s for f, s in shapes.items() if f not in frozen},
                    {f: s for f, s in shapes.items() if f in frozen})
 
+    @property
+    def unfrozen(self) -> dict[str, tuple[int, ...]]:
+        """The trained params that are not adapters (base params ``train.freeze``'s "!"
+        patterns train): a fresh LoRA run reads their values from its base."""
+        return {f: s for f, s in self.trained.items() if not f.endswith(ADAPTER_SUFFIXES)}
+
     def lacks_adapters(self, saved: dict) -> bool:
         """True when a checkpoint with params ``saved`` (FQN -> shape) has none of the
         adapters (a base for a fresh LoRA run) but every other trained param."""

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from moezero.checkpoint.core import resolve_load
 from moezero.config import ARCHITECTURE, Config, ConfigError
+from moezero.config.errors import FieldError
 from moezero.plan import store
 
 ADOPTED_KEYS = {**ARCHITECTURE, "tokenizer": ("path", "sha256", "vocab_size", "bos_token_id",
@@ -30,8 +31,8 @@ def adopt_architecture(cfg: Config, run_dir: str | Path) -> tuple[Config, list[s
     Raises:
         CheckpointError: the checkpoint cannot be found or read (one line).
         ConfigError: an architecture key set to another value than the checkpoint's and not
-            in ``checkpoint.allow_arch_change``, or adopted values that make an invalid config
-            (one line).
+            in ``checkpoint.allow_arch_change``, adopted values that make an invalid config, or
+            ``peft.targets`` the checkpoint's model lacks (one line).
     """
     ckpt = resolve_load(cfg.checkpoint.load, cfg.checkpoint.resolve_dir(run_dir))
     saved = store.read_manifest(ckpt).config
@@ -47,14 +48,18 @@ def adopt_architecture(cfg: Config, run_dir: str | Path) -> tuple[Config, list[s
                 adopted.append(f"{section}.{key}={theirs[key]}")
             elif section in ARCHITECTURE:
                 _refuse_change(cfg, f"{section}.{key}", data[section][key], theirs[key], ckpt)
-    if not adopted:
-        return cfg, []
-    try:
-        return Config.model_validate(data), adopted
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        raise ConfigError(".".join(map(str, err["loc"])), err["msg"],
-                          f"architecture adopted from {ckpt}") from None
+    if adopted:
+        try:
+            cfg = Config.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise ConfigError(".".join(map(str, err["loc"])), err["msg"],
+                              f"architecture adopted from {ckpt}") from None
+    try:  # the checks the schema leaves to the checkpoint's architecture
+        cfg.check_peft_targets()
+    except FieldError as exc:
+        raise ConfigError(exc.field, exc.problem, f"architecture of checkpoint {ckpt}") from None
+    return cfg, adopted
 
 
 def _refuse_change(cfg: Config, key: str, ours, theirs, ckpt: Path) -> None:

@@ -115,7 +115,7 @@ class Checkpointer:
 
     def load(self, path: str | os.PathLike, targets: Iterable[StateShard],
              shapes: dict[str, tuple[int, ...]], buffers: dict | None = None, *,
-             exact: bool = True) -> dict:
+             exact: bool = True, only: bool = False) -> dict:
         """Fill ``targets`` from a step directory or a root's newest complete checkpoint
         (collective); any world size, ``ep``, ZeRO stage or group cap may have saved it.
 
@@ -123,6 +123,7 @@ class Checkpointer:
         (``checkpoint.model_buffers.buffer_targets``). Returns this rank's saved state
         (``load.read_checkpoint``; {} when weights only). ``exact=False``: the checkpoint may
         hold more params than ``shapes`` (a base checkpoint read for the frozen ones).
+        ``only``: the masters of the params in ``shapes`` alone (``load.read_checkpoint``).
         A read that fails after the checks (a damaged file) leaves the targets partly
         filled: load again or start afresh.
 
@@ -134,7 +135,8 @@ class Checkpointer:
         try:
             state = read_checkpoint(path, targets, shapes, self.rank, buffers or {},
                                     verify=self.options.verify_on_load,
-                                    chunk=self.options.io.chunk_bytes, exact=exact)
+                                    chunk=self.options.io.chunk_bytes, exact=exact,
+                                    only=only)
         except (CheckpointError, OSError, ValueError) as exc:
             error = f"rank {self.rank}: {one_line(exc)}"
         self.group.agree(error, f"checkpoint load from {path}")

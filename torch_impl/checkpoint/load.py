@@ -62,14 +62,17 @@ def resolve_load(value: str, root: str | os.PathLike) -> Path:
 def read_checkpoint(path: str | os.PathLike, targets: Iterable[StateShard],
                     shapes: dict[str, tuple[int, ...]], rank: int,
                     buffers: dict | None = None, *, verify: bool = True,
-                    chunk: int = CHUNK, exact: bool = True) -> dict:
+                    chunk: int = CHUNK, exact: bool = True, only: bool = False) -> dict:
     """Fill ``targets`` from the checkpoint at ``path`` (a step directory or a root: its
     newest complete checkpoint) and return ``rank``'s state: the saved JSON state with each
     per-rank entry (``save.RANK_KEYS``) replaced by this rank's (``rank % saved world``: a rank
     that did not exist at save takes another's), or {} for a weights-only checkpoint, whose
     moments are zeroed. ``buffers`` (``{fqn: tensor}``) are filled too (zero where the
     checkpoint has none). ``verify``: check every range read and every header (``chunk``
-    bytes per read). Raises CheckpointError, OSError or ValueError (one line)."""
+    bytes per read). ``only``: fill the masters of the params in ``shapes`` alone, leaving
+    the rest of each target as it is, and return {} (a fresh LoRA run's un-frozen base params,
+    read from its base beside its initial adapters). Raises CheckpointError, OSError or
+    ValueError (one line)."""
     where = find_checkpoint(path)
     manifest = store.read_manifest(where)
     store.check_shapes(manifest, shapes, where, exact=exact)
@@ -77,6 +80,10 @@ def read_checkpoint(path: str | os.PathLike, targets: Iterable[StateShard],
     check_buffers(manifest, {k: tuple(t.shape) for k, t in buffers.items()}, where)
     saved = ("master",) if manifest.layout.weights_only else STATES
     reader = (CheckedReader if verify else PlainReader)(where, manifest, chunk=chunk)
+    if only:
+        for target in targets:
+            _fill_masters(reader, target, shapes.keys())
+        return {}
     for target in targets:
         fill = _fill_files if target.files is not None else _fill_tensors
         fill(reader, target, saved)
@@ -101,6 +108,22 @@ def _fill_tensors(reader: PlainReader, target: StateShard, saved) -> None:
             _read_into(t, partial(store.read_shard, reader.root, reader.manifest, part,
                                   target.dp_rank, s, reader=reader), part.shard_numel,
                        reader.chunk)
+
+
+def _fill_masters(reader: PlainReader, target: StateShard, fqns) -> None:
+    """The master of each piece of ``target``'s range whose param is in ``fqns``, piece by
+    piece (the other pieces and states are left as they are)."""
+    for piece, at in target.partition.rank_slices(target.dp_rank):
+        if piece.fqn not in fqns:
+            continue
+        for lo, host in _spans(piece.numel, reader.chunk):
+            store.read_param(reader.root, reader.manifest, piece.fqn, piece.start + lo,
+                             piece.start + lo + host.size, out=host, reader=reader)
+            if target.files is not None:
+                store.write_range(target.files["master"], (at + lo) * ITEMSIZE, host)
+            else:
+                target.tensors["master"].detach().view(-1)[at + lo:at + lo + host.size] \
+                    .copy_(torch.from_numpy(host))
 
 
 def _read_into(tensor: torch.Tensor, read: Callable, numel: int, chunk: int) -> None:

@@ -5,7 +5,10 @@ need no process group. ``export`` writes consolidated model weights as Hugging F
 safetensors files plus ``model.safetensors.index.json``, cast to bf16 or fp32, fragments
 joined into whole tensors keyed by FQN (global expert ids), no optimizer state;
 ``moezero checkpoint export --format hf`` writes a Hugging Face family's names and a
-``config.json`` instead (``moezero.checkpoint.hf``, docs/hf.md).
+``config.json`` instead (``moezero.checkpoint.hf``, docs/hf.md). Every export reads through
+``moezero.plan.checked.CheckedReader``, so a changed byte is refused as a load refuses it, and
+writes into an absent or empty ``--out`` only, removing what it wrote when it fails
+(``into_empty``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +25,40 @@ import torch
 
 from moezero.plan import store
 from moezero.plan.bytes_io import CHUNK, byte_view
+from moezero.plan.checked import CheckedReader
 from moezero.plan.files import pwrite_all
 from moezero.plan.layout import FORMAT_VERSION, safetensors_header
 
-__all__ = ["describe", "export", "verify", "write_weights"]
+__all__ = ["describe", "export", "into_empty", "refuse_non_empty", "verify", "write_weights"]
+
+
+def refuse_non_empty(out: Path) -> None:
+    """One-line CheckpointError unless ``out`` is absent or an empty directory, naming what it
+    holds (a ``.partial`` left by a killed import or export says so)."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    partial = next((n for n in held if n.endswith(".partial")), None)
+    what = (f": it holds {partial}, left by a killed import or export; remove it" if partial
+            else f": it holds {held[0]}" if held else "")
+    raise store.CheckpointError(f"--out {out}: exists and is not an empty directory{what}")
+
+
+def into_empty(out: Path, write: Callable[[], list[Path]]) -> list[Path]:
+    """``write()``'s files in ``out``, which must be absent or an empty directory (one-line
+    CheckpointError otherwise, as import refuses); if ``write`` fails, what it left in
+    ``out`` is removed (and ``out`` if it made it), then the error is raised."""
+    refuse_non_empty(out)
+    made = not out.exists()
+    try:
+        return write()
+    except BaseException:
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        elif out.is_dir():
+            for p in out.iterdir():
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
+        raise
 
 def verify(ckpt: Path) -> list[str]:
     """``moezero checkpoint verify``: one line per problem (``store.verify``), empty if sound."""
@@ -100,8 +135,9 @@ def write_weights(ckpt: Path, m, out: Path, items: list[tuple[str, str, tuple]],
     out.mkdir(parents=True, exist_ok=True)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    reader = CheckedReader(ckpt, m)  # every byte checked against the manifest, as load does
     for name, tensors in zip(names, shards, strict=True):
-        _write_safetensors(out / name, ckpt, m, tensors, torch_dtype, tag, meta)
+        _write_safetensors(out / name, (ckpt, m, reader), tensors, torch_dtype, tag, meta)
     weight_map = {key: name for name, tensors in zip(names, shards, strict=True)
                   for key, _, _ in tensors}
     total = sum(math.prod(shape) for _, _, shape in items) * size
@@ -110,11 +146,12 @@ def write_weights(ckpt: Path, m, out: Path, items: list[tuple[str, str, tuple]],
     return [out / n for n in names] + [out / "model.safetensors.index.json"]
 
 
-def _write_safetensors(path: Path, ckpt: Path, m, tensors, torch_dtype, tag: str,
+def _write_safetensors(path: Path, source: tuple, tensors, torch_dtype, tag: str,
                        meta: dict) -> None:
     """One safetensors file: the header computed up front (``plan.layout.safetensors_header``),
-    then each tensor read, cast and written ``CHUNK`` bytes of fp32 at a time with pwrite at
-    its offset, under ``<name>.partial`` renamed when complete."""
+    then each tensor read from ``source`` (checkpoint, manifest, reader), cast and written
+    ``CHUNK`` bytes of fp32 at a time with pwrite at its offset, under ``<name>.partial``
+    renamed when complete."""
     size = torch.tensor([], dtype=torch_dtype).element_size()
     entries, cursor = [], 0
     for key, _, shape in tensors:
@@ -127,7 +164,7 @@ def _write_safetensors(path: Path, ckpt: Path, m, tensors, torch_dtype, tag: str
         pwrite_all(fd, memoryview(header), 0)
         host = np.empty(CHUNK // 4, np.float32)
         for (_, fqn, shape), entry in zip(tensors, entries, strict=True):
-            _write_tensor(fd, len(header) + entry[3], (ckpt, m, fqn), math.prod(shape),
+            _write_tensor(fd, len(header) + entry[3], (*source, fqn), math.prod(shape),
                           host, torch_dtype)
         os.fsync(fd)
     finally:
@@ -137,11 +174,12 @@ def _write_safetensors(path: Path, ckpt: Path, m, tensors, torch_dtype, tag: str
 
 def _write_tensor(fd: int, offset: int, source: tuple, numel: int, host: np.ndarray,
                   torch_dtype: torch.dtype) -> None:
-    """Elements of ``source`` (checkpoint, manifest, FQN) at ``offset`` in ``torch_dtype``,
-    one ``host`` buffer of fp32 at a time."""
+    """Elements of ``source`` (checkpoint, manifest, reader, FQN) at ``offset`` in
+    ``torch_dtype``, one ``host`` buffer of fp32 at a time."""
+    ckpt, m, reader, fqn = source
     for lo in range(0, numel, host.size):
-        part = store.read_param(*source, lo, min(numel, lo + host.size),
-                                out=host[:min(numel - lo, host.size)])
+        part = store.read_param(ckpt, m, fqn, lo, min(numel, lo + host.size),
+                                out=host[:min(numel - lo, host.size)], reader=reader)
         data = torch.from_numpy(part).to(torch_dtype).view(torch.uint8).numpy()
         pwrite_all(fd, byte_view(data), offset)
         offset += data.nbytes

@@ -21,6 +21,7 @@ from moezero.config.errors import FieldError
 from moezero.config.model import ARCHITECTURE_KEYS, ModelConfig, MoEConfig
 from moezero.config.offload import OptimizerOffloadConfig, ParamOffloadConfig
 from moezero.config.peft import PeftConfig
+from moezero.config.schedule import LRScheduleConfig
 from moezero.config.section import Section as _Section
 
 
@@ -91,6 +92,9 @@ class OptimizerConfig(_Section):
         1.0, ge=0, description="Clip the global grad norm to this; 0 or None disables.")
     warmup_steps: int = Field(30, ge=0, description="Linear warmup steps from 0 to lr.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay ends at lr * this.")
+    scheduler: LRScheduleConfig | None = Field(
+        None, description="A DeepSpeed lr schedule (WarmupLR, WarmupDecayLR, WarmupCosineLR) "
+                          "in place of warmup_steps/min_lr_ratio; import-deepspeed sets it.")
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -251,8 +255,9 @@ class DistConfig(_Section):
 
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on CUDA, else gloo.")
     timeout_s: float = Field(300.0, gt=0, description="Collective timeout in seconds.")
-    heartbeat_s: float = Field(30.0, gt=0, description="A spawned rank silent this long is "
-                               "named as hung and the job is stopped (docs/reliability.md).")
+    heartbeat_s: float = Field(30.0, ge=1, description="A spawned rank silent this long is "
+                               "named as hung and the job is stopped (docs/reliability.md); "
+                               "at least 1 s (ranks beat every heartbeat_s / 6).")
 
 
 class TelemetryConfig(_Section):
@@ -293,20 +298,27 @@ class Config(_Section):
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig,
                                        description="Expert-load warnings.")
 
+    def check_peft_targets(self) -> None:
+        """FieldError when ``peft.targets`` names the shared expert or the dense MLP of a
+        model without one. With ``checkpoint.load`` the model is the checkpoint's:
+        ``checkpoint.adopt`` checks after adopting its architecture."""
+        if self.peft.uses_lora and not self.moe.shared_ffn_dim \
+                and any(t.startswith("shared") for t in self.peft.targets):
+            raise FieldError("peft.targets", "names the shared expert, but the model has none "
+                                             "(moe.shared_ffn_dim is 0)")
+        if self.peft.uses_lora and not self.model.first_k_dense \
+                and any(t.startswith("mlp") for t in self.peft.targets):
+            raise FieldError("peft.targets", "names the dense MLP, but the model has none "
+                                             "(model.first_k_dense is 0)")
+
     @model_validator(mode="after")
     def _across_sections(self) -> Config:
         if self.data.path is None and self.data.synthetic_vocab > self.model.vocab_size:
             raise FieldError("data.synthetic_vocab",
                               f"must be <= model.vocab_size ({self.model.vocab_size}), "
                               f"got {self.data.synthetic_vocab}")
-        if self.peft.uses_lora and not self.moe.shared_ffn_dim \
-                and any(t.startswith("shared") for t in self.peft.targets):
-            raise FieldError("peft.targets", "names the shared expert, but the model has none "
-                                             "(moe.shared_ffn_dim is 0)")
-        if self.peft.method == "lora" and not self.model.first_k_dense \
-                and any(t.startswith("mlp") for t in self.peft.targets):
-            raise FieldError("peft.targets", "names the dense MLP, but the model has none "
-                                             "(model.first_k_dense is 0)")
+        if not self.checkpoint.load:  # else after adopting its architecture (checkpoint.adopt)
+            self.check_peft_targets()
         if (self.tokenizer.vocab_size or 0) > self.model.vocab_size:
             raise FieldError("tokenizer.vocab_size",
                              f"must be <= model.vocab_size ({self.model.vocab_size}), "

@@ -21,10 +21,18 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from moezero.checkpoint.deepspeed import patterns, placement, ranks, settings, unsharded
+from moezero.checkpoint.deepspeed import (
+    agreement,
+    patterns,
+    placement,
+    ranks,
+    settings,
+    unsharded,
+)
 from moezero.checkpoint.deepspeed.source import Source, find_tag, read_source
 from moezero.checkpoint.hf.importer import HF_CONFIG, _layout, import_config, read_hf_config
 from moezero.checkpoint.hf.names import candidates
+from moezero.checkpoint.tools import refuse_non_empty
 from moezero.config import Config, dump_config
 from moezero.plan import store
 from moezero.plan.files import fsync_file
@@ -72,12 +80,11 @@ def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = No
     ckpt_dir, out = Path(ckpt_dir), Path(out)
     src = read_source(find_tag(ckpt_dir, tag))
     family, arch, raw = read_hf_config(_config_dir(ckpt_dir, model_config and Path(model_config)))
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"--out {out}: exists and is not an empty directory")
+    refuse_non_empty(out)
     first = _read_rank(src, 0)
     eps = _group_eps(first, src)
     where = placement.plan(src.stage, src.world_size, src.groups, eps)
-    _check_ranks(src, where)
+    _check_ranks(src, where, first, eps)
     cfg, notes = _config(arch, raw, src, first, out)
     layout = _layout(cfg, step=src.global_steps, weights_only=False)
     mapped = patterns.by_fqn(where.shapes, patterns.load(names and Path(names)))
@@ -92,13 +99,14 @@ def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = No
                       "source": {"format": f"deepspeed-zero{src.stage}",
                                  "path": str(src.folder.resolve()),
                                  "ds_version": src.ds_version, "ds_config": src.ds_config}}})
-    except BaseException:
+        dump_config(cfg, out / "config.yaml")
+    except BaseException:  # Ctrl-C included: nothing half-written is left
         _remove(out, created)
         raise
-    dump_config(cfg, out / "config.yaml")
     bytes_in = sum(p.stat().st_size for p in src.folder.rglob("*") if p.is_file())
     bytes_out = sum(p.stat().st_size for p in step_dir.iterdir())
-    return Report(src, step_dir, bytes_in, bytes_out, _found(first), notes + _unknown(src),
+    return Report(src, step_dir, bytes_in, bytes_out, _found(first),
+                  agreement.step_notes(first, src) + notes + _unknown(src),
                   eps=sorted({e for e in eps if e}) or [1],
                   numel=sum(_prod(shape) for shape in where.shapes.values()))
 
@@ -133,6 +141,8 @@ def _config(arch, raw: dict, src: Source, first: ranks.RankState, out: Path):
     aux = raw.get("router_aux_loss_coef", 0.0) if raw.get("output_router_logits") else 0.0
     data["moe"].update(aux_loss_coef=float(aux), z_loss_coef=0.0)
     data["optimizer"].update(opt)
+    data["zero_optimization"].update(settings.zero_section(src.ds_config, src.stage))
+    data["moe"]["ep_size"] = max((e for e in _group_eps(first, src) if e), default=1)
     data["precision"].update(settings.precision_section(src.ds_config))
     data["train"].update(settings.train_section(src.ds_config))
     try:
@@ -241,11 +251,14 @@ def _write_rank(state: ranks.RankState, partial: Path, writes: list[Write]) -> l
     return records
 
 
-def _check_ranks(src: Source, where: placement.Placement) -> None:
+def _check_ranks(src: Source, where: placement.Placement, first: ranks.RankState,
+                 eps: tuple[int | None, ...]) -> None:
     """Every rank's file read (its pickle; tensor data stays on disk) and checked against the
-    model states."""
+    model states and rank 0's file (``agreement``: one save)."""
     for rank in range(len(src.optim_files)):
-        _check_rank(_read_rank(src, rank), where, src, rank)
+        state = _read_rank(src, rank)
+        _check_rank(state, where, src, rank)
+        agreement.check_rank(state, first, src, rank, eps)
 
 
 def _read_rank(src: Source, rank: int) -> ranks.RankState:
@@ -330,14 +343,21 @@ def _unknown(src: Source) -> list[str]:
     if src.global_samples is not None:
         notes.append(f"data position: DeepSpeed counted {src.global_samples} samples but not "
                      "which; moezero's data starts at its own position 0")
-    if src.lr_scheduler:
-        notes.append("lr scheduler state: kept as the step count only")
+    if src.lr_scheduler and not src.ds_config.get("scheduler"):
+        notes.append("lr scheduler: one DeepSpeed's config does not name (a client's, e.g. the "
+                     "transformers Trainer's): optimizer.lr is the lr of its last step, "
+                     "constant (set optimizer.scheduler or warmup_steps yourself)")
     return notes
 
 
 def _remove(out: Path, created: bool) -> None:
-    """Undo a failed import: the partial step folder (and ``out`` if the import made it)."""
-    for p in sorted(out.glob("*.partial")) if out.is_dir() else []:
-        shutil.rmtree(p, ignore_errors=True)
+    """Undo a failed or interrupted import: ``out`` was absent or empty, so all it holds is
+    the import's (its step folder, committed or not, ``config.yaml``); ``out`` goes too if the
+    import made it."""
+    for p in sorted(out.iterdir()) if out.is_dir() else []:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
     if created and out.is_dir() and not any(out.iterdir()):
         os.rmdir(out)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ class RankState:
     param_groups: list[dict]
     loss_scaler: object
     zero_stage: int
+    meta: dict = field(default_factory=dict)  # ds_version, ds_config, partition_count
 
     def slice(self, state: str, offset: int, length: int) -> torch.Tensor:
         """Elements ``[offset, offset + length)`` of ``state`` in the rank's vector (its groups'
@@ -53,7 +54,8 @@ def read_rank(path: Path, offloaded: Path | None = None,
     run with its optimizer state on NVMe saves empty tensors there and the state in
     ``offloaded`` (``offloaded_tensors/rankNN``): read from those files instead
     (``read_offloaded``; ``numel_of(a, b)``: this rank's elements of params a..b)."""
-    top = pickles.load(path).get("optimizer_state_dict")
+    obj = pickles.load(path)
+    top = obj.get("optimizer_state_dict")
     if not isinstance(top, dict):
         raise CheckpointError(f"{path}: no optimizer_state_dict (not a DeepSpeed ZeRO file)")
     stage = int(top.get("zero_stage", 0))
@@ -80,8 +82,10 @@ def read_rank(path: Path, offloaded: Path | None = None,
             raise CheckpointError(f"{path}: the optimizer state is empty (offloaded to NVMe) and "
                                   f"there is no {offloaded or 'offloaded_tensors'} folder")
         parts = read_offloaded(offloaded, numel_of)
+    meta = {"ds_version": obj.get("ds_version"), "ds_config": obj.get("ds_config"),
+            "partition_count": top.get("partition_count")}
     return RankState(parts, tuple(m.numel() for m in parts["master"]), tuple(steps),
-                     list(base.get("param_groups", [])), top.get("loss_scaler"), stage)
+                     list(base.get("param_groups", [])), top.get("loss_scaler"), stage, meta)
 
 
 def _check(path: Path, g: int, key: str, t, numel: int) -> None:

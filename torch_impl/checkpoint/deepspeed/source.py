@@ -44,6 +44,7 @@ class Source:
     ds_version: str
     dtype: str
     expert_files: tuple[Path, ...] = ()  # native MoE: layer_*_expert_*_mp_rank_00_model_states.pt
+    skipped_steps: int | None = None  # optimizer steps skipped (fp16 overflow)
 
 
 def find_tag(ckpt_dir: Path, tag: str | None) -> Path:
@@ -92,7 +93,8 @@ def read_source(folder: Path) -> Source:
     return Source(folder, stage, world, groups, optim, model_files,
                   _int(states, "global_steps", model_files[0]), states.get("global_samples"),
                   states.get("lr_scheduler"), dict(states.get("ds_config") or {}),
-                  str(states.get("ds_version", "?")), dtype, experts)
+                  str(states.get("ds_version", "?")), dtype, experts,
+                  skipped if isinstance(skipped := states.get("skipped_steps"), int) else None)
 
 
 def _unsharded(folder: Path, states: dict, model_file: Path, dtype: str, experts):

@@ -27,6 +27,7 @@ from moezero.checkpoint.hf.families import family_of_config
 from moezero.checkpoint.hf.family import Family
 from moezero.checkpoint.hf.names import candidates
 from moezero.checkpoint.hf.reader import HFTensors
+from moezero.checkpoint.tools import refuse_non_empty
 from moezero.config import Config, dump_config
 from moezero.model.build import config_decoder
 from moezero.model.specs import config_user_group, param_specs
@@ -79,8 +80,7 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     """
     src, out = Path(src), Path(out)
     family, arch, raw = read_hf_config(src)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"--out {out}: exists and is not an empty directory")
+    refuse_non_empty(out)
     cfg = import_config(arch, out, str(src / HF_CONFIG), hf_tokenizer.describe_import(src, out))
     tensors = HFTensors(src)
     layout = _layout(cfg)

@@ -33,6 +33,7 @@ from moezero.checkpoint.hf.exporter import HF_CONFIG
 from moezero.checkpoint.hf.families import family_for
 from moezero.checkpoint.hf.names import hf_name
 from moezero.plan import store
+from moezero.plan.checked import CheckedReader
 from moezero.plan.reading import read_tensors
 from moezero.plan.store import CheckpointError
 
@@ -50,8 +51,13 @@ def _adapter_checkpoint(ckpt: Path, what: str):
         raise CheckpointError(f"{ckpt}: holds no LoRA adapters (not a peft.method: lora "
                               f"checkpoint); {what} needs them (docs/finetune.md)")
     base_dir = adapter_ckpt.check(manifest.base, ckpt)
-    trained = {k: torch.from_numpy(v) for k, v in read_tensors(ckpt, manifest).items()}
+    trained = {k: torch.from_numpy(v) for k, v in _checked_tensors(ckpt, manifest).items()}
     return manifest, base_dir, trained
+
+
+def _checked_tensors(ckpt: Path, manifest) -> dict:
+    """Every tensor of ``ckpt``, each byte checked against its manifest (as load does)."""
+    return read_tensors(ckpt, manifest, reader=CheckedReader(ckpt, manifest))
 
 
 def _lora(trained: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -156,7 +162,8 @@ def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
     (and its other trained params over the base's), as a Hugging Face model directory."""
     manifest, base_dir, trained = _adapter_checkpoint(ckpt, "--merge-lora")
     base_manifest = store.read_manifest(base_dir)
-    weights = {k: torch.from_numpy(v) for k, v in read_tensors(base_dir, base_manifest).items()}
+    weights = {k: torch.from_numpy(v)
+               for k, v in _checked_tensors(base_dir, base_manifest).items()}
     scale = _scale(manifest)
     for fqn, (a, b) in _lora(trained).items():
         weights[fqn + ".weight"] = weights[fqn + ".weight"] + scale * (b @ a)
