@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from moezero.checkpoint.hf.arch import Arch, moe_sizes, topk_arch
 from moezero.checkpoint.hf.family import Family
-from moezero.checkpoint.hf.qwen import EXPERT_NAMES, check_layers, dense_layers_off
+from moezero.checkpoint.hf.qwen import EXPERT_NAMES, check_layers, qwen_keys
 
 
 def read(cfg: dict, where: str) -> Arch:
@@ -17,9 +17,8 @@ def read(cfg: dict, where: str) -> Arch:
 
 
 def write(arch: Arch) -> dict:
-    return {"intermediate_size": arch.ffn_dim, "moe_intermediate_size": arch.ffn_dim,
-            "num_experts": arch.num_experts, "norm_topk_prob": arch.renormalize,
-            "attention_bias": arch.attn_bias == "all", **dense_layers_off()}
+    return {"intermediate_size": arch.ffn_dim, "attention_bias": arch.attn_bias == "all",
+            **qwen_keys(arch)}
 
 
 def refusal(arch: Arch):
