@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -122,3 +124,23 @@ def write_gathered(spec: dict, record: dict, result_path: str) -> None:
     dist.all_gather_object(ranks, record)
     if dist.get_rank() == 0:
         Path(result_path).write_text(json.dumps({"spec": spec, "ranks": ranks}))
+
+
+def rank_main(run_rank, argv: list[str] | None = None, *, threads: int | None = None) -> int:
+    """One benchmark rank, ``SPEC.json RESULT.json`` (``argv``, else the command line): torch
+    on ``threads`` threads (else ``OMP_NUM_THREADS``, 1 by default), a gloo world, and
+    ``run_rank(spec)``'s record gathered into the result file; a run that raises
+    ``Unsupported`` records its reason instead."""
+    spec_path, result_path = argv if argv is not None else sys.argv[1:]
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    try:
+        try:
+            record = run_rank(spec)
+        except Unsupported as exc:
+            record = {"status": "unsupported", "note": str(exc)}
+        write_gathered(spec, record, result_path)
+    finally:
+        dist.destroy_process_group()
+    return 0

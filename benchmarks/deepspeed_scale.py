@@ -34,7 +34,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by torchrun: the repository root on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import AnonPeak, tree_bytes  # noqa: E402
+from benchmarks.common import AnonPeak, tree_bytes
 
 GIB = 2**30
 

@@ -11,22 +11,19 @@ Rank 0 writes every rank's record as JSON.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from benchmarks.common import (
     AnonPeak,
     anon_rss,
     barrier_timed,
     peak_rss,
+    rank_main,
     tree_bytes,
-    write_gathered,
 )
 
 
@@ -87,16 +84,7 @@ def run_rank(spec: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec_path, result_path = argv if argv is not None else sys.argv[1:]
-    spec = json.loads(Path(spec_path).read_text())
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    try:
-        record = run_rank(spec)
-        write_gathered(spec, record, result_path)
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return rank_main(run_rank, argv, threads=1)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ from statistics import median
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from benchmarks.specs import SWEEP_SYSTEMS  # noqa: E402
-from benchmarks.stats import run_stats  # noqa: E402
+from benchmarks.specs import SWEEP_SYSTEMS
+from benchmarks.stats import run_stats
 
 MiB = 2**20
 

@@ -120,61 +120,53 @@ TARGET_CONFIG = "moezero stage 2"
 
 WORLD_SIZE = 2
 
+def _model(dim: int, n_layers: int, ffn_dim: int, num_experts: int, *, ep_size: int,
+           n_heads: int = 4) -> dict:
+    """A benchmark model's shape (``benchmarks.common.model_args``): 256 tokens, top-2."""
+    return {"vocab_size": 256, "dim": dim, "n_layers": n_layers, "n_heads": n_heads,
+            "ffn_dim": ffn_dim, "num_experts": num_experts, "top_k": 2, "ep_size": ep_size}
+
+
 _SHORT = {"micro_batch_size": 1, "seq_len": 32, "lr": 3e-3, "seed": 0, "warmup": 1, "timed": 2}
-_ESTIMATE = {"estimate_model": {"vocab_size": 256, "dim": 512, "n_layers": 4, "n_heads": 8,
-                                "ffn_dim": 768, "num_experts": 32, "top_k": 2, "ep_size": 1},
-             "tiny_model": {"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4,
-                            "ffn_dim": 64, "num_experts": 4, "top_k": 2, "ep_size": 1},
+_ESTIMATE = {"estimate_model": _model(512, 4, 768, 32, ep_size=1, n_heads=8),
+             "tiny_model": _model(64, 2, 64, 4, ep_size=1),
              "estimate_train": {"micro_batch_size": 4, "seq_len": 128, "lr": 3e-3, "seed": 0,
                                 "warmup": 1, "timed": 2}}
 _HOSTSTEP = {"numel": 1 << 25, "repeats": 5, "peer_timeout_s": 1800}
 """The ``hoststep`` series (``benchmarks.hoststep``): 32 M fp32 elements (384 MiB of master +
 moments); the peer's timeout covers DeepSpeed's first build of its ``cpu_adam`` op."""
-_ESTIMATE_QUICK_MODEL = {"vocab_size": 256, "dim": 256, "n_layers": 2, "n_heads": 4,
-                         "ffn_dim": 512, "num_experts": 16, "top_k": 2, "ep_size": 1}
+_ESTIMATE_QUICK_MODEL = _model(256, 2, 512, 16, ep_size=1)
 """The ``estimate`` series' model in quick mode (13 M params: minutes, not a quarter hour)."""
+_FULL = {"model": _model(256, 4, 512, 8, ep_size=2),
+         "train": {"micro_batch_size": 8, "seq_len": 128, "lr": 3e-3, "seed": 0,
+                   "warmup": 5, "timed": 20},
+         "repeats": 5, "slot_rounds": 5, "dd_mib": 1024, "memcpy_mib": 512,
+         "sweep_experts": (8, 16, 32, 64), "world_sizes": (1, 2, 4),
+         "short": {**_SHORT, "warmup": 2, "timed": 3},
+         "tiled_model": _model(256, 4, 1024, 16, ep_size=2),
+         "tiled_train": {**_SHORT, "timed": 5},
+         "ckpt_model": _model(256, 4, 1024, 16, ep_size=2),
+         "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
+         "swap_mib": 1024, "data_mb": 210,
+         "coll_model": _model(64, 4, 64, 16, ep_size=1),
+         "coll_train": {**_SHORT, "timed": 3}, "coll_caps": (None, 8192, 2048, 512, 256),
+         **_ESTIMATE,
+         "grouped": {"dim": 256, "ffn_dim": 512, "top_k": 2, "tokens": 2048,
+                     "experts": (8, 64), "rounds": 5, "steps": 3},
+         "hoststep": _HOSTSTEP}
 SIZES = {
-    "quick": {"model": {"vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4,
-                        "ffn_dim": 256, "num_experts": 8, "top_k": 2, "ep_size": 2},
+    "quick": {**_FULL,  # full, with smaller models and shorter loops:
+              "model": _model(128, 2, 256, 8, ep_size=2),
               "train": {"micro_batch_size": 4, "seq_len": 128, "lr": 3e-3, "seed": 0,
                         "warmup": 3, "timed": 8},
               "repeats": 2, "slot_rounds": 1, "dd_mib": 256, "memcpy_mib": 256,
-              "sweep_experts": (8, 16, 32), "world_sizes": (1, 2, 4), "short": _SHORT,
-              "tiled_model": {"vocab_size": 256, "dim": 128, "n_layers": 2, "n_heads": 4,
-                              "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
-              "tiled_train": {**_SHORT, "timed": 3},
-              "ckpt_model": {"vocab_size": 256, "dim": 256, "n_layers": 2, "n_heads": 4,
-                             "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
-              "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
-              "swap_mib": 256, "data_mb": 210,
-              "coll_model": {"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4,
-                             "ffn_dim": 64, "num_experts": 16, "top_k": 2, "ep_size": 1},
-              "coll_train": {**_SHORT, "timed": 2}, "coll_caps": (None, 2048, 256),
-              **_ESTIMATE, "estimate_model": _ESTIMATE_QUICK_MODEL,
-              "grouped": {"dim": 256, "ffn_dim": 512, "top_k": 2, "tokens": 1024,
-                          "experts": (8, 64), "rounds": 3, "steps": 2},
+              "sweep_experts": (8, 16, 32), "short": _SHORT, "swap_mib": 256,
+              "tiled_model": _model(128, 2, 1024, 16, ep_size=2), "tiled_train": {**_SHORT, "timed": 3},
+              "ckpt_model": _model(256, 2, 1024, 16, ep_size=2), "coll_train": {**_SHORT, "timed": 2},
+              "coll_caps": (None, 2048, 256), "estimate_model": _ESTIMATE_QUICK_MODEL,
+              "grouped": {**_FULL["grouped"], "tokens": 1024, "rounds": 3, "steps": 2},
               "hoststep": {**_HOSTSTEP, "repeats": 3}},
-    "full": {"model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
-                       "ffn_dim": 512, "num_experts": 8, "top_k": 2, "ep_size": 2},
-             "train": {"micro_batch_size": 8, "seq_len": 128, "lr": 3e-3, "seed": 0,
-                       "warmup": 5, "timed": 20},
-             "repeats": 5, "slot_rounds": 5, "dd_mib": 1024, "memcpy_mib": 512,
-             "sweep_experts": (8, 16, 32, 64), "world_sizes": (1, 2, 4),
-             "short": {**_SHORT, "warmup": 2, "timed": 3},
-             "tiled_model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
-                             "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
-             "tiled_train": {**_SHORT, "timed": 5},
-             "ckpt_model": {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 4,
-                            "ffn_dim": 1024, "num_experts": 16, "top_k": 2, "ep_size": 2},
-             "ckpt_train": {**_SHORT, "warmup": 0, "timed": 1},
-             "swap_mib": 1024, "data_mb": 210,
-             "coll_model": {"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4,
-                            "ffn_dim": 64, "num_experts": 16, "top_k": 2, "ep_size": 1},
-             "coll_train": {**_SHORT, "timed": 3}, "coll_caps": (None, 8192, 2048, 512, 256),
-             **_ESTIMATE,
-             "grouped": {"dim": 256, "ffn_dim": 512, "top_k": 2, "tokens": 2048,
-                         "experts": (8, 64), "rounds": 5, "steps": 3},
-             "hoststep": _HOSTSTEP},
+    "full": _FULL,
 }
 """Shared model and loop per mode. ``ep_size`` applies to moezero and DeepSpeed (expert
 parallel); FSDP2 shards every parameter instead and runs all experts on each rank.
@@ -280,14 +272,11 @@ gave 3.36 GiB (1.52x), one 3.00 GiB (1.45x), none 2.63 GiB (1.94x, on a busier m
 
 _TRAIN = {"micro_batch_size": 1, "seq_len": 256, "lr": 3e-4, "seed": 0, "warmup": 0, "timed": 3}
 SCALE_SIZES = {
-    "quick": {"model": {"vocab_size": 256, "dim": 1024, "n_layers": 1, "n_heads": 8,
-                        "ffn_dim": 2048, "num_experts": 32, "top_k": 2, "ep_size": 2},
+    "quick": {"model": _model(1024, 1, 2048, 32, ep_size=2, n_heads=8),
               "train": _TRAIN, "dd_mib": 512},
-    "mid": {"model": {"vocab_size": 256, "dim": 1024, "n_layers": 4, "n_heads": 8,
-                      "ffn_dim": 1000, "num_experts": 32, "top_k": 2, "ep_size": 2},
+    "mid": {"model": _model(1024, 4, 1000, 32, ep_size=2, n_heads=8),
             "train": _TRAIN, "dd_mib": 1024},
-    "full": {"model": {"vocab_size": 256, "dim": 1024, "n_layers": 20, "n_heads": 8,
-                       "ffn_dim": 1000, "num_experts": 32, "top_k": 2, "ep_size": 2},
+    "full": {"model": _model(1024, 20, 1000, 32, ep_size=2, n_heads=8),
              "train": _TRAIN, "dd_mib": 1024},
 }
 """The series' model per mode: ``full`` is 2.05 B parameters in 20 layers (32 experts of

@@ -10,27 +10,23 @@ rank's raw figures as JSON. Statistics are left to ``benchmarks.stats``.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
 import time
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from benchmarks.common import (
     AnonPeak,
-    Unsupported,
     anon_rss,
     barrier_timed,
     drop_files,
     drop_page_cache,
     peak_rss,
+    rank_main,
     tree_bytes,
-    write_gathered,
 )
 from benchmarks.machine import DD_BESIDE_MIB, dd_write
 
@@ -189,19 +185,7 @@ def run_rank(spec: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec_path, result_path = argv if argv is not None else sys.argv[1:]
-    spec = json.loads(Path(spec_path).read_text())
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    try:
-        try:
-            record = run_rank(spec)
-        except Unsupported as exc:
-            record = {"status": "unsupported", "note": str(exc)}
-        write_gathered(spec, record, result_path)
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return rank_main(run_rank, argv)
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def test_sharded_moe_with_expert_lora_adapters_equals_its_twin(tol):
                           shapes["layers"][0]["moe"])
     assert params["experts"]["w2"]["lora_B"].shape == (8, 8, 2)
     x, cot = (jnp.asarray(rng.standard_normal((NUM_TOKENS, 8)), jnp.float32) for _ in range(2))
-    loss = lambda fn, p: jnp.sum(fn(p, x).y_TD * cot)  # noqa: E731
+    loss = lambda fn, p: jnp.sum(fn(p, x).y_TD * cot)
     kw = {"top_k": 2, "capacity_factor": None, "lora_scale": 2.0}
     got = jax.jit(jax.value_and_grad(functools.partial(
         loss, functools.partial(moe_layer_sharded, mesh=make_mesh(2, 2), **kw))))(params)

@@ -652,7 +652,7 @@ def test_the_report_names_the_layout_and_measures_the_expert_files(tmp_path, cap
     assert "ZeRO stage 2, data-parallel world size 2, ep 2, module dtype float32, 21,952 " \
            "parameters in 2 optimizer group(s)" in out
     held = 8 * 3 * 16 * 32 * 4  # 2 layers x 4 experts, three 16x32 fp32 matrices each
-    assert f"expert files: 8, {sum(p.stat().st_size for p in (FIXTURES / 'native_moe_z2_w2_ep2' / 'ckpt' / 'global_step2').glob('layer_*')):,} bytes holding {held:,} bytes" in out  # noqa: E501
+    assert f"expert files: 8, {sum(p.stat().st_size for p in (FIXTURES / 'native_moe_z2_w2_ep2' / 'ckpt' / 'global_step2').glob('layer_*')):,} bytes holding {held:,} bytes" in out
     assert "fp32 master, exp_avg, exp_avg_sq, Adam step 2, static loss scale" in out
 
 

@@ -96,7 +96,7 @@ def make(options: ZeroOptions, *, stage: int = 2, dtype: str = "fp32", device: s
     if swap is not None:
         tier = cfg.zero_optimization.offload_optimizer
         cfg.zero_optimization.offload_optimizer = type(tier)(device="nvme", nvme_path=swap)
-        factory = lambda slots, meter: offload_state.build(  # noqa: E731
+        factory = lambda slots, meter: offload_state.build(
             cfg.zero_optimization, slots, 0, torch_dtype, meter, IOOptions(direct_io=False))
     host = torch.device("cpu")
     opt = ShardedOptimizer(params, build_groups(model, cfg, topo), topo, options, stage=stage,

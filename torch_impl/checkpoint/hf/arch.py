@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from moezero.config import ARCHITECTURE
 from moezero.plan.store import CheckpointError
@@ -106,6 +107,42 @@ def heads(cfg: dict, where: str, n_heads: int, dim: int) -> tuple[int, int]:
         raise refuse(where, "head_dim", cfg.get("head_dim", dim / n_heads),
                      "the head dim must be an even integer (RoPE)")
     return kv, head_dim
+
+
+class Sizes(NamedTuple):
+    """The sizes an MoE family's ``config.json`` gives, checked (``ffn``: the family's own
+    FFN size keys, in the order it named them)."""
+
+    vocab: int
+    dim: int
+    ffn: tuple[int, ...]
+    layers: int
+    n_heads: int
+    experts: int
+    top_k: int
+    kv: int
+    head_dim: int
+
+
+def moe_sizes(cfg: dict, where: str, *ffn_keys: str) -> Sizes:
+    """The sizes of an MoE config with ``num_experts`` (or ``num_local_experts``), each checked
+    (``positive``, ``heads``) in the order of the config's usual listing."""
+    vocab, dim, *rest = positive(
+        cfg, where, "vocab_size", "hidden_size", *ffn_keys, "num_hidden_layers",
+        "num_attention_heads", "num_experts|num_local_experts", "num_experts_per_tok")
+    *ffn, layers, n_heads, experts, top_k = rest
+    kv, head_dim = heads(cfg, where, n_heads, dim)
+    return Sizes(vocab, dim, tuple(ffn), layers, n_heads, experts, top_k, kv, head_dim)
+
+
+def topk_arch(cfg: dict, where: str, s: Sizes, eps: float, **fields) -> Arch:
+    """The ``Arch`` of a family that renormalises the top-k gates only with ``norm_topk_prob``
+    (Qwen-MoE, OLMoE): the experts' FFN size ``s.ffn[0]``, RoPE theta (1e4 by default),
+    ``rms_norm_eps`` (``eps`` by default), tied embeddings; ``fields``: the family's own."""
+    return Arch(s.vocab, s.dim, s.layers, s.n_heads, s.ffn[0], rope_theta(cfg, where, 1e4),
+                float(cfg.get("rms_norm_eps", eps)), s.experts, s.top_k, s.kv, s.head_dim,
+                renormalize=bool(cfg.get("norm_topk_prob", False)),
+                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), **fields)
 
 
 def arch_of(manifest) -> Arch:

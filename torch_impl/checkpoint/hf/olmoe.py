@@ -5,30 +5,24 @@ down_proj``."""
 
 from __future__ import annotations
 
-from moezero.checkpoint.hf.arch import Arch, check_common, heads, positive, refuse, rope_theta
+from moezero.checkpoint.hf.arch import Arch, check_common, moe_sizes, refuse, topk_arch
 from moezero.checkpoint.hf.family import Family, sliding, token_ids
 from moezero.checkpoint.hf.qwen import EXPERT_NAMES
 
 
 def read(cfg: dict, where: str) -> Arch:
     check_common(cfg, where)
-    vocab, dim, ffn, layers, n_heads, experts, top_k = positive(
-        cfg, where, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-        "num_attention_heads", "num_experts|num_local_experts", "num_experts_per_tok")
-    kv, head_dim = heads(cfg, where, n_heads, dim)
-    if head_dim * n_heads != dim:  # OLMoE's q_norm spans hidden_size
-        raise refuse(where, "head_dim", head_dim, f"OLMoE needs hidden_size/num_attention_heads "
-                                                  f"= {dim / n_heads}")
+    s = moe_sizes(cfg, where, "intermediate_size")
+    if s.head_dim * s.n_heads != s.dim:  # OLMoE's q_norm spans hidden_size
+        raise refuse(where, "head_dim", s.head_dim, f"OLMoE needs hidden_size/num_attention_heads "
+                                                    f"= {s.dim / s.n_heads}")
     if cfg.get("clip_qkv") is not None:
         raise refuse(where, "clip_qkv", cfg["clip_qkv"], "moezero does not clip q, k, v")
     window = sliding(cfg, "sliding_window")
     if window:
         raise refuse(where, *window, "moezero's attention is full causal")
-    return Arch(vocab, dim, layers, n_heads, ffn, rope_theta(cfg, where, 1e4),
-                float(cfg.get("rms_norm_eps", 1e-5)), experts, top_k, kv, head_dim,
-                qk_norm="projection", attn_bias="all" if cfg.get("attention_bias") else "none",
-                renormalize=bool(cfg.get("norm_topk_prob", False)),
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+    return topk_arch(cfg, where, s, 1e-5, qk_norm="projection",
+                     attn_bias="all" if cfg.get("attention_bias") else "none")
 
 
 def write(arch: Arch) -> dict:

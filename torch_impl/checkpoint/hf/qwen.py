@@ -4,7 +4,7 @@ experts ``mlp.experts.{e}.gate_proj|up_proj|down_proj``."""
 
 from __future__ import annotations
 
-from moezero.checkpoint.hf.arch import check_common, refuse
+from moezero.checkpoint.hf.arch import Arch, check_common, refuse
 from moezero.checkpoint.hf.family import sliding
 
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -28,7 +28,10 @@ def check_layers(cfg: dict, where: str) -> None:
         raise refuse(where, "layer_types", sorted(kinds), "moezero's attention is full causal")
 
 
-def dense_layers_off() -> dict:
-    """The exported keys that keep every layer an MoE layer with full attention."""
-    return {"decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
-            "sliding_window": None, "max_position_embeddings": 32768}
+def qwen_keys(arch: Arch) -> dict:
+    """The exported keys both families write: the routed experts' width and number, the top-k
+    renormalisation, and every layer an MoE layer with full attention."""
+    return {"moe_intermediate_size": arch.ffn_dim, "num_experts": arch.num_experts,
+            "norm_topk_prob": arch.renormalize, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "use_sliding_window": False, "sliding_window": None,
+            "max_position_embeddings": 32768}
