@@ -167,6 +167,24 @@ def test_a_dead_or_stopped_rank_is_named_in_one_line(tmp_path, sig):
     assert _rdzv(tmp) == []
 
 
+def test_a_pause_of_the_whole_job_is_not_a_hung_rank(tmp_path):
+    """SIGSTOP of the whole process group (Ctrl-Z, ``docker pause``) for longer than
+    ``dist.heartbeat_s``, then SIGCONT: the run goes on (it was killed as a hung rank before;
+    issue 38, item 7)."""
+    out, tmp = tmp_path / "run", tmp_path / "tmp"
+    proc = _start([*LONG, "--set", "dist.heartbeat_s=3"], out, tmp)
+    _wait_for_steps(proc, lambda: out, steps=2)
+    os.killpg(proc.pid, signal.SIGSTOP)
+    time.sleep(5.0)
+    paused = len(_rows(out))
+    os.killpg(proc.pid, signal.SIGCONT)
+    _wait_for_steps(proc, lambda: out, steps=paused + 3, timeout=60)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = _finish(proc)
+    assert proc.returncode == PREEMPTED_EXIT, stderr[-3000:]
+    assert "no heartbeat" not in stderr, stderr[-3000:]
+
+
 @pytest.mark.parametrize("how", ["finished", "preempted", "a rank failed"])
 def test_the_rendezvous_folder_is_removed_on_every_exit_the_launcher_survives(tmp_path, how):
     out, tmp = tmp_path / "run", tmp_path / "tmp"
