@@ -137,6 +137,13 @@ def _bad_inputs(root: Path, case: str, tok_dir: Path) -> tuple[list[Path], list[
     if case == "invalid json":
         (root / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
         return [root / "broken.jsonl"], [], "broken.jsonl:2: not valid JSON"
+    if case == "lone surrogate":  # a traceback from the tokenizer before (issue 38, item 11)
+        (root / "s.jsonl").write_text('{"text": "a"}\n{"text": "ok \\udc00"}\n')
+        return [root / "s.jsonl"], [], ("s.jsonl:2: field 'text' holds a lone surrogate "
+                                        "(U+DC00 at character 3)")
+    if case == "nested too deeply":
+        (root / "deep.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+        return [root / "deep.jsonl"], [], "deep.jsonl:1: not valid JSON (nested too deeply)"
     if case == "parquet column":
         pq.write_table(pa.table({"content": ["a b c"]}), root / "c.parquet")
         return [root / "c.parquet"], [], "c.parquet: no column 'text' (columns: content)"
@@ -150,7 +157,7 @@ def _bad_inputs(root: Path, case: str, tok_dir: Path) -> tuple[list[Path], list[
 
 
 CASES = ["missing field", "missing field in a worker", "empty file", "no documents",
-         "not utf-8", "invalid json", "parquet column", "unknown suffix",
+         "not utf-8", "invalid json", "lone surrogate", "nested too deeply", "parquet column", "unknown suffix",
          "tokenizer larger than model"]
 
 
