@@ -203,6 +203,9 @@ def _import_deepspeed(args: argparse.Namespace) -> int:
         done = import_deepspeed(Path(args.path), Path(args.out), args.tag, args.names)
     except OSError as exc:
         raise CheckpointError(f"import-deepspeed to {args.out}: {exc.strerror or exc}") from None
+    except KeyboardInterrupt:  # the importer removed what it wrote
+        print(f"moezero: interrupted; nothing written to {args.out}", file=sys.stderr)
+        return 130
     print(report.render(done, args.out))
     return 0
 

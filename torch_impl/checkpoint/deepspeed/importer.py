@@ -89,10 +89,10 @@ def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = No
                       "source": {"format": f"deepspeed-zero{src.stage}",
                                  "path": str(src.folder.resolve()),
                                  "ds_version": src.ds_version, "ds_config": src.ds_config}}})
-    except BaseException:
+        dump_config(cfg, out / "config.yaml")
+    except BaseException:  # Ctrl-C too: nothing half-written stays
         _remove(out, created)
         raise
-    dump_config(cfg, out / "config.yaml")
     bytes_in = sum(p.stat().st_size for p in src.folder.rglob("*") if p.is_file())
     bytes_out = sum(p.stat().st_size for p in step_dir.iterdir())
     return Report(src, step_dir, bytes_in, bytes_out, _found(first), notes + _unknown(src),
@@ -324,8 +324,13 @@ def _unknown(src: Source) -> list[str]:
 
 
 def _remove(out: Path, created: bool) -> None:
-    """Undo a failed import: the partial step folder (and ``out`` if the import made it)."""
-    for p in sorted(out.glob("*.partial")) if out.is_dir() else []:
-        shutil.rmtree(p, ignore_errors=True)
+    """Undo a failed or interrupted import: everything under ``out`` (empty or missing when
+    the import started: the partial or committed step folder, ``latest``, ``config.yaml``),
+    and ``out`` itself if the import made it."""
+    for p in sorted(out.iterdir()) if out.is_dir() else []:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
     if created and out.is_dir() and not any(out.iterdir()):
         os.rmdir(out)
