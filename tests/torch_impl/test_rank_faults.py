@@ -126,12 +126,11 @@ def test_a_launcher_killed_before_its_ranks_armed_the_parent_death_signal(tmp_pa
     marks.mkdir()
     script = EARLY_LAUNCHER if preempt else EARLY_LAUNCHER.replace(
         "preempt=PreemptOptions(), ", "")
-    proc = subprocess.Popen([sys.executable, "-c", script, str(marks)],
-                            env=_env(tmp_path / "tmp"), start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", script, str(marks)], stderr=subprocess.PIPE,
+                            text=True, env=_env(tmp_path / "tmp"), start_new_session=True)
     _wait_for(marks, "arrived-*", proc)
     ranks = [int(p.name.removeprefix("arrived-")) for p in marks.glob("arrived-*")]
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
     deadline = time.monotonic() + 30
     try:
         while any(_alive(pid) for pid in ranks):
@@ -141,7 +140,22 @@ def test_a_launcher_killed_before_its_ranks_armed_the_parent_death_signal(tmp_pa
         for pid in ranks:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+    stderr = proc.communicate(timeout=30)[1]  # the ranks' too: they inherited it
     assert list(marks.glob("trains-*")) == []
+    for rank in range(2):
+        assert f"moezero: rank {rank}: the launcher (pid {proc.pid}) died before this rank " \
+               "started; exiting" in stderr, stderr[-3000:]
+
+
+def test_a_launcher_that_lives_has_its_ranks_train(tmp_path):
+    """The control of the case above: the same launcher left alone runs both ranks."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", EARLY_LAUNCHER + "\nsys.exit(0)\n",
+                             str(marks)], env=_env(tmp_path / "tmp"), start_new_session=True)
+    _wait_for(marks, "trains-*", proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
 
 
 def _wait_for(marks: Path, pattern: str, proc, timeout: float = 120) -> None:

@@ -127,7 +127,7 @@ def spawn(fn: Callable, nproc: int, args: tuple = (), *, backend: str = "gloo",
         event = rendezvous.Flag(tmp / "preempt") if preempt else None
         ctx = mp.start_processes(
             _child, args=(nproc, str(tmp), backend, timeout_s, fn, args, preempt, event,
-                          watch.heartbeat_s),
+                          watch.heartbeat_s, os.getpid()),
             nprocs=nproc, join=False, start_method="spawn")
         pulse = Pulse(tmp, watch.heartbeat_s, startup_s=max(watch.heartbeat_s, timeout_s))
         with _Forwarding(preempt, event):
