@@ -248,10 +248,10 @@ def test_a_pause_of_the_whole_job_is_not_a_hung_rank(tmp_path):
     ``dist.heartbeat_s``, then SIGCONT: the run goes on (it was killed as a hung rank before;
     issue 38, item 7)."""
     out, tmp = tmp_path / "run", tmp_path / "tmp"
-    proc = _start([*LONG, "--set", "dist.heartbeat_s=3"], out, tmp)
+    proc = _start([*LONG, "--set", "dist.heartbeat_s=5"], out, tmp)
     _wait_for_steps(proc, lambda: out, steps=2)
     os.killpg(proc.pid, signal.SIGSTOP)
-    time.sleep(5.0)
+    time.sleep(8.0)
     paused = len(_rows(out))
     os.killpg(proc.pid, signal.SIGCONT)
     _wait_for_steps(proc, lambda: out, steps=paused + 3, timeout=60)
