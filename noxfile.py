@@ -108,6 +108,18 @@ def train(session: nox.Session) -> None:
 
 
 @nox.session
+def gpu(session: nox.Session) -> None:
+    """The first session on a lent GPU in one command: ``python -m benchmarks.gpu --check``
+    (``-- --smoke`` on CPU). Installs what the check needs: ``MOEZERO_TORCH`` (the CUDA build
+    of torch, e.g. ``torch --index-url https://download.pytorch.org/whl/cu128``; on a machine
+    with ``nvidia-smi`` plain ``torch``), and the extras the ``gpu``-marked tests it collects
+    import (``dev``: transformers, peft; ``reference``: JAX, whose suite is otherwise skipped
+    with its reason; ``data``)."""
+    _install(session, "dev,reference,data")
+    session.run("python", "-m", "benchmarks.gpu", "--check", *session.posargs)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks side by side with peers; writes BENCHMARKS.md (``-- --quick`` for a short run).
 

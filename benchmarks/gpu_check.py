@@ -6,7 +6,9 @@ set to 1: the recipe's 2 needs two ranks), (2) the ``gpu``-marked tests (``pytes
 with ``CUBLAS_WORKSPACE_CONFIG`` exported as ``moezero train`` does), (3) every row of
 ``benchmarks.gpu`` at a reduced size. Prints one table; on a GPU it also replaces its section
 of ``--out`` (BENCHMARKS.md), headed with the device name. ``--check --smoke`` runs the same
-steps on CPU (gloo, the tiny rows) to check the runner; it writes nothing.
+steps on CPU (gloo, the tiny rows) to check the runner; it writes nothing. ``nox -s gpu``
+installs what it needs (``MOEZERO_TORCH``, the ``dev``, ``reference`` and ``data`` extras) and
+runs it; without JAX the tests step skips ``tests/reference`` and says why.
 """
 
 from __future__ import annotations

@@ -351,14 +351,17 @@ def _train(args: argparse.Namespace, io: IOOptions | None = None) -> int:
         raise ConfigError(key, problem, where) from None
 
     from moezero.engine import check_supported  # torch import deferred: errors above stay fast
+    from moezero.memory_check import check_activation_memory, memory_of
     from moezero.rundir import check_run
     from moezero.train import checkpoint_size, launch_training, model_numel, preflight
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: this node's ranks
     from moezero.distributed.devices import compute_device, cuda_device_count
 
-    check_supported(cfg, numel=model_numel(cfg), share=local / world,
-                    device=compute_device(cfg.dist.backend, cuda_device_count()))
+    device = compute_device(cfg.dist.backend, cuda_device_count())
+    check_supported(cfg, numel=model_numel(cfg), share=local / world, device=device)
+    check_activation_memory(cfg, device=device.type, memory_bytes=memory_of(device.type),
+                            local_ranks=local)
     preflight(cfg, run_dir)
     if cfg.train.deterministic:  # before any rank starts: cuBLAS reads it once per process
         from moezero.model.determinism import CUBLAS_WORKSPACE

@@ -231,6 +231,19 @@ BAD = {
                                                       '"content": "b", "reasoning_content": "r"')],
         r"bad.jsonl:1: the chat template renders the turns before assistant message 1 "
         "differently once later messages follow"),
+    # issue 38, item 11: each of these was a traceback
+    "lone surrogate": (CHATML, [GOOD, json.dumps({"messages": turns("\ud800", "b")})],
+                       r"bad.jsonl:2: messages\[0\] 'content' holds a lone surrogate "
+                       r"\(U\+D800 at character 0\)"),
+    "nested 100k deep": (CHATML, [GOOD, "[" * 100_000 + "]" * 100_000],
+                         r"bad.jsonl:2: not valid JSON \(nested too deeply\)"),
+    "template divides by zero": ("{{ 1 / 0 }}", [GOOD],
+                                 r"bad.jsonl:1: the chat template \(.*chat_template.jinja\) "
+                                 "failed on the conversation: ZeroDivisionError: division by "
+                                 "zero"),
+    "template adds a string to an int": ("{{ messages | length + 'a' }}", [GOOD],
+                                         r"bad.jsonl:1: the chat template \(.*\) failed on the "
+                                         "conversation: TypeError: unsupported operand"),
     "no template": (None, [GOOD], r"--tokenizer .*tok: the tokenizer has no chat template \(no "
                                   "chat_template.jinja, none in tokenizer_config.json\\); give "
                                   "one with --chat-template FILE"),

@@ -129,6 +129,31 @@ def test_frozen_params_are_bit_identical_and_the_rest_trains_as_at_w1(w2, w1, na
     assert_close_by_fqn(merged(runs, "params"), w1["oracle"]["params"], RTOL["fp32"])
 
 
+def grad_flags(cfg_data: dict) -> dict:
+    """After one step: each param's ``requires_grad`` and whether it holds a gradient."""
+    engine, _, batches = engine_and_batches(cfg_data, 1)
+    engine.train_step(list(torch.from_numpy(batches.next()).split(MICRO)))
+    out = {f: (p.requires_grad, p.grad is not None) for f, p in engine.params.items()}
+    engine.close()
+    return out
+
+
+def test_frozen_params_take_no_gradient(tmp_path):
+    """A frozen parameter has ``requires_grad`` False, so backward computes no gradient for
+    it (with LoRA: for no base weight); the losses alone cannot show it (issue 38, "what the
+    tests do not see": the planted bug left every loss bit-identical)."""
+    cases = {f"s{stage}": (cfg_of(stage, "none", FREEZE, None, ep=1),) for stage in (0, 2, 3)}
+    (res,) = run_world(run_flags, 1, tmp_path, cases)
+    for name, flags in res.items():
+        fro = frozen(flags)
+        assert fro and {f: flags[f] for f in fro} == {f: (False, False) for f in fro}, name
+        assert all(flags[f][0] for f in set(flags) - fro), name
+
+
+def run_flags(cases: dict) -> dict:
+    return {name: grad_flags(*args) for name, args in cases.items()}
+
+
 @pytest.mark.parametrize("name", BYTES)
 def test_engine_bytes_shrink_by_the_frozen_share(w2, name):
     for ranks in w2[0]:

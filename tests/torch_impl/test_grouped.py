@@ -358,3 +358,51 @@ def test_cuda_view_path_meets_the_kernel_layout():
     offs = torch.tensor([3, 3, 8, 10], device="cuda", dtype=torch.int32)
     grouped_swiglu(x, offs, mods).float().square().sum().backward()
     assert torch.isfinite(x.grad).all() and all(m.w1.weight.grad is not None for m in mods)
+
+
+def _lora_reference(x_ND, counts, mods, p: float) -> torch.Tensor:
+    """The experts with LoRA on w1, w3, w2, one dropout mask per projection over every row
+    (drawn in the grouped path's order: w1's input, w3's, then w2's), expert by expert."""
+    import torch.nn.functional as F
+
+    def proj(lin, x, dropped):
+        return F.linear(x, lin.weight) + lin.scale * F.linear(F.linear(dropped, lin.lora_A),
+                                                               lin.lora_B)
+
+    d1, d3 = F.dropout(x_ND, p), F.dropout(x_ND, p)
+    rows = list(torch.cumsum(torch.tensor([0, *counts]), 0))
+    h = torch.cat([F.silu(proj(m.w1, x_ND[a:b], d1[a:b])) * proj(m.w3, x_ND[a:b], d3[a:b])
+                   for m, a, b in zip(mods, rows[:-1], rows[1:], strict=True)])
+    d2 = F.dropout(h, p)
+    return torch.cat([proj(m.w2, h[a:b], d2[a:b])
+                      for m, a, b in zip(mods, rows[:-1], rows[1:], strict=True)])
+
+
+def test_lora_dropout_applies_on_the_grouped_expert_path():
+    """``peft.dropout > 0`` with adapters on the experts: the grouped path drops the adapters'
+    inputs as the reference does, and only in training (issue 38: no test set a dropout, and a
+    grouped path that skipped it survived)."""
+    from moezero.model.lora import LoraOptions, add_adapter
+
+    torch.manual_seed(0)
+    options, p = LoraOptions(r=4, alpha=8.0, dropout=0.5, targets=("experts",)), 0.5
+    mods = [SwiGLU(D, HIDDEN) for _ in range(4)]
+    for m in mods:
+        for lin in (m.w1, m.w3, m.w2):
+            add_adapter(lin, options)
+            nn.init.normal_(lin.lora_A)
+            nn.init.normal_(lin.lora_B)
+    x, counts = torch.randn(10, D), [3, 0, 5, 2]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    torch.manual_seed(1)
+    grouped = grouped_swiglu(x, offs, mods)
+    torch.manual_seed(1)
+    want = _lora_reference(x, counts, mods, p)
+    torch.testing.assert_close(grouped, want, rtol=RTOL["fp32"], atol=1e-5)
+    for m in mods:
+        m.eval()
+    torch.manual_seed(1)
+    undropped = grouped_swiglu(x, offs, mods)
+    assert not torch.allclose(undropped, grouped)
+    torch.testing.assert_close(undropped, _lora_reference(x, counts, mods, 0.0),
+                               rtol=RTOL["fp32"], atol=1e-5)

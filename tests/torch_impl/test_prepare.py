@@ -74,6 +74,7 @@ def test_three_formats_give_the_tokenizers_own_ids(tmp_path, tok_dir, tok, capsy
     assert m["tokenizer"]["eod_id"] == EOD and m["tokenizer"]["special"]["bos_token_id"] == 0
     np.testing.assert_array_equal(ds.unigram_counts(), np.bincount(want, minlength=300))
     assert not (tmp_path / "ds.partial").exists()
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir() if p.name.startswith(".")) == []
 
 
 def test_nested_jsonl_field(tmp_path, tok_dir, tok):
@@ -136,6 +137,13 @@ def _bad_inputs(root: Path, case: str, tok_dir: Path) -> tuple[list[Path], list[
     if case == "invalid json":
         (root / "broken.jsonl").write_text('{"text": "a"}\n{"text": \n')
         return [root / "broken.jsonl"], [], "broken.jsonl:2: not valid JSON"
+    if case == "lone surrogate":  # a traceback from the tokenizer before (issue 38, item 11)
+        (root / "s.jsonl").write_text('{"text": "a"}\n{"text": "ok \\udc00"}\n')
+        return [root / "s.jsonl"], [], ("s.jsonl:2: field 'text' holds a lone surrogate "
+                                        "(U+DC00 at character 3)")
+    if case == "nested too deeply":
+        (root / "deep.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+        return [root / "deep.jsonl"], [], "deep.jsonl:1: not valid JSON (nested too deeply)"
     if case == "parquet column":
         pq.write_table(pa.table({"content": ["a b c"]}), root / "c.parquet")
         return [root / "c.parquet"], [], "c.parquet: no column 'text' (columns: content)"
@@ -149,7 +157,7 @@ def _bad_inputs(root: Path, case: str, tok_dir: Path) -> tuple[list[Path], list[
 
 
 CASES = ["missing field", "missing field in a worker", "empty file", "no documents",
-         "not utf-8", "invalid json", "parquet column", "unknown suffix",
+         "not utf-8", "invalid json", "lone surrogate", "nested too deeply", "parquet column", "unknown suffix",
          "tokenizer larger than model"]
 
 
@@ -180,3 +188,75 @@ def test_out_must_be_new_or_empty_and_tokenizer_must_exist(tmp_path, tok_dir, ca
     (tmp_path / "ds" / "keep.txt").unlink()
     assert prepare([good], tmp_path / "ds", tok_dir / "tokenizer.json") == 0  # empty dir: used
     assert TokenDataset(tmp_path / "ds").num_documents == 1
+
+
+def test_out_a_symlink_to_an_empty_directory_is_written_into(tmp_path, tok_dir):
+    """``--out`` a symlink to an empty directory: the dataset is written into the directory
+    (it failed at the final rename, "Not a directory", after all the work; issue 38, item 10)."""
+    good = tmp_path / "good.txt"
+    good.write_text("one paragraph\n\nanother one\n")
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    assert prepare([good], tmp_path / "link", tok_dir, "--workers", "1") == 0
+    assert (tmp_path / "link").is_symlink()
+    assert TokenDataset(tmp_path / "target").num_documents == 2
+    assert sorted(p.name for p in (tmp_path / "target").glob("*.partial*")) == []
+
+
+def test_out_an_empty_mount_point_is_written_into(tmp_path, tok_dir, monkeypatch):
+    """An empty mount point cannot be removed or renamed over (``EBUSY``): the dataset is
+    written into it (it failed at the final rename, "Device or resource busy")."""
+    import errno
+    import os
+
+    good = tmp_path / "good.txt"
+    good.write_text("one paragraph\n")
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+
+    def busy(real):
+        def call(src, *rest, **kw):
+            if any(Path(p) == mount for p in (src, *rest[:1])):
+                raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(mount))
+            return real(src, *rest, **kw)
+        return call
+
+    for name in ("rmdir", "rename", "replace"):
+        monkeypatch.setattr(os, name, busy(getattr(os, name)))
+    assert prepare([good], mount, tok_dir, "--workers", "1") == 0
+    assert TokenDataset(mount).num_documents == 1
+
+
+def test_a_second_prepare_data_on_one_out_is_refused_and_the_first_completes(
+        tmp_path, tok_dir, monkeypatch, capsys):
+    """Two ``prepare-data`` on one ``--out``: the second is refused in one line at its start
+    (it removed the first's work folder before, and one of them ended on a bare "No such
+    file or directory"); the first's dataset is valid."""
+    import threading
+
+    from moezero.data import prepare as prep
+
+    good = tmp_path / "good.txt"
+    good.write_text("one paragraph\n\nanother one\n")
+    real, started, release = prep._results, threading.Event(), threading.Event()
+
+    def first_waits(*args):
+        if not started.is_set():
+            started.set()
+            assert release.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(prep, "_results", first_waits)
+    codes = {}
+    first = threading.Thread(target=lambda: codes.setdefault(
+        "first", prepare([good], tmp_path / "ds", tok_dir, "--workers", "1")))
+    first.start()
+    assert started.wait(60)
+    capsys.readouterr()
+    codes["second"] = prepare([good], tmp_path / "ds", tok_dir, "--workers", "1")
+    err = capsys.readouterr().err.strip().splitlines()
+    release.set()
+    first.join(60)
+    assert codes == {"first": 0, "second": 2}, (codes, err)
+    assert len(err) == 1 and "another prepare-data" in err[0], err
+    assert TokenDataset(tmp_path / "ds").num_documents == 2

@@ -82,6 +82,82 @@ spawn(_slow_saving_rank, 2, (sys.argv[1],), preempt=PreemptOptions(), timeout_s=
 """
 
 
+class _SlowToArrive:
+    """An argument that takes 3 s to unpickle in a spawned rank, after it marks its arrival:
+    the rank is started but has not yet armed its parent-death signal."""
+
+    def __init__(self, marks: str):
+        self.marks = marks
+
+    def __reduce__(self):
+        return _arrive_slowly, (self.marks,)
+
+
+def _arrive_slowly(marks: str) -> str:
+    Path(marks, f"arrived-{os.getpid()}").touch()
+    time.sleep(3.0)
+    return marks
+
+
+def _train_unattended(marks: str, *, stop) -> None:
+    """Marks that it trains, then 'trains' until asked to stop (60 s at most)."""
+    Path(marks, f"trains-{dist.get_rank()}").touch()
+    deadline = time.monotonic() + 60
+    while not stop.agree() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+EARLY_LAUNCHER = """
+import sys
+from moezero.distributed.launcher import spawn
+from moezero.distributed.signals import PreemptOptions
+from tests.torch_impl.test_rank_faults import _SlowToArrive, _train_unattended
+spawn(_train_unattended, 2, (_SlowToArrive(sys.argv[1]),), preempt=PreemptOptions(),
+      timeout_s=60)
+"""
+
+
+@pytest.mark.parametrize("preempt", [True, False])
+def test_a_launcher_killed_before_its_ranks_armed_the_parent_death_signal(tmp_path, preempt):
+    """``kill -9`` of the launcher while its ranks are still starting (before they arm their
+    parent-death signal): each rank finds its parent gone once it has armed it and exits
+    without training (they trained on unattended before; issue 38, item 9)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = EARLY_LAUNCHER if preempt else EARLY_LAUNCHER.replace(
+        "preempt=PreemptOptions(), ", "")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(marks)], stderr=subprocess.PIPE,
+                            text=True, env=_env(tmp_path / "tmp"), start_new_session=True)
+    _wait_for(marks, "arrived-*", proc)
+    ranks = [int(p.name.removeprefix("arrived-")) for p in marks.glob("arrived-*")]
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    try:
+        while any(_alive(pid) for pid in ranks):
+            assert time.monotonic() < deadline, "the ranks outlived their launcher"
+            time.sleep(0.1)
+    finally:
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    stderr = proc.communicate(timeout=30)[1]  # the ranks' too: they inherited it
+    assert list(marks.glob("trains-*")) == []
+    for rank in range(2):
+        assert f"moezero: rank {rank}: the launcher (pid {proc.pid}) died before this rank " \
+               "started; exiting" in stderr, stderr[-3000:]
+
+
+def test_a_launcher_that_lives_has_its_ranks_train(tmp_path):
+    """The control of the case above: the same launcher left alone runs both ranks."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", EARLY_LAUNCHER + "\nsys.exit(0)\n",
+                             str(marks)], env=_env(tmp_path / "tmp"), start_new_session=True)
+    _wait_for(marks, "trains-*", proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
 def _wait_for(marks: Path, pattern: str, proc, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while len(list(marks.glob(pattern))) < 2:
@@ -165,6 +241,24 @@ def test_a_dead_or_stopped_rank_is_named_in_one_line(tmp_path, sig):
     assert cause in (out / "logs" / "rank1.log").read_text()
     assert time.monotonic() - start < 60  # not dist.timeout_s (300 s)
     assert _rdzv(tmp) == []
+
+
+def test_a_pause_of_the_whole_job_is_not_a_hung_rank(tmp_path):
+    """SIGSTOP of the whole process group (Ctrl-Z, ``docker pause``) for longer than
+    ``dist.heartbeat_s``, then SIGCONT: the run goes on (it was killed as a hung rank before;
+    issue 38, item 7)."""
+    out, tmp = tmp_path / "run", tmp_path / "tmp"
+    proc = _start([*LONG, "--set", "dist.heartbeat_s=5"], out, tmp)
+    _wait_for_steps(proc, lambda: out, steps=2)
+    os.killpg(proc.pid, signal.SIGSTOP)
+    time.sleep(8.0)
+    paused = len(_rows(out))
+    os.killpg(proc.pid, signal.SIGCONT)
+    _wait_for_steps(proc, lambda: out, steps=paused + 3, timeout=60)
+    os.kill(proc.pid, signal.SIGTERM)
+    _, stderr = _finish(proc)
+    assert proc.returncode == PREEMPTED_EXIT, stderr[-3000:]
+    assert "no heartbeat" not in stderr, stderr[-3000:]
 
 
 @pytest.mark.parametrize("how", ["finished", "preempted", "a rank failed"])

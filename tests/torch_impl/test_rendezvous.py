@@ -82,6 +82,43 @@ def test_a_rank_that_stops_beating_is_named(tmp_path):
     assert rank == 1 and age > 0.3
 
 
+def test_a_pause_of_the_whole_job_is_not_a_hang(tmp_path):
+    """The launcher stopped with its ranks (Ctrl-Z, ``docker pause``, a sleeping laptop): at
+    its first look after the resume every beat is as old as the pause; the counts restart
+    there instead, and a rank that then stays silent is still named (issue 38, item 7)."""
+    now = [1000.0]
+    for rank in (0, 1):
+        (tmp_path / f"heartbeat-{rank}").touch()
+        os.utime(tmp_path / f"heartbeat-{rank}", (now[0], now[0]))
+    pulse = Pulse(tmp_path, heartbeat_s=3.0, startup_s=30.0, clock=lambda: now[0])
+    assert pulse.silent([0, 1]) is None
+    now[0] += 5.0  # every process of the job stopped for 5 s
+    assert pulse.silent([0, 1]) is None
+    found = []
+    for _ in range(8):  # the launcher looks every 0.5 s; rank 0 beats, rank 1 does not
+        now[0] += 0.5
+        os.utime(tmp_path / "heartbeat-0", (now[0], now[0]))
+        found.append(pulse.silent([0, 1]))
+    assert found[:6] == [None] * 6 and found[-1] is not None, found
+    assert found[-1][0] == 1 and 3.0 < found[-1][1] <= 4.0, found
+
+
+def test_a_rank_still_starting_gets_startup_s_not_heartbeat_s(tmp_path):
+    """A rank without a beat file yet (still importing) is named only after ``startup_s``;
+    every beating rank after ``heartbeat_s`` (issue 38: removing the startup grace was caught
+    only because ranks start slowly under load)."""
+    now = [1000.0]
+    (tmp_path / "heartbeat-0").touch()
+    pulse = Pulse(tmp_path, heartbeat_s=3.0, startup_s=20.0, clock=lambda: now[0])
+    found = []
+    while now[0] < 1025.0:  # rank 0 beats every second, rank 1 never starts
+        now[0] += 0.5
+        os.utime(tmp_path / "heartbeat-0", (now[0], now[0]))
+        found.append((now[0] - 1000.0, pulse.silent([0, 1])))
+    first = next((t, s) for t, s in found if s is not None)
+    assert first[0] == 20.5 and first[1] == (1, 20.5), found
+
+
 @pytest.mark.parametrize(("text", "named"), [("disk full", 1), ("rank 0: disk full", 0)])
 def test_an_error_line_points_to_the_log_of_the_rank_it_names(tmp_path, text, named):
     """An error agreed over a group names the rank it happened on: the line on rank 1 points

@@ -28,7 +28,7 @@ from typing import Literal
 import numpy as np
 
 from moezero.data.chat_template import ChatTemplate
-from moezero.data.common import DataError
+from moezero.data.common import DataError, lone_surrogate
 
 ROLES = ("system", "user", "assistant", "tool")
 TrainOn = Literal["all", "assistant", "last-assistant"]
@@ -58,6 +58,9 @@ def encode_record(record: dict, tok, options: ChatOptions, eod_id: int
         return encoding.ids, _mask(encoding.offsets, spans, options.train_on)
     prompt, completion = _field(record, "prompt"), _field(record, "completion")
     if isinstance(prompt, str) and isinstance(completion, str):
+        for key, text in (("prompt", prompt), ("completion", completion)):
+            if (where := lone_surrogate(text)) is not None:
+                raise DataError(f"{key!r} holds a lone surrogate ({where})")
         return _plain_completion(tok, prompt, completion, eod_id, options.train_on)
     if isinstance(prompt, list) and isinstance(completion, list):
         if options.template is None:
@@ -93,6 +96,8 @@ def _messages(record: dict, key: str) -> list[dict]:
         if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
             raise DataError(f"{key}[{i}] 'content' is "
                             f"{type(content).__name__}, expected a string")
+        if isinstance(content, str) and (where := lone_surrogate(content)) is not None:
+            raise DataError(f"{key}[{i}] 'content' holds a lone surrogate ({where})")
     return messages
 
 
@@ -104,6 +109,10 @@ def _render(template: ChatTemplate, messages: list[dict], prompt: bool):
     except jinja2.TemplateError as exc:
         raise DataError(f"the chat template ({template.origin}) refused the "
                         f"conversation: {' '.join(str(exc).split())[:200]}") from None
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError) as exc:
+        # the template is the user's code: its own bugs fail on the record, in one line
+        raise DataError(f"the chat template ({template.origin}) failed on the conversation: "
+                        f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}") from None
 
 
 def _chat_spans(template: ChatTemplate, messages: list[dict], train_on: TrainOn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 import numpy as np
@@ -21,6 +22,16 @@ class MicroBatch(NamedTuple):
 
 class DataError(ValueError):
     """A bad data path, corpus setting or batching setting (one-line message)."""
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> str | None:
+    """Where ``text`` holds a lone surrogate (JSON's ``"\\ud800"`` decodes to one; no text
+    encoding can write it, so a tokenizer fails on it), as ``U+D800 at character 7``."""
+    found = _SURROGATE.search(text)
+    return None if found is None else f"U+{ord(found.group()):04X} at character {found.start()}"
 
 
 def entropy_nats(p_V: np.ndarray) -> float:

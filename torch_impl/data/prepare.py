@@ -7,8 +7,10 @@ little-endian token ids (uint16 when every id fits, else uint32). The parent sho
 bar over input bytes, then writes ``documents.npy`` (int64 offsets of every document in the
 concatenated token stream, ``num_documents + 1`` entries), ``unigram.npy`` (token counts) and
 ``manifest.json`` (``indexed.FORMAT``; tokenizer hash and vocabulary size, document and token
-counts, shards). Everything is written under ``OUT.partial`` and renamed to ``OUT`` at the
-end: a failure leaves nothing behind.
+counts, shards). Everything is written under ``OUT/.partial`` and moved into ``OUT`` at the
+end, the manifest last (:mod:`moezero.data.outdir`: ``OUT`` may be an empty directory, a
+symlink to one or an empty mount point; one run at a time holds it): a failure leaves nothing
+behind.
 
 ``--format chat`` / ``prompt-completion`` read ``.jsonl`` records instead
 (:mod:`moezero.data.chat`): each worker also writes ``mask-NNNNN.bin`` (one uint8 per token,
@@ -22,7 +24,6 @@ import itertools
 import json
 import multiprocessing
 import os
-import shutil
 import sys
 import time
 import zlib
@@ -42,6 +43,7 @@ from moezero.data.indexed import (
     shard_name,
     token_dtype,
 )
+from moezero.data.outdir import OutFolder
 
 _BATCH_CHARS = 4 << 20  # text per encode call: bounds a worker's memory for the encodings
 
@@ -178,16 +180,6 @@ def _run_records(item: readers.WorkItem, job: _Job, tok) -> ShardResult:
     return ShardResult(item.index, item.path, documents, counts, crc, top, mask_crc, trained)
 
 
-def _check_out(out: Path) -> Path:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DataError(f"--out {out}: exists and is not an empty directory")
-    partial = out.with_name(out.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)  # left by an interrupted run of this command
-    partial.mkdir(parents=True)
-    return partial
-
-
 def _job(info: tokenizer.TokenizerInfo, eod_id: int, options: PrepareOptions, out: Path,
          chat_options: chat.ChatOptions | None) -> _Job:
     return _Job(str(info.json_path), eod_id, token_dtype(info.vocab_size).name, info.vocab_size,
@@ -262,7 +254,8 @@ def prepare(inputs: list[str], out: str | Path, tokenizer_path: str | Path,
     eod_id = tokenizer.end_of_document(info, info.load(), options.eod_token)
     chat_options = _chat_options(info, options, paths)
     items = readers.plan_work(paths, options.read)
-    partial = _check_out(out)
+    folder = OutFolder.open(out)
+    partial = folder.staging
     try:
         start = time.perf_counter()
         results = _results(items, _job(info, eod_id, options, partial, chat_options), options)
@@ -271,9 +264,9 @@ def prepare(inputs: list[str], out: str | Path, tokenizer_path: str | Path,
         if chat_options is not None:
             manifest = _with_mask(partial, manifest, results, chat_options)
         manifest["seconds"] = round(time.perf_counter() - start, 3)
-        _commit(partial, out)
+        folder.commit(MANIFEST)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        folder.discard()
         raise
     return manifest
 
@@ -321,16 +314,6 @@ def _with_mask(partial: Path, manifest: dict, results: list[ShardResult],
                            "train_on": chat_options.train_on}
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
-
-
-def _commit(partial: Path, out: Path) -> None:
-    """Flush every file, then rename ``OUT.partial`` to ``OUT`` (an empty ``OUT`` is replaced)."""
-    for path in partial.iterdir():
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-    if out.is_dir():
-        out.rmdir()
-    os.replace(partial, out)
 
 
 def summary_line(manifest: dict, out: Path) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from moezero.data.common import DataError
+from moezero.data.common import DataError, lone_surrogate
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 _PARAGRAPH_END = re.compile(rb"\n[ \t\r]*\n")
@@ -209,6 +209,9 @@ def _json_line(line: str, path: str, offset: int) -> dict:
     except ValueError as exc:
         raise DataError(f"{path}:{_line_of(path, offset)}: not valid JSON "
                         f"({_one_line(exc)})") from None
+    except RecursionError:
+        raise DataError(f"{path}:{_line_of(path, offset)}: not valid JSON (nested too "
+                        "deeply)") from None
     if not isinstance(obj, dict):
         raise DataError(f"{path}:{_line_of(path, offset)}: a JSON {type(obj).__name__}, "
                         "expected an object per line")
@@ -226,6 +229,9 @@ def _field(obj: dict, field: str, path: str, offset: int) -> str:
     if not isinstance(value, str):
         raise DataError(f"{path}:{_line_of(path, offset)}: field {field!r} is a "
                         f"{type(value).__name__}, expected a string")
+    if (where := lone_surrogate(value)) is not None:
+        raise DataError(f"{path}:{_line_of(path, offset)}: field {field!r} holds a lone "
+                        f"surrogate ({where})")
     return value
 
 

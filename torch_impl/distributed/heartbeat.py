@@ -8,19 +8,28 @@ rendezvous folder every ``heartbeat_s / BEATS_PER_PERIOD`` seconds; the launcher
 reads those times while it waits for the ranks and names the first rank silent for more than
 ``heartbeat_s`` (``dist.heartbeat_s``). A rank not yet beating (still importing) is given
 ``startup_s``. Under torchrun there is no launcher of ours: torchrun watches its workers.
+
+A pause of the whole job (Ctrl-Z, ``docker pause``, a laptop that sleeps) stops the launcher
+too, and every rank's last beat is then as old as the pause: it is not a hang. The launcher
+looks at least every ``_watch`` poll (half a second); when two looks are more than
+``STALL_S`` apart by the wall clock (the clock of the beat files, which also runs through a
+suspend), the watcher itself was stopped, so it cannot tell who was: every rank's count
+restarts at the resume (the ranks then have ``heartbeat_s`` to beat again).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["Beat", "Pulse", "WatchOptions"]
 
 BEATS_PER_PERIOD = 6
+STALL_S = 2.0
+"""A gap between two looks of the launcher longer than this means it was stopped itself."""
 
 
 @dataclass(frozen=True)
@@ -64,22 +73,39 @@ class Beat:
 
 
 class Pulse:
-    """The launcher's view of its ranks' heartbeats."""
+    """The launcher's view of its ranks' heartbeats.
 
-    def __init__(self, folder: str | Path, heartbeat_s: float, startup_s: float):
+    ``clock`` gives wall-clock seconds (``time.time``, the clock of file times); tests pass
+    their own.
+    """
+
+    def __init__(self, folder: str | Path, heartbeat_s: float, startup_s: float,
+                 clock: Callable[[], float] = time.time):
         self.folder, self.heartbeat_s, self.startup_s = Path(folder), heartbeat_s, startup_s
-        self.started = time.time()
+        self.clock = clock
+        self.started = self.resumed = self.looked = clock()
 
     def silent(self, ranks: Iterable[int]) -> tuple[int, float] | None:
         """The first of ``ranks`` (those still running) silent for too long, and for how many
         seconds; None when every one is beating."""
-        now = time.time()
+        now = self._look()
         for rank in sorted(ranks):
             try:
-                age = now - beat_path(self.folder, rank).stat().st_mtime
+                age = now - max(beat_path(self.folder, rank).stat().st_mtime, self.resumed)
                 limit = self.heartbeat_s
             except FileNotFoundError:
                 age, limit = now - self.started, self.startup_s
             if age > limit:
                 return rank, age
         return None
+
+    def _look(self) -> float:
+        """Now; after a gap since the last look longer than ``STALL_S`` (the launcher was
+        stopped with its ranks), every count restarts now."""
+        now = self.clock()
+        gap = now - self.looked
+        if gap > STALL_S:
+            self.resumed = now
+            self.started += gap
+        self.looked = now
+        return now

@@ -8,7 +8,8 @@ takes the others down and its error is shown (one line for an expected error,
 ``failures.RankFailure``; the traceback otherwise); a rank that dies of a signal or stops
 beating (``heartbeat``) is named in one line, not the peer whose collective then failed;
 Ctrl-C stops every rank. A child whose parent dies gets a signal from the kernel: with
-preemption on, ``PARENT_DEATH_SIGNAL`` (it saves as for SIGTERM), else SIGTERM.
+preemption on, ``PARENT_DEATH_SIGNAL`` (it saves as for SIGTERM), else SIGTERM; a child whose
+parent died before it armed that signal (in its first seconds) sees that and exits.
 
 Preemption (``signals``, docs/reliability.md): with ``preempt`` options each rank handles the
 preemption signals, and the spawning parent handles them too: the first sets a flag every
@@ -126,7 +127,7 @@ def spawn(fn: Callable, nproc: int, args: tuple = (), *, backend: str = "gloo",
         event = rendezvous.Flag(tmp / "preempt") if preempt else None
         ctx = mp.start_processes(
             _child, args=(nproc, str(tmp), backend, timeout_s, fn, args, preempt, event,
-                          watch.heartbeat_s),
+                          watch.heartbeat_s, os.getpid()),
             nprocs=nproc, join=False, start_method="spawn")
         pulse = Pulse(tmp, watch.heartbeat_s, startup_s=max(watch.heartbeat_s, timeout_s))
         with _Forwarding(preempt, event):
@@ -299,11 +300,17 @@ def _records(tmp: Path) -> list[dict]:
 
 
 def _child(rank: int, world: int, tmp: str, backend: str, timeout_s: float, fn, args,
-           preempt: PreemptOptions | None, event, heartbeat_s: float) -> None:
+           preempt: PreemptOptions | None, event, heartbeat_s: float, parent: int) -> None:
     """Entry point of a spawned rank; holds the rendezvous folder, beats, records its error
-    with a timestamp for the parent and exits with the rank's outcome."""
+    with a timestamp for the parent and exits with the rank's outcome. ``parent`` is the
+    launcher's pid: a rank whose launcher died before it armed its parent-death signal exits
+    at once."""
     stop = StopRequest(preempt, event).install(parent_death=True) if preempt else None
     _die_with_parent(PARENT_DEATH_SIGNAL if preempt else signal.SIGTERM)
+    if os.getppid() != parent:  # died before the signal was armed: nobody would send it
+        print(f"moezero: rank {rank}: the launcher (pid {parent}) died before this rank "
+              "started; exiting", file=sys.stderr, flush=True)
+        sys.exit(FAILED_EXIT)
     held = rendezvous.hold(tmp)  # noqa: F841 (held until this process ends)
     Beat(tmp, rank, heartbeat_s).start()
     torch.set_num_threads(max(1, cpu_count() // world))

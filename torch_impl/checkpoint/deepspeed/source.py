@@ -48,9 +48,11 @@ class Source:
 
 
 def find_tag(ckpt_dir: Path, tag: str | None) -> Path:
-    """The tag folder: ``--tag``, else the one ``latest`` names, else the only ``global_step*``."""
+    """The tag folder: ``--tag``, else the one ``latest`` names, else the only ``global_step*``;
+    always a folder directly in ``ckpt_dir`` (a path is refused)."""
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"{ckpt_dir}: no such directory")
+    given = tag is not None
     if tag is None and (ckpt_dir / "latest").is_file():
         tag = (ckpt_dir / "latest").read_text().strip()
     if tag is None:
@@ -60,6 +62,11 @@ def find_tag(ckpt_dir: Path, tag: str | None) -> Path:
             raise CheckpointError(f"{ckpt_dir}: give --tag (no 'latest' file; global_step* "
                                   f"folders: {found})")
         tag = tags[0]
+    if Path(tag).name != tag or tag in (".", ".."):  # a path would import another run's tag
+        named = "--tag" if given else f"{ckpt_dir / 'latest'} names"
+        raise CheckpointError(f"{named} {tag!r}: not a folder of {ckpt_dir} (a tag is a "
+                              "folder name such as global_step3; give another run's folder "
+                              "as the checkpoint path)")
     folder = ckpt_dir / tag
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such tag folder")
