@@ -24,29 +24,22 @@ adopts it; docs/scale.md).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moezero import cli_checkpoint as ckpt_cmd
 from moezero.catalog import listing as recipe_listing
 from moezero.catalog import resolve as resolve_recipe
 from moezero.config import ConfigError, load_config
 from moezero.data import DataError
-from moezero.plan.store import CheckpointError, read_manifest
+from moezero.plan.store import CheckpointError
 
 if TYPE_CHECKING:  # torch-free at import: the CLI's early errors stay fast
     from moezero.offload.options import IOOptions
 
-HF_FORMATS = ("hf-mixtral", "hf-qwen2_moe", "hf-qwen3_moe", "hf-olmoe")
-"""``checkpoint export --format`` values of the Hugging Face families (``checkpoint.hf``)."""
-PEFT_NOTE = ("moezero: note: loading this adapter, PEFT warns that the rank_pattern and "
-             "alpha_pattern key 'mlp\\.experts\\.gate_up_proj' matched no targeted module: "
-             "expected, the key applies to the targeted expert parameter (moezero docs finetune)")
-"""Printed by ``checkpoint export --format peft`` when the adapter has a fused gate_up
-adapter of rank 2r: PEFT's check looks at ``target_modules`` only (docs/finetune.md)."""
 CONFIG_HELP = ("YAML or JSON recipe file, or the name of a packaged one (moezero recipes); "
                "default: the embedded recipe")
 
@@ -77,14 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     example.add_argument("dir", metavar="DIR", help="folder to write them in")
     docs = sub.add_parser("docs", help="where the documentation is; its pages, or one page")
     docs.add_argument("topic", nargs="?", metavar="TOPIC", help="a page to print (e.g. finetune)")
-    _checkpoint_parser(sub)
+    ckpt_cmd.checkpoint_parser(sub)
     hf = sub.add_parser("import-hf", help="a local Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE "
                                           "or OLMoE directory to a weights-only moezero "
                                           "checkpoint (moezero docs hf)")
     hf.add_argument("path", metavar="PATH", help="directory with config.json and safetensors")
     hf.add_argument("--out", required=True, metavar="DIR",
                     help="checkpoint root to create (new or empty)")
-    _import_deepspeed_parser(sub)
+    ckpt_cmd.import_deepspeed_parser(sub)
     _prepare_parser(sub)
     est = sub.add_parser("estimate", help="per-rank bytes of params, grads and optimizer state "
                                           "per tier, from the config alone (moezero docs scale)")
@@ -118,32 +111,6 @@ def _docs(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # `moezero docs finetune | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
-
-
-def _checkpoint_parser(sub) -> None:
-    """``moezero checkpoint inspect|verify|export``."""
-    ckpt = sub.add_parser("checkpoint", help="inspect, verify or export a checkpoint")
-    action = ckpt.add_subparsers(dest="action", required=True)
-    for name, text in (("inspect", "groups, tensors and bytes of a checkpoint"),
-                       ("verify", "recompute every checksum; exit 1 naming the first bad range"),
-                       ("export", "consolidated model weights (safetensors + index), no "
-                                  "optimizer state")):
-        cmd = action.add_parser(name, help=text)
-        cmd.add_argument("dir", metavar="DIR", help="a step directory, or a checkpoint root "
-                                                    "(its latest complete checkpoint)")
-        if name == "export":
-            cmd.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
-            cmd.add_argument("--format", choices=("moezero", "hf", *HF_FORMATS, "peft"),
-                             default="moezero",
-                             help="moezero: tensors keyed by moezero FQNs; hf: config.json + "
-                                  "Hugging Face names of the family that holds the "
-                                  "architecture; hf-<model_type>: of that family (moezero docs hf); "
-                                  "peft: a LoRA checkpoint's adapters for PEFT (moezero docs finetune)")
-            cmd.add_argument("--merge-lora", action="store_true",
-                             help="with --format hf: fold a LoRA checkpoint's adapters into "
-                                  "full weights")
-            cmd.add_argument("--out", required=True, metavar="PATH",
-                             help="output directory (created)")
 
 
 def _adopt(cfg, run_dir: Path):
@@ -225,101 +192,6 @@ def _prepare_data(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise DataError(f"prepare-data to {args.out}: {exc.strerror or exc}") from None
     print(prepare.summary_line(manifest, Path(args.out)))
-    return 0
-
-
-def _import_deepspeed_parser(sub) -> None:
-    ds = sub.add_parser("import-deepspeed", help="a DeepSpeed ZeRO checkpoint of a Hugging Face "
-                                                 "MoE model, optimizer state included "
-                                                 "(moezero docs migrate-deepspeed)")
-    ds.add_argument("path", metavar="CKPT_DIR", help="DeepSpeed checkpoint folder")
-    ds.add_argument("--tag", help="tag folder (default: 'latest', else the only global_step*)")
-    ds.add_argument("--out", required=True, metavar="DIR",
-                    help="checkpoint root to create (new or empty)")
-    ds.add_argument("--model-config", metavar="PATH",
-                    help="the model's Hugging Face config.json (or its folder), where it is not "
-                         "in CKPT_DIR or the folder above it")
-    ds.add_argument("--names", metavar="YAML", help="DeepSpeed name pattern -> moezero FQN "
-                                                   "pattern, for native MoE modules")
-
-
-def _import_deepspeed(args: argparse.Namespace) -> int:
-    from moezero.checkpoint.deepspeed import import_deepspeed, report
-
-    try:
-        done = import_deepspeed(Path(args.path), Path(args.out), args.tag, args.names,
-                                args.model_config)
-    except OSError as exc:
-        raise CheckpointError(f"import-deepspeed to {args.out}: {exc.strerror or exc}") from None
-    except KeyboardInterrupt:  # the importer has removed what it wrote
-        print(f"moezero: interrupted: import-deepspeed stopped; nothing was kept in {args.out}",
-              file=sys.stderr)
-        return 130
-    print(report.render(done, args.out))
-    return 0
-
-
-def _import_hf(args: argparse.Namespace) -> int:
-    from moezero.checkpoint import hf  # torch import deferred, as for train
-
-    try:
-        step_dir = hf.import_hf(Path(args.path), Path(args.out))
-    except OSError as exc:
-        raise CheckpointError(f"import-hf to {args.out}: {exc.strerror or exc}") from None
-    numel = hf.num_params(read_manifest(step_dir))
-    print(f"imported {args.path}: {numel:,} parameters as weights-only checkpoint {step_dir}\n"
-          f"fine-tune: moezero train --set checkpoint.load={args.out} "
-          f"(or --config {Path(args.out) / 'config.yaml'})")
-    return 0
-
-
-def _export(ckpt: Path, args: argparse.Namespace) -> list[Path]:
-    """``checkpoint export``'s files in ``args.out`` (``args.format`` resolved for the line)."""
-    from moezero.checkpoint import tools as checkpoint_tools
-
-    if args.format == "peft":
-        from moezero.checkpoint.hf.peft_export import export_peft
-
-        return export_peft(ckpt, Path(args.out), args.dtype)
-    if args.format.startswith("hf"):
-        from moezero.checkpoint.hf import export_hf
-        from moezero.checkpoint.hf.peft_export import export_merged
-
-        model_type = args.format.removeprefix("hf").lstrip("-") or None
-        export = export_merged if args.merge_lora else export_hf
-        files = export(ckpt, Path(args.out), args.dtype, model_type=model_type)
-        args.format = "hf-" + json.loads(files[0].read_text())["model_type"]
-        return files
-    return checkpoint_tools.export(ckpt, Path(args.out), args.dtype)
-
-
-def _checkpoint(args: argparse.Namespace) -> int:
-    from moezero.checkpoint import tools as checkpoint_tools  # torch import deferred, as for train
-    from moezero.checkpoint.core import find_checkpoint
-
-    ckpt = find_checkpoint(args.dir)
-    if args.action == "inspect":
-        print(checkpoint_tools.describe(ckpt))
-        return 0
-    if args.action == "export":
-        if args.merge_lora and not args.format.startswith("hf"):
-            raise CheckpointError(f"--merge-lora writes Hugging Face weights: it needs --format "
-                                  f"hf or hf-<model_type>, not --format {args.format}")
-        try:
-            files = checkpoint_tools.into_empty(Path(args.out), lambda: _export(ckpt, args))
-        except OSError as exc:
-            raise CheckpointError(f"export to {args.out}: {exc.strerror or exc}") from None
-        if args.format == "peft" and "rank_pattern" in json.loads(files[0].read_text()):
-            print(PEFT_NOTE)
-        print(f"exported {ckpt.name} as {args.format} {args.dtype}: "
-              + ", ".join(str(f) for f in files))
-        return 0
-    problems = checkpoint_tools.verify(ckpt)
-    for line in problems:
-        print(f"moezero: checkpoint verify: {line}", file=sys.stderr)
-    if problems:
-        return 1
-    print(f"ok: {ckpt}: every checksum matches")
     return 0
 
 
@@ -406,11 +278,11 @@ def main(argv: list[str] | None = None, io: IOOptions | None = None) -> int:
         if args.command == "train":
             return _train(args, io)
         if args.command == "checkpoint":
-            return _checkpoint(args)
+            return ckpt_cmd.checkpoint(args)
         if args.command == "import-hf":
-            return _import_hf(args)
+            return ckpt_cmd.import_hf(args)
         if args.command == "import-deepspeed":
-            return _import_deepspeed(args)
+            return ckpt_cmd.import_deepspeed(args)
         if args.command == "prepare-data":
             return _prepare_data(args)
         if args.command == "estimate":
