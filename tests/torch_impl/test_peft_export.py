@@ -116,7 +116,7 @@ def assert_ranks(folder: Path) -> None:
 def test_peft_adapters_and_merged_weights_give_moezeros_logits(tmp_path, family, runs, capsys):
     import warnings
 
-    from moezero.cli import PEFT_NOTE
+    from moezero.cli_checkpoint import PEFT_NOTE
 
     base, adapters = runs(family)
     ours = lora_logits(base, adapters)
