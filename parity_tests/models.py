@@ -44,7 +44,8 @@ def tiny(**changes) -> ModelConfig:
 # Every decoder / router option of the Hugging Face families (docs/model.md) and every layer
 # kind (the dense MLP of first-k-dense models), each in at least one config (paired where independent, to compile fewer reference programs).
 OPTIONS = {
-    "gqa-qk-norm-head": tiny(n_heads=4, n_kv_heads=2, qk_norm="head"),
+    "gqa-qk-norm-head-partial-rotary": tiny(n_heads=4, n_kv_heads=2, qk_norm="head",
+                                            partial_rotary_factor=0.5),
     "mqa-head-dim-qk-norm-projection": tiny(n_heads=4, n_kv_heads=1, head_dim=12,
                                             qk_norm="projection"),
     "bias-qkv-shared-gated": tiny(attn_bias="qkv", shared_ffn_dim=24, shared_gate=True),

@@ -65,6 +65,7 @@ class ModelConfig:
     shared_gate: bool = False
     first_k_dense: int = 0  # layers 0..k-1: the dense MLP kind (reference/dense.py)
     dense_ffn_dim: int | None = None  # None: ffn_dim
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first int(K * factor) dims of a head
     # LoRA (torch: the ``peft`` section, ``moezero.model.lora``): rank (0: none), alpha / r,
     # and the targets (attn, shared, experts, mlp, or one projection of them, e.g. attn.wq)
     lora_r: int = 0
@@ -79,6 +80,9 @@ class ModelConfig:
     def __post_init__(self):
         if self.head_dim is None and self.dim % self.n_heads or self.head_size % 2:
             raise ValueError(f"dim={self.dim} must split into n_heads={self.n_heads} even heads")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} rotates "
+                             f"{self.rotary_dim} dims: must be even and >= 2")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         if not 1 <= self.top_k <= self.num_experts:
@@ -109,6 +113,11 @@ class ModelConfig:
     def kv_heads(self) -> int:
         """G: ``n_kv_heads``, default H."""
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates: ``int(K * partial_rotary_factor)``."""
+        return int(self.head_size * self.partial_rotary_factor)
 
 
 # ---------------------------------------------------------------------------------------- init
@@ -189,7 +198,12 @@ def rope_tables_at(positions_BS: jax.Array, head_dim: int,
 
 def apply_rope(x_BSHK: jax.Array, cos_SK2: jax.Array, sin_SK2: jax.Array) -> jax.Array:
     """Half-split rotation (HF ``rotate_half``), computed in fp32, cast back to x's dtype.
-    The tables are [S, K/2] (positions 0..S-1) or [B, S, K/2] (``rope_tables_at``)."""
+    The tables are [S, R/2] (positions 0..S-1) or [B, S, R/2] (``rope_tables_at``): the first
+    R dims of each head rotate, the rest pass through (partial rotary)."""
+    rotary = 2 * cos_SK2.shape[-1]
+    if rotary < x_BSHK.shape[-1]:
+        rotated = apply_rope(x_BSHK[..., :rotary], cos_SK2, sin_SK2)
+        return jnp.concatenate([rotated, x_BSHK[..., rotary:]], -1)
     x32 = x_BSHK.astype(acc_dtype(x_BSHK.dtype))
     half = x32.shape[-1] // 2
     x1, x2 = x32[..., :half], x32[..., half:]
@@ -223,8 +237,9 @@ def attention(p: dict, x_BSD: jax.Array, cfg: ModelConfig,
     h, g, k = cfg.n_heads, cfg.kv_heads, cfg.head_size
     q_BSHK, k_BSGK = _qk_heads(p, x_BSD, cfg)
     v_BSGK = linear(p["wv"], x_BSD, cfg.lora_scale).reshape(b, s, g, k)
-    cos, sin = rope_tables(s, k, cfg.rope_theta) if docs is None else \
-        rope_tables_at(docs.positions_BS, k, cfg.rope_theta)
+    r = cfg.rotary_dim
+    cos, sin = rope_tables(s, r, cfg.rope_theta) if docs is None else \
+        rope_tables_at(docs.positions_BS, r, cfg.rope_theta)
     q_BSHK, k_BSGK = apply_rope(q_BSHK, cos, sin), apply_rope(k_BSGK, cos, sin)
     k_BSHK, v_BSHK = jnp.repeat(k_BSGK, h // g, axis=2), jnp.repeat(v_BSGK, h // g, axis=2)
     scores_BHSS = jnp.einsum("bqhk,bshk->bhqs", q_BSHK, k_BSHK,

@@ -42,7 +42,7 @@ def test_model_args_carries_every_key_of_the_config():
         "model": {"vocab_size": 99, "dim": 48, "n_layers": 3, "n_heads": 6, "ffn_dim": 40,
                   "rope_theta": 123.0, "norm_eps": 1e-3, "init_std": 0.5, "n_kv_heads": 3,
                   "head_dim": 10, "qk_norm": "head", "attn_bias": "all", "first_k_dense": 1,
-                  "dense_ffn_dim": 20},
+                  "dense_ffn_dim": 20, "partial_rotary_factor": 0.4},
         "moe": {"num_experts": 6, "top_k": 3, "ep_size": 3, "capacity_factor": 1.5,
                 "expert_group_name": "g", "aux_loss_coef": 0.5, "z_loss_coef": 0.25,
                 "router_scoring": "sigmoid", "renormalize": False, "expert_bias": True,

@@ -51,6 +51,9 @@ class ModelConfig(_Section):
                              "(DeepSeek-V3's first_k_dense_replace); must be < n_layers.")
     dense_ffn_dim: int | None = _arch(
         None, ge=1, description="Hidden width of the dense MLP of those layers; None = ffn_dim.")
+    partial_rotary_factor: float = _arch(
+        1.0, gt=0, le=1, description="Share of each head's dims RoPE rotates (GLM-4.5: 0.5, "
+                                     "Qwen3-Next: 0.25); int(head dim * factor) must be even.")
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
@@ -60,6 +63,10 @@ class ModelConfig(_Section):
         if head % 2:
             raise FieldError("head_dim" if self.head_dim else "dim",
                              f"head dim {head} must be even (RoPE)")
+        rotary = int(head * self.partial_rotary_factor)
+        if rotary < 2 or rotary % 2:
+            raise FieldError("partial_rotary_factor", f"rotates {rotary} of the head's {head} "
+                                                      f"dims: must be even and at least 2")
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise FieldError("n_kv_heads", f"must divide model.n_heads ({self.n_heads}), "
                                            f"got {self.n_kv_heads}")

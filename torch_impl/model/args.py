@@ -56,6 +56,7 @@ class ModelArgs:
     shared_gate: bool = False
     first_k_dense: int = 0  # layers 0..k-1: the dense MLP kind (model/dense.py)
     dense_ffn_dim: int | None = None  # None: ffn_dim
+    partial_rotary_factor: float = 1.0  # the share of each head's dims RoPE rotates
 
     @property
     def kv_heads(self) -> int:
@@ -66,6 +67,12 @@ class ModelArgs:
     def head_size(self) -> int:
         """Head dim K (``head_dim``, default D/H)."""
         return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates: ``int(head_size * partial_rotary_factor)``, as
+        transformers computes it."""
+        return int(self.head_size * self.partial_rotary_factor)
 
     @property
     def dense_hidden(self) -> int:

@@ -38,10 +38,15 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
-def rope(x_BSHK: torch.Tensor, theta: float,
-         positions_BS: torch.Tensor | None = None) -> torch.Tensor:
+def rope(x_BSHK: torch.Tensor, theta: float, positions_BS: torch.Tensor | None = None,
+         rotary_dim: int | None = None) -> torch.Tensor:
     """Half-split rotary embedding (HF ``rotate_half`` convention), positions 0..S-1 or
-    ``positions_BS`` (a document mask's, restarting per document)."""
+    ``positions_BS`` (a document mask's, restarting per document). ``rotary_dim`` (even):
+    only each head's first that many dims rotate, with frequencies of that width, the rest
+    pass through (``model.partial_rotary_factor``); None = all K."""
+    if rotary_dim is not None and rotary_dim < x_BSHK.shape[-1]:
+        rotated = rope(x_BSHK[..., :rotary_dim], theta, positions_BS)
+        return torch.cat([rotated, x_BSHK[..., rotary_dim:]], dim=-1)
     seq, half = x_BSHK.shape[1], x_BSHK.shape[-1] // 2
     inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x_BSHK.device) / half)
     if positions_BS is None:
@@ -61,7 +66,7 @@ class Attention(nn.Module):
 
     Args:
         args: the decoder's ``ModelArgs`` (``dim``, ``n_heads``, ``kv_heads``, ``head_size``,
-            ``rope_theta``, ``norm_eps``, ``qk_norm``, ``attn_bias``).
+            ``rope_theta``, ``rotary_dim``, ``norm_eps``, ``qk_norm``, ``attn_bias``).
     """
 
     lora_owner, lora_projections = "attn", ("wq", "wk", "wv", "wo")  # moezero.model.lora
@@ -71,6 +76,7 @@ class Attention(nn.Module):
         d, h, g, k = args.dim, args.n_heads, args.kv_heads, args.head_size
         self.n_heads, self.n_kv_heads, self.head_dim = h, g, k
         self.theta, self.qk_norm = args.rope_theta, args.qk_norm
+        self.rotary_dim = args.rotary_dim
         qkv_bias = args.attn_bias != "none"
         self.wq = nn.Linear(d, h * k, bias=qkv_bias)
         self.wk = nn.Linear(d, g * k, bias=qkv_bias)
@@ -93,7 +99,8 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q_BSHK, k_BSGK = self.q_norm(q_BSHK), self.k_norm(k_BSGK)
         pos = None if docs is None else docs.positions_BS
-        q_BSHK, k_BSGK = rope(q_BSHK, self.theta, pos), rope(k_BSGK, self.theta, pos)
+        q_BSHK = rope(q_BSHK, self.theta, pos, self.rotary_dim)
+        k_BSGK = rope(k_BSGK, self.theta, pos, self.rotary_dim)
         # Query head h reads key/value head h // (H/G), as transformers' repeat_kv.
         out = F.scaled_dot_product_attention(
             q_BSHK.transpose(1, 2), k_BSGK.transpose(1, 2), v_BSGK.transpose(1, 2),

@@ -46,6 +46,7 @@ class Arch:
     shared_gate: bool = False
     first_k_dense: int = 0  # no exported family has dense layers yet (families.py refuses)
     dense_ffn_dim: int | None = None
+    partial_rotary_factor: float = 1.0
     capacity_factor: float | None = None  # HF is dropless: exported as such (docs/hf.md)
     tie_embeddings: bool = False
 

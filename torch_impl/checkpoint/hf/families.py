@@ -47,6 +47,9 @@ def _common_refusal(arch: Arch):
                 "the exported families route with a softmax")
     if arch.expert_bias:
         return "moe.expert_bias", True, "the exported families have no expert bias"
+    if arch.partial_rotary_factor != 1:
+        return ("model.partial_rotary_factor", arch.partial_rotary_factor,
+                "the exported families rotate every dim of a head")
     if arch.first_k_dense:
         return ("model.first_k_dense", arch.first_k_dense,
                 "the exported families have an MoE layer in every layer")
