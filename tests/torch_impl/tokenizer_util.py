@@ -30,17 +30,10 @@ def sentences(n: int, seed: int = 0) -> list[str]:
 
 
 def train_bpe(texts: list[str], vocab_size: int = 300):
-    """A byte-level BPE (GPT-2 style pre-tokenizer and decoder) with ``SPECIALS`` first."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE with ``SPECIALS`` first (``moezero.examples.tiny_hf.train_bpe``)."""
+    from moezero.examples.tiny_hf import train_bpe as train
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(texts, trainer)
-    return tok
+    return train(texts, vocab_size, SPECIALS)
 
 
 def save_tokenizer(tok, folder: Path) -> Path:

@@ -74,21 +74,28 @@ def write_jsonl(chats: list[dict], path: Path) -> Path:
     return path
 
 
-def save_tokenizer(folder: Path, vocab_size: int) -> int:
-    """A byte-level BPE trained on the series' words, ``SPECIALS`` first, saved with
-    ``TEMPLATE`` as ``chat_template.jinja`` (transformers 5's place); returns its size."""
+def train_bpe(texts: list[str], vocab_size: int, specials: tuple[str, ...]):
+    """A byte-level BPE (GPT-2 style pre-tokenizer and decoder) trained on ``texts`` with the
+    ``tokenizers`` library, ``specials`` first (ids 0, 1, ...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def save_tokenizer(folder: Path, vocab_size: int) -> int:
+    """A byte-level BPE trained on the series' words, ``SPECIALS`` first, saved with
+    ``TEMPLATE`` as ``chat_template.jinja`` (transformers 5's place); returns its size."""
     rng = random.Random(1)
     texts = [_sentence(rng, 12) for _ in range(2000)] + ["system user assistant You are a "
                                                          "helpful assistant.\n"]
-    tok.train_from_iterator(texts, trainer)
+    tok = train_bpe(texts, vocab_size, SPECIALS)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
