@@ -42,11 +42,20 @@ def test_model_args_carries_every_key_of_the_config():
         "model": {"vocab_size": 99, "dim": 48, "n_layers": 3, "n_heads": 6, "ffn_dim": 40,
                   "rope_theta": 123.0, "norm_eps": 1e-3, "init_std": 0.5, "n_kv_heads": 3,
                   "head_dim": 10, "qk_norm": "head", "attn_bias": "all", "first_k_dense": 1,
-                  "dense_ffn_dim": 20, "partial_rotary_factor": 0.4},
+                  "dense_ffn_dim": 20, "partial_rotary_factor": 0.4,
+                  # gpt-oss (issue 36)
+                  "attn_sinks": True, "sliding_window": 7,
+                  "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                  "rope_type": "yarn", "rope_factor": 4.0, "rope_original_max_positions": 64,
+                  "rope_beta_fast": 16.0, "rope_beta_slow": 2.0, "rope_truncate": False,
+                  "rope_attention_factor": 1.25, "rope_mscale": 0.5, "rope_mscale_all_dim": 0.25},
         "moe": {"num_experts": 6, "top_k": 3, "ep_size": 3, "capacity_factor": 1.5,
                 "expert_group_name": "g", "aux_loss_coef": 0.5, "z_loss_coef": 0.25,
                 "router_scoring": "sigmoid", "renormalize": False, "expert_bias": True,
-                "bias_update_rate": 0.125, "shared_ffn_dim": 7, "shared_gate": True},
+                "bias_update_rate": 0.125, "shared_ffn_dim": 7, "shared_gate": True,
+                # gpt-oss (issue 36)
+                "router_bias": True, "expert_mlp_bias": True, "swiglu_limit": 7.0,
+                "swiglu_alpha": 1.5},
         "data": {"synthetic_vocab": 32}})
     args = model_args(cfg)
     for name, field in ARGS.items():

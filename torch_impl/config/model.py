@@ -54,6 +54,40 @@ class ModelConfig(_Section):
     partial_rotary_factor: float = _arch(
         1.0, gt=0, le=1, description="Share of each head's dims RoPE rotates (GLM-4.5: 0.5, "
                                      "Qwen3-Next: 0.25); int(head dim * factor) must be even.")
+    # gpt-oss (issue 36): attention sinks, sliding windows per layer, YaRN RoPE (model/rope.py).
+    attn_sinks: bool = _arch(False, description="A learned logit per head that joins every "
+                                                "softmax and is then dropped (gpt-oss).")
+    sliding_window: int | None = _arch(
+        None, ge=1, description="Keys a sliding-window layer reads: query i sees keys j with "
+                                "i - window < j <= i; None = no window.")
+    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = _arch(
+        None, description="Attention per layer (n_layers entries, transformers' names); None: "
+                          "every layer sliding when sliding_window is set, else full.")
+    rope_type: Literal["default", "yarn"] = _arch(
+        "default", description="RoPE frequencies: plain, or YaRN (transformers' yarn).")
+    rope_factor: float = _arch(1.0, gt=0, description="YaRN's context scaling factor.")
+    rope_original_max_positions: int | None = _arch(
+        None, ge=1, description="YaRN: the pretraining context (original_max_position_embeddings).")
+    rope_beta_fast: float = _arch(32.0, gt=0, description="YaRN: extrapolation boundary (rotations).")
+    rope_beta_slow: float = _arch(1.0, gt=0, description="YaRN: interpolation boundary (rotations).")
+    rope_truncate: bool = _arch(True, description="YaRN: round the correction range to integers.")
+    rope_attention_factor: float | None = _arch(
+        None, gt=0, description="YaRN: cos/sin scale; None = from factor (and the mscales).")
+    rope_mscale: float | None = _arch(None, description="YaRN (DeepSeek-V3): mscale of the "
+                                                        "attention factor's numerator.")
+    rope_mscale_all_dim: float | None = _arch(
+        None, description="YaRN (DeepSeek-V3): mscale_all_dim of its denominator.")
+
+    @model_validator(mode="after")
+    def _windows_and_rope(self) -> ModelConfig:
+        if self.layer_types is not None and len(self.layer_types) != self.n_layers:
+            raise FieldError("layer_types", f"needs one entry per layer ({self.n_layers}), got "
+                                            f"{len(self.layer_types)}")
+        if "sliding_attention" in (self.layer_types or ()) and self.sliding_window is None:
+            raise FieldError("layer_types", "sliding_attention needs model.sliding_window")
+        if self.rope_type == "yarn" and self.rope_original_max_positions is None:
+            raise FieldError("rope_original_max_positions", "rope_type yarn needs it")
+        return self
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
@@ -98,8 +132,9 @@ class MoEConfig(_Section):
     aux_loss_coef: float = Field(0.01, ge=0, description="Weight of the load-balancing aux loss.")
     z_loss_coef: float = Field(0.001, ge=0, description="Weight of the router z-loss.")
     # Router variants and shared experts (docs/model.md, "Router variants"; "Shared expert").
-    router_scoring: Literal["softmax", "sigmoid"] = _arch(
-        "softmax", description="Router scores: softmax over experts, or a sigmoid per expert.")
+    router_scoring: Literal["softmax", "sigmoid", "topk_softmax"] = _arch(
+        "softmax", description="Router scores: softmax over experts, a sigmoid per expert, or "
+                               "the top-k logits first, then a softmax over those k (gpt-oss).")
     renormalize: bool = _arch(True, description="Renormalise the top-k gates to sum 1 (Mixtral); "
                                                 "false: the raw scores (OLMoE, Qwen2-MoE).")
     expert_bias: bool = _arch(False, description="Aux-loss-free balancing (DeepSeek-V3): a "
@@ -112,6 +147,15 @@ class MoEConfig(_Section):
                                                      "SwiGLU expert; 0 = none.")
     shared_gate: bool = _arch(False, description="Scale the shared expert by sigmoid(x . g) "
                                                  "per token (Qwen2-MoE).")
+    # gpt-oss (issue 36): router bias, expert biases, clamped SwiGLU (model/experts.py).
+    router_bias: bool = _arch(False, description="A bias on the router's logits (gpt-oss).")
+    expert_mlp_bias: bool = _arch(False, description="Biases on every expert's gate, up and "
+                                                     "down projections (gpt-oss).")
+    swiglu_limit: float | None = _arch(
+        None, gt=0, description="gpt-oss's clamped SwiGLU: gate <= limit, |up| <= limit, "
+                                "(up + 1) * gate * sigmoid(alpha * gate); None = plain SwiGLU.")
+    swiglu_alpha: float = _arch(1.702, gt=0, description="The sigmoid gain of the clamped "
+                                                         "SwiGLU (used with swiglu_limit).")
 
     @property
     def group_name(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from moezero.model.rope import Yarn
 from moezero.model.router import RouterOptions
 
 if TYPE_CHECKING:  # the model imports no pydantic (benchmarks' peer venvs build it bare)
@@ -57,6 +58,24 @@ class ModelArgs:
     first_k_dense: int = 0  # layers 0..k-1: the dense MLP kind (model/dense.py)
     dense_ffn_dim: int | None = None  # None: ffn_dim
     partial_rotary_factor: float = 1.0  # the share of each head's dims RoPE rotates
+    # gpt-oss (issue 36): sinks, sliding windows, YaRN (model/rope.py), router and expert
+    # biases, clamped SwiGLU (model/experts.py).
+    attn_sinks: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # None: all sliding if sliding_window, else full
+    rope_type: str = "default"  # rope.ROPE_TYPES
+    rope_factor: float = 1.0
+    rope_original_max_positions: int | None = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float | None = None
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
+    router_bias: bool = False
+    expert_mlp_bias: bool = False
+    swiglu_limit: float | None = None  # None: plain SwiGLU
+    swiglu_alpha: float = 1.702
 
     @property
     def kv_heads(self) -> int:
@@ -82,10 +101,26 @@ class ModelArgs:
     @property
     def router(self) -> RouterOptions:
         return RouterOptions(self.router_scoring, self.renormalize, self.expert_bias,
-                             self.bias_update_rate)
+                             self.bias_update_rate, linear_bias=self.router_bias)
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (``layer_types``, ``sliding_window``), or None."""
+        kind = self.layer_types[layer] if self.layer_types else "sliding_attention"
+        return self.sliding_window if kind == "sliding_attention" else None
+
+    @property
+    def yarn(self) -> Yarn | None:
+        """The YaRN scaling of the RoPE (``rope_type: yarn``), or None."""
+        if self.rope_type != "yarn":
+            return None
+        return Yarn(self.rope_factor, self.rope_original_max_positions, self.rope_beta_fast,
+                    self.rope_beta_slow, self.rope_truncate, self.rope_attention_factor,
+                    self.rope_mscale, self.rope_mscale_all_dim)
 
 
 def model_args(cfg: Config) -> ModelArgs:
     """The ``ModelArgs`` of a run: each field from the ``model`` or ``moe`` key of its name."""
     values = {**cfg.model.model_dump(), **cfg.moe.model_dump()}
+    if values["layer_types"] is not None:  # hashable, as the reference's jit-static config
+        values["layer_types"] = tuple(values["layer_types"])
     return ModelArgs(**{f.name: values[f.name] for f in fields(ModelArgs)})

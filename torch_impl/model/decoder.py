@@ -104,14 +104,14 @@ class Decoder(nn.Module):
 def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Deterministic init keyed by FQN: the same weights for any world size or EP layout.
 
-    Norm gains are 1, biases 0; output projections (``wo``, ``w2``) get std/sqrt(2L)
+    Norm gains are 1, biases and attention sinks 0; output projections (``wo``, ``w2``) get std/sqrt(2L)
     (docs/model.md). LoRA adapters (``moezero.model.lora``): ``lora_B`` 0, ``lora_A``
     uniform in ±1/sqrt(in) (PEFT's default, kaiming-uniform with a = sqrt(5)).
     """
     n_layers = getattr(getattr(model, "args", None), "n_layers", 1)
     with torch.no_grad():
         for fqn, param in model.named_parameters():
-            if fqn.endswith((".bias", ".lora_B")):
+            if fqn.endswith((".bias", ".lora_B", ".sinks")):
                 param.zero_()
                 continue
             if param.ndim == 1:

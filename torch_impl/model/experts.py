@@ -38,20 +38,33 @@ from torch.torch_version import TorchVersion
 ALIGN_BYTES = 16  # grouped GEMM kernels on CUDA need 16-byte aligned bases and strides
 
 
+def gated(h1: torch.Tensor, h3: torch.Tensor, limit: float | None = None,
+          alpha: float = 1.702) -> torch.Tensor:
+    """The gated activation of gate ``h1`` and up ``h3``: ``silu(h1) * h3``, or with ``limit``
+    gpt-oss's clamped form ``(clamp(h3, ±limit) + 1) · g · sigmoid(alpha · g)``, ``g = min(h1,
+    limit)`` (``moe.swiglu_limit``, ``moe.swiglu_alpha``)."""
+    if limit is None:
+        return F.silu(h1) * h3
+    g = h1.clamp(max=limit)
+    return (h3.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * alpha))
+
+
 class SwiGLU(nn.Module):
-    """The default expert: ``w2(silu(w1 x) * w3 x)``."""
+    """The default expert: ``w2(silu(w1 x) * w3 x)``; with ``bias`` each projection has one,
+    with ``limit`` the activation is ``gated``'s clamped form (gpt-oss)."""
 
     lora_owner, lora_projections = "experts", ("w1", "w2", "w3")  # moezero.model.lora
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, *, bias: bool = False,
+                 limit: float | None = None, alpha: float = 1.702):
         super().__init__()
-        self.dim, self.hidden = dim, hidden
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.dim, self.hidden, self.limit, self.alpha = dim, hidden, limit, alpha
+        self.w1 = nn.Linear(dim, hidden, bias=bias)
+        self.w3 = nn.Linear(dim, hidden, bias=bias)
+        self.w2 = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x_ND)) * self.w3(x_ND))
+        return self.w2(gated(self.w1(x_ND), self.w3(x_ND), self.limit, self.alpha))
 
 
 def is_builtin(modules: Sequence[nn.Module]) -> bool:
@@ -206,11 +219,22 @@ def _aligned(t: torch.Tensor, dim: int) -> torch.Tensor:
     return F.pad(t, pad)
 
 
+def row_groups(offs_L: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The group of each of ``num_rows`` rows (int64 [N]); rows past ``offs[-1]`` get the last
+    group (their outputs are undefined anyway)."""
+    rows_N = torch.arange(num_rows, device=offs_L.device, dtype=offs_L.dtype)
+    return torch.searchsorted(offs_L, rows_N, right=True).clamp_(max=offs_L.numel() - 1)
+
+
 def _grouped_projection(x_NI: torch.Tensor, offs_L: torch.Tensor,
                         linears: Sequence[nn.Linear]) -> torch.Tensor:
-    """One projection of every local expert, with its LoRA adapters if it has them."""
+    """One projection of every local expert, with its bias (each row gathers its expert's,
+    no loop) and its LoRA adapters if it has them."""
     y_NO = GroupedLinear.apply(x_NI, offs_L, *(m.weight for m in linears))
     first = linears[0]
+    if first.bias is not None:
+        bias_LO = torch.stack([m.bias for m in linears])
+        y_NO = y_NO + bias_LO[row_groups(offs_L, x_NI.shape[0])]
     if not hasattr(first, "lora_A"):
         return y_NO
     h_NR = GroupedLinear.apply(first.lora_dropout(x_NI), offs_L, *(m.lora_A for m in linears))
@@ -219,11 +243,14 @@ def _grouped_projection(x_NI: torch.Tensor, offs_L: torch.Tensor,
 
 def grouped_swiglu(x_ND: torch.Tensor, offs_L: torch.Tensor,
                    modules: Sequence[SwiGLU]) -> torch.Tensor:
-    """Run expert i of ``modules`` on rows [offs[i-1], offs[i]) of ``x_ND`` (int32 ends)."""
+    """Run expert i of ``modules`` on rows [offs[i-1], offs[i]) of ``x_ND`` (int32 ends). With
+    adapters, biases or the clamped activation: grouped projections with autograd between."""
     first = modules[0]
-    if any(hasattr(getattr(first, n), "lora_A") for n in ("w1", "w3", "w2")):
+    if (first.limit is not None or first.w1.bias is not None
+            or any(hasattr(getattr(first, n), "lora_A") for n in ("w1", "w3", "w2"))):
         h1_NF, h3_NF = (_grouped_projection(x_ND, offs_L, [getattr(m, n) for m in modules])
                         for n in ("w1", "w3"))
-        return _grouped_projection(F.silu(h1_NF) * h3_NF, offs_L, [m.w2 for m in modules])
+        h_NF = gated(h1_NF, h3_NF, first.limit, first.alpha)
+        return _grouped_projection(h_NF, offs_L, [m.w2 for m in modules])
     w1s, w3s, w2s = _projections(modules)
     return _GroupedSwiGLU.apply(x_ND, offs_L, len(modules), *w1s, *w3s, *w2s)

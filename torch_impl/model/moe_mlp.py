@@ -22,7 +22,9 @@ from moezero.model.shared import SharedExpert
 
 def _modules(args, at: Placement) -> dict[str, nn.Module]:
     modules: dict[str, nn.Module] = {"moe": MoE(
-        args.dim, lambda e: SwiGLU(args.dim, args.ffn_dim), num_experts=args.num_experts,
+        args.dim, lambda e: SwiGLU(args.dim, args.ffn_dim, bias=args.expert_mlp_bias,
+                                   limit=args.swiglu_limit, alpha=args.swiglu_alpha),
+        num_experts=args.num_experts,
         top_k=args.top_k, capacity_factor=args.capacity_factor, ep_size=args.ep_size,
         ep_rank=at.ep_rank, ep_group=at.ep_group, expert_group_name=args.expert_group_name,
         aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef, router=args.router)}
@@ -39,6 +41,7 @@ def _apply(block: nn.Module, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 MOE = MlpKind("moe", _modules, _apply, hf_names={
     "moe.router.weight": "{moe_block}.gate.weight",
+    "moe.router.bias": "{moe_block}.gate.bias",
     "shared.w1.weight": "mlp.shared_expert.gate_proj.weight",
     "shared.w3.weight": "mlp.shared_expert.up_proj.weight",
     "shared.w2.weight": "mlp.shared_expert.down_proj.weight",

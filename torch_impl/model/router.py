@@ -18,18 +18,19 @@ from torch import nn
 
 from moezero.model.recompute import recomputing
 
-SCORINGS = ("softmax", "sigmoid")
+SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 
 
 @dataclass(frozen=True)
 class RouterOptions:
     """How a router scores and gates (``moe.router_scoring``, ``moe.renormalize``,
-    ``moe.expert_bias``, ``moe.bias_update_rate``)."""
+    ``moe.expert_bias``, ``moe.bias_update_rate``, ``moe.router_bias``: ``linear_bias``)."""
 
     scoring: str = "softmax"
     renormalize: bool = True
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
+    linear_bias: bool = False
 
     def __post_init__(self):
         if self.scoring not in SCORINGS:
@@ -45,7 +46,13 @@ def route(logits_TE: torch.Tensor, top_k: int, *, scoring: str = "softmax",
         loss's P; softmax: the scores themselves), the gates (the chosen experts' scores,
         renormalised or not) and the chosen experts, best first. The choice ranks
         ``scores + bias_E`` (ties: lower index first); the gates never include the bias.
+        ``topk_softmax`` (gpt-oss): the choice ranks the logits (plus ``bias_E``), the gates
+        are a softmax over the k chosen logits, and the scores are the softmax over all.
     """
+    if scoring == "topk_softmax":
+        choice_TE = logits_TE if bias_E is None else logits_TE + bias_E
+        experts_Tk = choice_TE.sort(dim=-1, descending=True, stable=True)[1][:, :top_k]
+        return logits_TE.softmax(dim=-1), logits_TE.gather(1, experts_Tk).softmax(-1), experts_Tk
     scores_TE = logits_TE.softmax(dim=-1) if scoring == "softmax" else logits_TE.sigmoid()
     choice_TE = scores_TE if bias_E is None else scores_TE + bias_E
     experts_Tk = choice_TE.sort(dim=-1, descending=True, stable=True)[1][:, :top_k]
@@ -63,7 +70,8 @@ def expert_counts(experts_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 class Router(nn.Linear):
-    """Router weight [E, D] (FQN ``router.weight``, as a bias-free ``nn.Linear``) and, with
+    """Router weight [E, D] (FQN ``router.weight``, an ``nn.Linear``, with ``router.bias`` [E]
+    only with ``options.linear_bias``) and, with
     ``options.expert_bias``, the fp32 buffer ``router.expert_bias`` [E] (checkpointed, never
     optimized) with the expert loads counted since the last update (not saved; a forward recomputed by
     activation checkpointing is not counted again).
@@ -74,7 +82,7 @@ class Router(nn.Linear):
 
     def __init__(self, dim: int, num_experts: int, top_k: int,
                  options: RouterOptions = RouterOptions()):
-        super().__init__(dim, num_experts, bias=False)
+        super().__init__(dim, num_experts, bias=options.linear_bias)
         self.num_experts, self.top_k, self.options = num_experts, top_k, options
         self.register_buffer("expert_bias", torch.empty(num_experts) if options.expert_bias
                              else None)
@@ -92,7 +100,8 @@ class Router(nn.Linear):
             self.pending_load.zero_()
 
     def forward(self, x_TD: torch.Tensor):
-        logits_TE = F.linear(x_TD.float(), self.weight.float())
+        logits_TE = F.linear(x_TD.float(), self.weight.float(),
+                             None if self.bias is None else self.bias.float())
         probs_TE, gates_Tk, experts_Tk = route(
             logits_TE, self.top_k, scoring=self.options.scoring,
             renormalize=self.options.renormalize, bias_E=self.expert_bias)

@@ -48,6 +48,23 @@ class Arch:
     dense_ffn_dim: int | None = None
     partial_rotary_factor: float = 1.0
     capacity_factor: float | None = None  # HF is dropless: exported as such (docs/hf.md)
+    # gpt-oss (issue 36; checkpoint/hf/gpt_oss.py)
+    attn_sinks: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_max_positions: int | None = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float | None = None
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
+    router_bias: bool = False
+    expert_mlp_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     tie_embeddings: bool = False
 
     def sections(self) -> dict:
