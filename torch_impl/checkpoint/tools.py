@@ -177,6 +177,15 @@ def _write_tensor(fd: int, offset: int, source: tuple, numel: int, host: np.ndar
     """Elements of ``source`` (checkpoint, manifest, reader, FQN) at ``offset`` in
     ``torch_dtype``, one ``host`` buffer of fp32 at a time."""
     ckpt, m, reader, fqn = source
+    if callable(fqn):  # composed of whole FQNs, in order (a hub's fused layout: Family)
+        def read(name: str) -> torch.Tensor:
+            flat = store.read_param(ckpt, m, name, reader=reader)
+            return torch.from_numpy(flat).reshape(m.layout.shape(name))
+        for part in fqn(read):
+            data = part.contiguous().to(torch_dtype).view(torch.uint8).numpy()
+            pwrite_all(fd, byte_view(data), offset)
+            offset += data.nbytes
+        return
     for lo in range(0, numel, host.size):
         part = store.read_param(ckpt, m, fqn, lo, min(numel, lo + host.size),
                                 out=host[:min(numel - lo, host.size)], reader=reader)

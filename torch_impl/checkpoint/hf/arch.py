@@ -179,7 +179,8 @@ def arch_of(manifest) -> Arch:
         vocab, dim = shapes["embed.weight"]
         layers = sum(1 for fqn in shapes if fqn.endswith(".attn_norm.weight"))
         first = f"layers.{int(flat.get('first_k_dense') or 0)}.moe.experts."  # a MoE layer
-        experts = sum(1 for fqn in shapes if fqn.startswith(first)) // 3
+        experts = len({fqn[len(first):].split(".")[0] for fqn in shapes
+                       if fqn.startswith(first)})  # w1, w3, w2, their biases, adapters
         ffn = shapes[f"{first}0.w1.weight"][0]
     except (KeyError, ValueError):
         raise CheckpointError("the checkpoint is not of moezero's decoder "

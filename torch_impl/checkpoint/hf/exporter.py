@@ -41,7 +41,8 @@ def export_hf(ckpt: Path, out: Path, dtype: str = "fp32", shard_bytes: int | Non
     arch = arch_of(manifest)
     family = family_for(arch, model_type)
     tokenizer_files = hf_tokenizer.files_to_export(manifest.config)
-    items = [(hf_name(fqn, family), fqn, shape) for fqn, shape in manifest.layout.shapes]
+    items = family.export_items(manifest.layout.shapes, arch) if family.export_items else \
+        [(hf_name(fqn, family), fqn, shape) for fqn, shape in manifest.layout.shapes]
     files = write_weights(ckpt, manifest, out, items, dtype, shard_bytes=shard_bytes,
                           meta={"format": "pt", "moezero.step": str(manifest.step)})
     config = {**family.config(arch, dtype), **hf_tokenizer.config_ids(manifest.config)}

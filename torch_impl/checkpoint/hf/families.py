@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 
-from moezero.checkpoint.hf import mixtral, olmoe, qwen2_moe, qwen3_moe
+from moezero.checkpoint.hf import gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
 from moezero.checkpoint.hf.arch import Arch, refuse
 from moezero.checkpoint.hf.family import Family
 from moezero.plan.store import CheckpointError
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY)}
+    mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, gpt_oss.FAMILY)}
 
 
 def family_of_config(cfg: dict, where: str) -> Family:
@@ -26,6 +26,8 @@ def family_of_config(cfg: dict, where: str) -> Family:
 def family_for(arch: Arch, model_type: str | None = None) -> Family:
     """The family that holds ``arch`` (``model_type``: that one, or chosen by QK-norm and the
     shared expert); CheckpointError (one line) naming the moezero key it cannot hold."""
+    if model_type is None and arch.attn_sinks:
+        model_type = "gpt_oss"
     if model_type is None:
         model_type = {"head": "qwen3_moe", "projection": "olmoe"}.get(
             arch.qk_norm, "qwen2_moe" if arch.shared_ffn_dim else "mixtral")
@@ -33,7 +35,8 @@ def family_for(arch: Arch, model_type: str | None = None) -> Family:
         raise CheckpointError(f"no Hugging Face family {model_type!r} (known: "
                               f"{', '.join(FAMILIES)})")
     family = FAMILIES[model_type]
-    why = _common_refusal(arch) or family.refusal(arch)
+    why = family.refusal(arch) if family is gpt_oss.FAMILY else \
+        _common_refusal(arch) or gpt_oss.foreign_refusal(arch) or family.refusal(arch)
     if why:
         key, value, reason = why
         raise CheckpointError(f"{key}={json.dumps(value)} cannot be exported as Hugging Face "

@@ -28,6 +28,11 @@ class Family:
             moezero cannot represent.
         write: ``Arch -> {key: value}``: the family's own ``config.json`` keys.
         refusal: ``Arch -> (moezero key, value, why) or None``: what the family cannot hold.
+        source: ``(fqn, shape, arch, tensors, where) -> (key, index) | Derived | None``: where
+            a tensor comes from when the names table cannot say (fused, interleaved,
+            quantized hub layouts); None: the names table.
+        export_items: ``(fqn shapes, arch) -> [(key, fqn or composer, shape)]``: the
+            exported tensors when they are not one per FQN (``tools.write_weights``).
     """
 
     model_type: str
@@ -37,6 +42,8 @@ class Family:
     read: Callable[[dict, str], Arch]
     write: Callable[[Arch], dict]
     refusal: Callable[[Arch], tuple[str, object, str] | None]
+    source: Callable | None = None
+    export_items: Callable | None = None
 
     def config(self, arch: Arch, dtype: str) -> dict:
         """The exported ``config.json``: the keys every family shares, then its own."""

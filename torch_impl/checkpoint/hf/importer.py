@@ -26,7 +26,7 @@ from moezero.checkpoint.hf.arch import Arch
 from moezero.checkpoint.hf.families import family_of_config
 from moezero.checkpoint.hf.family import Family
 from moezero.checkpoint.hf.names import candidates
-from moezero.checkpoint.hf.reader import HFTensors
+from moezero.checkpoint.hf.reader import Derived, HFTensors
 from moezero.checkpoint.tools import refuse_non_empty
 from moezero.config import Config, dump_config
 from moezero.model.build import config_decoder
@@ -86,7 +86,8 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     layout = _layout(cfg)
     sources = {fqn: _source(tensors, fqn, shape, arch, family, src)
                for fqn, shape in layout.shapes}
-    _check_all_used(tensors, {key for key, _ in sources.values()}, arch, src)
+    used = {key for s in sources.values() for key in (s.keys if isinstance(s, Derived) else s[:1])}
+    _check_all_used(tensors, used, arch, src)
     hf_tokenizer.copy_import(src, out)  # every header read and checked: now write
     final = _write(layout, tensors, sources, out, meta={
         "config": cfg.model_dump(by_alias=True, mode="json"),
@@ -126,10 +127,12 @@ def _write_fragment(fd: int, offset: int, tensors: HFTensors, source: tuple,
     row = math.prod(shape[1:])
     step = max(1, CHUNK // (ITEMSIZE * row)) * row
     crc, (start, stop) = 0, span
+    whole = source.build(tensors).reshape(-1) if isinstance(source, Derived) else None
     for lo in range(start, stop, step):
         hi = min(stop, lo + step)
         first = lo // row
-        block = tensors.read_rows(*source, slice(first, -(-hi // row))).reshape(-1)
+        block = whole[first * row:-(-hi // row) * row] if whole is not None else \
+            tensors.read_rows(*source, slice(first, -(-hi // row))).reshape(-1)
         data = byte_view(block[lo - first * row:hi - first * row].contiguous().numpy())
         pwrite_all(fd, data, offset + (lo - start) * ITEMSIZE)
         crc = zlib.crc32(data, crc)
@@ -138,7 +141,13 @@ def _write_fragment(fd: int, offset: int, tensors: HFTensors, source: tuple,
 
 def _source(tensors: HFTensors, fqn: str, shape: tuple[int, ...], arch: Arch, family: Family,
             where: Path) -> tuple[str, tuple]:
-    """The (HF key, index) holding ``fqn``, its shape checked (headers only)."""
+    """The (HF key, index) holding ``fqn``, or the family's ``Derived`` source, its shape
+    checked (headers only)."""
+    found = family.source(fqn, shape, arch, tensors, where) if family.source else None
+    if found is not None:
+        if not isinstance(found, Derived):
+            tensors.check_shape(*found, shape)
+        return found
     options = candidates(fqn, arch, family)
     key, index = next(((k, i) for k, i in options if k in tensors.files), (None, None))
     if key is None:

@@ -4,6 +4,8 @@ read in row ranges, lazy slices of its file, on demand (safetensors only, never 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +50,17 @@ class HFTensors:
             raise CheckpointError(f"{self.files[key]}: {key}{_slice_text(index)} has shape "
                                   f"{got}, config.json implies {shape}")
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The shape of ``key`` (header only)."""
+        with self._open(key) as f:
+            return tuple(f.get_slice(key).get_shape())
+
+    def read(self, key: str, index: tuple = ()) -> torch.Tensor:
+        """``key[index]`` in its own dtype (a lazy slice of the file)."""
+        with self._open(key) as f:
+            part = f.get_slice(key)
+            return part[index] if index else part[:]
+
     def read_rows(self, key: str, index: tuple, rows: slice) -> torch.Tensor:
         """Rows ``rows`` (first dim) of ``key[index]`` (leading dim of a slice dropped) as
         fp32: a lazy slice of the file, read and unmapped before returning, so neither the
@@ -59,6 +72,16 @@ class HFTensors:
         with self._open(key) as f:
             part = f.get_slice(key)
             return (part[index][0] if index else part[rows]).float()
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A moezero tensor computed from slices of hub tensors ``keys`` (one expert of a fused,
+    interleaved or quantized tensor: ``checkpoint/hf/gpt_oss.py``); ``build(tensors)``
+    returns it whole, in fp32."""
+
+    keys: tuple[str, ...]
+    build: Callable[[HFTensors], torch.Tensor]
 
 
 def open_safetensors(path: Path):
