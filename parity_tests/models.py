@@ -53,6 +53,16 @@ OPTIONS = {
     "sigmoid-expert-bias": tiny(router_scoring="sigmoid", expert_bias=True),
     "softmax-expert-bias-no-renorm": tiny(expert_bias=True, renormalize=False),
     "first-k-dense": tiny(n_layers=3, first_k_dense=1, dense_ffn_dim=40),
+    # gpt-oss (issue 36): sinks, alternating windows shorter than SEQ, YaRN, the router's bias
+    # and top-k-then-softmax, expert biases, a clamp low enough to bite at this init
+    "gpt-oss": tiny(n_heads=4, n_kv_heads=2, attn_bias="all", attn_sinks=True, sliding_window=5,
+                    layer_types=("sliding_attention", "full_attention"), rope_type="yarn",
+                    rope_factor=4.0, rope_original_max_positions=8, rope_truncate=False,
+                    router_scoring="topk_softmax", router_bias=True, expert_mlp_bias=True,
+                    swiglu_limit=0.1, swiglu_alpha=1.5),
+    "window-yarn-mscale": tiny(sliding_window=3, rope_type="yarn", rope_factor=8.0,
+                               rope_original_max_positions=4, rope_mscale=0.8,
+                               rope_mscale_all_dim=0.5),
 }
 
 
@@ -166,6 +176,13 @@ def torch_run(model: Decoder, batch) -> Run:
 # ------------------------------------------------------------------------------ torch engine
 
 
+GPT_OSS_KEYS = {  # issue 36's gpt-oss fields, by config section
+    "model": ("attn_sinks", "sliding_window", "layer_types", "rope_type", "rope_factor",
+              "rope_original_max_positions", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
+              "rope_attention_factor", "rope_mscale", "rope_mscale_all_dim"),
+    "moe": ("router_bias", "expert_mlp_bias", "swiglu_limit", "swiglu_alpha")}
+
+
 def engine_config(cfg: ModelConfig, opt: OptimConfig, *, precision: str = "fp32",
                   ep_size: int = 1, stage: int = 0) -> Config:
     """The torch ``Config`` of a reference (model, optimizer) pair: same keys, same values.
@@ -184,6 +201,8 @@ def engine_config(cfg: ModelConfig, opt: OptimConfig, *, precision: str = "fp32"
         "z_loss_coef": cfg.z_loss_coef,
         **{k: getattr(cfg, k) for k in ("router_scoring", "renormalize", "expert_bias",
                                         "bias_update_rate", "shared_ffn_dim", "shared_gate")}})
+    c.model = c.model.model_copy(update={k: getattr(cfg, k) for k in GPT_OSS_KEYS["model"]})
+    c.moe = c.moe.model_copy(update={k: getattr(cfg, k) for k in GPT_OSS_KEYS["moe"]})
     c.optimizer = c.optimizer.model_copy(update={
         "lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay,
         "gradient_clipping": opt.gradient_clipping, "warmup_steps": opt.warmup_steps,

@@ -21,7 +21,7 @@ from moezero.model.packing import Batch
 from moezero.plan.model_buffers import is_buffer
 from moezero.reference.model import forward, loss_fn, masked_oracle_loss
 from moezero.reference.optim import OptimConfig
-from parity_tests.models import SEQ, engine_config, tiny, to_jax, tokens, torch_model
+from parity_tests.models import OPTIONS, SEQ, engine_config, tiny, to_jax, tokens, torch_model
 from parity_tests.tolerances import FP32
 from tests.support.compare import (
     assert_close_by_fqn,
@@ -33,7 +33,8 @@ from tests.support.compare import (
 )
 
 CONFIGS = {"gqa-dropless": tiny(n_heads=4, n_kv_heads=2, qk_norm="head"),
-           "capacity-k2": tiny(capacity_factor=1.0)}
+           "capacity-k2": tiny(capacity_factor=1.0),
+           "gpt-oss": OPTIONS["gpt-oss"]}  # sinks and windows within documents
 
 
 def packed(seed: int):

@@ -64,6 +64,11 @@ FAMILIES = {  # every option of models.OPTIONS in one of these
     "deepseek-v3-first-k-dense": tiny(n_layers=3, first_k_dense=1, dense_ffn_dim=40,
                                       router_scoring="sigmoid", expert_bias=True,
                                       bias_update_rate=1e-2),
+    "gpt-oss-like": tiny(n_heads=4, n_kv_heads=2, attn_bias="all", attn_sinks=True,
+                         sliding_window=5, layer_types=("sliding_attention", "full_attention"),
+                         rope_type="yarn", rope_factor=4.0, rope_original_max_positions=8,
+                         router_scoring="topk_softmax", router_bias=True, expert_mlp_bias=True,
+                         swiglu_limit=0.1),
 }
 CASES.update({name: (cfg, optim()) for name, cfg in FAMILIES.items()})
 SLOW = {"dropless-k1-clip-every"}

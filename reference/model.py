@@ -34,6 +34,10 @@ from moezero.reference.lora import with_lora as _with_lora
 from moezero.reference.moe import acc_dtype, expert_load
 from moezero.reference.moe_mlp import init_moe_mlp, moe_mlp
 from moezero.reference.packing import DocumentLayout, document_layout
+from moezero.reference.rope import apply_rope, rope_tables, rope_tables_at
+
+__all__ = ["ModelConfig", "apply_rope", "attention", "forward", "init_params", "loss_fn",
+           "rmsnorm", "rope_tables", "rope_tables_at"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,24 @@ class ModelConfig:
     first_k_dense: int = 0  # layers 0..k-1: the dense MLP kind (reference/dense.py)
     dense_ffn_dim: int | None = None  # None: ffn_dim
     partial_rotary_factor: float = 1.0  # RoPE rotates the first int(K * factor) dims of a head
+    # gpt-oss (issue 36): sinks, sliding windows, YaRN (reference/rope.py), router and expert
+    # biases, the clamped SwiGLU (reference/moe.py)
+    attn_sinks: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None  # None: all sliding if sliding_window, else full
+    rope_type: str = "default"  # "default" | "yarn"
+    rope_factor: float = 1.0
+    rope_original_max_positions: int | None = None
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float | None = None
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
+    router_bias: bool = False
+    expert_mlp_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     # LoRA (torch: the ``peft`` section, ``moezero.model.lora``): rank (0: none), alpha / r,
     # and the targets (attn, shared, experts, mlp, or one projection of them, e.g. attn.wq)
     lora_r: int = 0
@@ -98,6 +120,11 @@ class ModelConfig:
         """Layer ``layer``'s MLP kind: ``dense`` below ``first_k_dense``, else ``moe`` (torch:
         ``moezero.model.kinds.layer_kinds``)."""
         return "dense" if layer < self.first_k_dense else "moe"
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, or None (torch: ``ModelArgs.window``)."""
+        kind = self.layer_types[layer] if self.layer_types else "sliding_attention"
+        return self.sliding_window if kind == "sliding_attention" else None
 
     @property
     def dense_hidden(self) -> int:
@@ -144,6 +171,8 @@ def _init_attention(cfg: ModelConfig, key, std: float, out_std: float) -> dict:
         per_head = cfg.qk_norm == "head"
         p["q_norm"] = {"weight": jnp.ones((cfg.head_size if per_head else hk,), jnp.float32)}
         p["k_norm"] = {"weight": jnp.ones((cfg.head_size if per_head else gk,), jnp.float32)}
+    if cfg.attn_sinks:
+        p["sinks"] = jnp.zeros((cfg.n_heads,), jnp.float32)
     return _with_lora(cfg, "attn", p)
 
 
@@ -179,40 +208,6 @@ def rmsnorm(x: jax.Array, gain_D: jax.Array, eps: float) -> jax.Array:
     return (out * gain_D.astype(x32.dtype)).astype(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """fp32 ``cos, sin`` of shape [S, K/2]: angle = pos · theta^(-2j/K), pos = 0..S-1."""
-    half = head_dim // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)  # as torch_impl computes it
-    angle_SK2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angle_SK2), jnp.sin(angle_SK2)
-
-
-def rope_tables_at(positions_BS: jax.Array, head_dim: int,
-                   theta: float) -> tuple[jax.Array, jax.Array]:
-    """``rope_tables`` at given positions (a document mask's): fp32 [B, S, K/2]."""
-    half = head_dim // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_BSK2 = positions_BS.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angle_BSK2), jnp.sin(angle_BSK2)
-
-
-def apply_rope(x_BSHK: jax.Array, cos_SK2: jax.Array, sin_SK2: jax.Array) -> jax.Array:
-    """Half-split rotation (HF ``rotate_half``), computed in fp32, cast back to x's dtype.
-    The tables are [S, R/2] (positions 0..S-1) or [B, S, R/2] (``rope_tables_at``): the first
-    R dims of each head rotate, the rest pass through (partial rotary)."""
-    rotary = 2 * cos_SK2.shape[-1]
-    if rotary < x_BSHK.shape[-1]:
-        rotated = apply_rope(x_BSHK[..., :rotary], cos_SK2, sin_SK2)
-        return jnp.concatenate([rotated, x_BSHK[..., rotary:]], -1)
-    x32 = x_BSHK.astype(acc_dtype(x_BSHK.dtype))
-    half = x32.shape[-1] // 2
-    x1, x2 = x32[..., :half], x32[..., half:]
-    if cos_SK2.ndim == 2:
-        cos_SK2, sin_SK2 = cos_SK2[None], sin_SK2[None]
-    cos, sin = cos_SK2[:, :, None, :], sin_SK2[:, :, None, :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BSHK.dtype)
-
-
 def _qk_heads(p: dict, x_BSD: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """q [B,S,H,K] and k [B,S,G,K], QK-normed where ``cfg.qk_norm`` says, before RoPE."""
     b, s, _ = x_BSD.shape
@@ -229,24 +224,33 @@ def _qk_heads(p: dict, x_BSD: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, j
 
 
 def attention(p: dict, x_BSD: jax.Array, cfg: ModelConfig,
-              docs: DocumentLayout | None = None) -> jax.Array:
+              docs: DocumentLayout | None = None, window: int | None = None) -> jax.Array:
     """Causal grouped-query attention with RoPE; scores and softmax in fp32. Query head h
     reads key/value head ``h // (H/G)`` (transformers' ``repeat_kv``). With ``docs``: each
-    query reads only its own document, rotary positions restarting per document."""
+    query reads only its own document, rotary positions restarting per document. ``window``:
+    query i reads keys j > i - window only. With ``p["sinks"]`` [H]: head h's sink logit
+    joins every softmax as one more column, then is dropped (gpt-oss)."""
     b, s, _ = x_BSD.shape
     h, g, k = cfg.n_heads, cfg.kv_heads, cfg.head_size
     q_BSHK, k_BSGK = _qk_heads(p, x_BSD, cfg)
     v_BSGK = linear(p["wv"], x_BSD, cfg.lora_scale).reshape(b, s, g, k)
     r = cfg.rotary_dim
-    cos, sin = rope_tables(s, r, cfg.rope_theta) if docs is None else \
-        rope_tables_at(docs.positions_BS, r, cfg.rope_theta)
+    cos, sin = rope_tables(s, r, cfg.rope_theta, cfg) if docs is None else \
+        rope_tables_at(docs.positions_BS, r, cfg.rope_theta, cfg)
     q_BSHK, k_BSGK = apply_rope(q_BSHK, cos, sin), apply_rope(k_BSGK, cos, sin)
     k_BSHK, v_BSHK = jnp.repeat(k_BSGK, h // g, axis=2), jnp.repeat(v_BSGK, h // g, axis=2)
     scores_BHSS = jnp.einsum("bqhk,bshk->bhqs", q_BSHK, k_BSHK,
                              preferred_element_type=acc_dtype(x_BSD.dtype)) / math.sqrt(k)
     allowed = jnp.tril(jnp.ones((s, s), bool)) if docs is None else docs.allowed_BSS[:, None]
+    if window is not None:
+        i = jnp.arange(s)
+        allowed = allowed & (i[:, None] - i[None, :] < window)
     scores_BHSS = jnp.where(allowed, scores_BHSS, -jnp.inf)
-    probs_BHSS = jax.nn.softmax(scores_BHSS, axis=-1).astype(x_BSD.dtype)
+    if "sinks" in p:
+        sink_BHS1 = jnp.broadcast_to(p["sinks"].astype(scores_BHSS.dtype)[None, :, None, None],
+                                     (*scores_BHSS.shape[:3], 1))
+        scores_BHSS = jnp.concatenate([scores_BHSS, sink_BHS1], axis=-1)
+    probs_BHSS = jax.nn.softmax(scores_BHSS, axis=-1)[..., :s].astype(x_BSD.dtype)
     out_BSHK = jnp.einsum("bhqs,bshk->bqhk", probs_BHSS, v_BSHK)
     return linear(p["wo"], out_BSHK.reshape(b, s, h * k), cfg.lora_scale)
 
@@ -278,7 +282,7 @@ def forward_with_stats(params: dict, tokens_BS: jax.Array, cfg: ModelConfig, *,
     aux, z, load = [], [], []
     for i, layer in enumerate(p["layers"]):
         h_BSD = h_BSD + attention(layer["attn"], rmsnorm(h_BSD, layer["attn_norm"]["weight"],
-                                                         cfg.norm_eps), cfg, docs)
+                                                         cfg.norm_eps), cfg, docs, cfg.window(i))
         x_TD = rmsnorm(h_BSD, layer["ffn_norm"]["weight"], cfg.norm_eps).reshape(b * s, d)
         if cfg.mlp_kind(i) == "dense":  # no router, no aux loss
             h_BSD = h_BSD + dense_mlp(layer["mlp"], x_TD, cfg.lora_scale).reshape(b, s, d)

@@ -45,16 +45,26 @@ def acc_dtype(dtype):
 
 
 def route(x_TD: jax.Array, router_ED: jax.Array, top_k: int, *, scoring: str = "softmax",
-          renormalize: bool = True, bias_E: jax.Array | None = None) -> Routing:
+          renormalize: bool = True, bias_E: jax.Array | None = None,
+          logit_bias_E: jax.Array | None = None) -> Routing:
     """Router logits in fp32 (x and W upcast), scores, top-k and gates (docs/model.md).
 
     Scores are ``softmax`` over experts or a ``sigmoid`` per expert. The top-k choice ranks
     ``scores + bias_E`` (the aux-loss-free expert bias; ties: lower index first); the gates are
     the chosen experts' unbiased scores, renormalised to sum 1 (Mixtral) or not. ``probs_TE``
-    (the aux loss's P) is the scores normalised per token.
+    (the aux loss's P) is the scores normalised per token. ``topk_softmax`` (gpt-oss): the
+    top-k of the logits (plus ``bias_E``), gated by a softmax over those k; P the softmax over
+    all. ``logit_bias_E``: the router's own bias, added to the logits (gpt-oss).
     """
     f32 = acc_dtype(x_TD.dtype)
     logits_TE = x_TD.astype(f32) @ router_ED.astype(f32).T
+    if logit_bias_E is not None:
+        logits_TE = logits_TE + logit_bias_E.astype(f32)
+    if scoring == "topk_softmax":
+        choice_TE = logits_TE if bias_E is None else logits_TE + jax.lax.stop_gradient(bias_E)
+        _, topi_Tk = jax.lax.top_k(choice_TE, top_k)
+        gates_Tk = jax.nn.softmax(jnp.take_along_axis(logits_TE, topi_Tk, axis=-1), axis=-1)
+        return Routing(logits_TE, jax.nn.softmax(logits_TE, axis=-1), topi_Tk, gates_Tk)
     if scoring == "softmax":
         scores_TE = jax.nn.softmax(logits_TE, axis=-1)
     else:
@@ -148,20 +158,33 @@ def swiglu(w1_FD: jax.Array, w3_FD: jax.Array, w2_DF: jax.Array, x_ND: jax.Array
     return (jax.nn.silu(x_ND @ w1_FD.T) * (x_ND @ w3_FD.T)) @ w2_DF.T
 
 
-def apply_experts(experts: dict, x_ECD: jax.Array, lora_scale: float = 1.0) -> jax.Array:
-    """Run expert e on row block e: stacked params ``{w1: [E,F,D], w3: [E,F,D], w2: [E,D,F]}``;
-    with LoRA adapters (``lora_A`` [E,R,in], ``lora_B`` [E,out,R] on a projection) each
-    expert's projection adds ``lora_scale · (x A_e^T) B_e^T`` (torch: the grouped GEMMs of
-    ``moezero.model.experts``)."""
-    if not any("lora_A" in experts[name] for name in ("w1", "w3", "w2")):
+def gated(h1: jax.Array, h3: jax.Array, limit: float | None, alpha: float) -> jax.Array:
+    """``silu(h1) · h3``, or with ``limit`` gpt-oss's clamped SwiGLU: ``g = min(h1, limit)``,
+    ``(clip(h3, ±limit) + 1) · g · sigmoid(alpha · g)``."""
+    if limit is None:
+        return jax.nn.silu(h1) * h3
+    g = jnp.minimum(h1, limit)
+    return (jnp.clip(h3, -limit, limit) + 1) * (g * jax.nn.sigmoid(g * alpha))
+
+
+def apply_experts(experts: dict, x_ECD: jax.Array, lora_scale: float = 1.0,
+                  limit: float | None = None, alpha: float = 1.702) -> jax.Array:
+    """Run expert e on row block e: stacked params ``{w1: [E,F,D], w3: [E,F,D], w2: [E,D,F]}``,
+    each with a ``bias`` [E, out] where the experts have biases; with LoRA adapters
+    (``lora_A`` [E,R,in], ``lora_B`` [E,out,R] on a projection) each expert's projection adds
+    ``lora_scale · (x A_e^T) B_e^T`` (torch: the grouped GEMMs of ``moezero.model.experts``);
+    ``limit``/``alpha``: ``gated``'s."""
+    plain = not any(k in experts[name] for name in ("w1", "w3", "w2") for k in ("lora_A", "bias"))
+    if plain and limit is None:
         w = {name: experts[name]["weight"] for name in ("w1", "w3", "w2")}
         return jax.vmap(swiglu)(w["w1"], w["w3"], w["w2"], x_ECD)
 
     def one(p: dict, x_CD: jax.Array) -> jax.Array:
         def proj(q, x):
             y = x @ q["weight"].T
+            y = y + q["bias"] if "bias" in q else y
             return y + lora_scale * ((x @ q["lora_A"].T) @ q["lora_B"].T) if "lora_A" in q else y
-        return proj(p["w2"], jax.nn.silu(proj(p["w1"], x_CD)) * proj(p["w3"], x_CD))
+        return proj(p["w2"], gated(proj(p["w1"], x_CD), proj(p["w3"], x_CD), limit, alpha))
     return jax.vmap(one)({n: experts[n] for n in ("w1", "w3", "w2")}, x_ECD)
 
 
@@ -175,17 +198,20 @@ class MoEOut(NamedTuple):
 
 def moe_layer(params: dict, x_TD: jax.Array, *, top_k: int,
               capacity_factor: float | None, scoring: str = "softmax",
-              renormalize: bool = True, lora_scale: float = 1.0) -> MoEOut:
-    """The MoE layer on one rank's T tokens: ``params = {router: {weight[, expert_bias]},
-    experts: {...}}``; the router variant is ``scoring``/``renormalize`` (see ``route``)."""
+              renormalize: bool = True, lora_scale: float = 1.0,
+              limit: float | None = None, alpha: float = 1.702) -> MoEOut:
+    """The MoE layer on one rank's T tokens: ``params = {router: {weight[, bias][,
+    expert_bias]}, experts: {...}}``; the router variant is ``scoring``/``renormalize`` (see
+    ``route``), the experts' activation ``limit``/``alpha`` (see ``gated``)."""
     num_tokens = x_TD.shape[0]
     num_experts = params["router"]["weight"].shape[0]
     r = route(x_TD, params["router"]["weight"], top_k, scoring=scoring, renormalize=renormalize,
-              bias_E=params["router"].get("expert_bias"))
+              bias_E=params["router"].get("expert_bias"),
+              logit_bias_E=params["router"].get("bias"))
     cap = capacity(num_tokens, num_experts, top_k, capacity_factor)
     plan = assign_slots(r.topi_Tk, num_experts, cap)
     slots = buffer_slots(num_tokens, num_experts, top_k, capacity_factor)
     buf_ECD = dispatch(x_TD, r.topi_Tk, plan, num_experts, slots)
-    out_ECD = apply_experts(params["experts"], buf_ECD, lora_scale)
+    out_ECD = apply_experts(params["experts"], buf_ECD, lora_scale, limit, alpha)
     y_TD = combine(out_ECD, r.topi_Tk, r.gates_Tk, plan, x_TD.dtype)
     return MoEOut(y_TD, aux_loss(r.probs_TE, r.topi_Tk), z_loss(r.logits_TE), r, plan)

@@ -38,19 +38,29 @@ def init_moe_mlp(cfg: ModelConfig, k, std: float, out_std: float) -> dict:
     ``shared`` expert; ``k`` the layer's keys 1..5."""
     d, f, e = cfg.dim, cfg.ffn_dim, cfg.num_experts
     router = {"weight": _normal(k[1], (e, d), std)}
+    if cfg.router_bias:
+        router["bias"] = jnp.zeros((e,), jnp.float32)
     if cfg.expert_bias:
         router["expert_bias"] = jnp.zeros((e,), jnp.float32)
     mlp = {"moe": {
         "router": router,
-        "experts": _with_lora(cfg, "experts", {
+        "experts": _with_lora(cfg, "experts", _expert_biases(cfg, {
             "w1": {"weight": _normal(k[2], (e, f, d), std)},
             "w3": {"weight": _normal(k[3], (e, f, d), std)},
             "w2": {"weight": _normal(k[4], (e, d, f), out_std)},
-        }, (e,)),
+        }), (e,)),
     }}
     if cfg.shared_ffn_dim:
         mlp["shared"] = _init_shared(cfg, k[5], std, out_std)
     return mlp
+
+
+def _expert_biases(cfg: ModelConfig, experts: dict) -> dict:
+    """Zero biases [E, out] on each projection with ``cfg.expert_mlp_bias`` (gpt-oss)."""
+    if not cfg.expert_mlp_bias:
+        return experts
+    return {n: {**p, "bias": jnp.zeros(p["weight"].shape[:2], jnp.float32)}
+            for n, p in experts.items()}
 
 
 def shared_expert(p: dict, x: jax.Array, lora_scale: float = 1.0) -> jax.Array:
@@ -65,7 +75,7 @@ def moe_mlp(layer: dict, x_TD: jax.Array, cfg: ModelConfig):
     shared expert; returns (y_TD, the ``moe_layer`` output with its aux, z and routing)."""
     out = moe_layer(layer["moe"], x_TD, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
                     scoring=cfg.router_scoring, renormalize=cfg.renormalize,
-                    lora_scale=cfg.lora_scale)
+                    lora_scale=cfg.lora_scale, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
     if "shared" not in layer:
         return out.y_TD, out
     return out.y_TD + shared_expert(layer["shared"], x_TD, cfg.lora_scale), out
