@@ -136,7 +136,7 @@ def test_import_then_export_equal_transformers(hub, tmp_path):
     theirs = hf_logits(model)
     assert_logits_close(moezero_logits(ckpt), theirs, "gpt-oss import")
     cfg = Config.model_validate(store.read_manifest(store.find_checkpoint(ckpt)).config)
-    assert cfg.model.layer_types == tuple(LAYER_TYPES) and cfg.model.rope_type == "yarn"
+    assert cfg.model.layer_types == LAYER_TYPES and cfg.model.rope_type == "yarn"
     assert cfg.moe.router_scoring == "topk_softmax" and cfg.moe.swiglu_limit == 1.5
     export_hf(store.find_checkpoint(ckpt), tmp_path / "out")
     back, info = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "out",
@@ -274,3 +274,72 @@ def test_what_other_families_cannot_hold_is_refused_in_one_line(hub):
         family_for(Arch(VOCAB, 32, 3, 4, F_, 1000.0, 1e-5, E, 2, 2, 12, attn_sinks=True,
                         router_bias=True), "gpt_oss")
     assert np.isfinite(moezero_logits(ckpt).numpy()).all()
+
+
+@pytest.mark.slow
+def test_peft_export_loads_in_peft_and_merged_in_transformers(hub, tmp_path, capsys):
+    """3 LoRA steps (attention) through the CLI on the import: ``--format peft`` loads with
+    ``PeftModel.from_pretrained`` on the ``--format hf`` base, ``--merge-lora`` with
+    ``from_pretrained``, both within 1e-5 of moezero's logits."""
+    peft = pytest.importorskip("peft")
+    from moezero.cli import main
+    from moezero.plan.reading import read_tensors
+    from tests.torch_impl.test_cli import moezero
+
+    _, _, ckpt = hub
+    res = moezero("train", "--nproc", "1", "--config", str(ckpt / "config.yaml"),
+                  "--set", "moe.ep_size=1", "--set", "peft.method=lora", "--set", "peft.r=4",
+                  "--set", "peft.alpha=8", "--set", 'peft.targets=["attn"]',
+                  "--set", "train.steps=3", "--set", f"train.seq_len={SEQ}",
+                  "--set", "train.micro_batch_size=2", "--set", "optimizer.lr=3e-2",
+                  "--out", str(tmp_path / "run"), timeout=300)
+    assert res.returncode == 0, res.stderr
+    base, adapters = store.find_checkpoint(ckpt), store.find_checkpoint(tmp_path / "run" / "checkpoints")
+    manifest = store.read_manifest(adapters)
+    cfg = Config.model_validate(manifest.config)
+    cfg.moe.ep_size = 1
+    model = config_decoder(cfg, where="cpu", init=False).eval()
+    state = {**read_tensors(base, store.read_manifest(base)), **read_tensors(adapters, manifest)}
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    ours = model(TOKENS)[0].detach()
+    for args in (("--format", "hf", "--out", str(tmp_path / "hf_base")),):
+        assert main(["checkpoint", "export", str(base), *args]) == 0
+    assert main(["checkpoint", "export", str(adapters), "--format", "peft",
+                 "--out", str(tmp_path / "peft")]) == 0
+    hf_base = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "hf_base").eval()
+    assert (hf_logits(hf_base) - ours).abs().max() > 1e-3  # the adapters trained
+    with_adapters = peft.PeftModel.from_pretrained(hf_base, tmp_path / "peft").eval()
+    assert_logits_close(hf_logits(with_adapters), ours, "gpt-oss peft")
+    assert main(["checkpoint", "export", str(adapters), "--merge-lora", "--format", "hf",
+                 "--out", str(tmp_path / "merged")]) == 0
+    merged, info = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "merged",
+                                                                  output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert_logits_close(hf_logits(merged.eval()), ours, "gpt-oss merged")
+
+
+def test_expert_lora_with_biases_and_clamp_grouped_equals_loop():
+    """LoRA on gpt-oss experts (biases, clamped SwiGLU): the grouped GEMMs equal the loop over
+    experts, forward and every gradient (biases and adapters included)."""
+    from moezero.model import model_args
+    from moezero.model.build import build_decoder
+    from moezero.model.lora import LoraOptions
+    from moezero.model.materialize import KeyedInit
+
+    cfg = Config.model_validate(gpt_oss_options(1))
+    lora = LoraOptions(r=2, alpha=4.0, targets=("attn", "experts"))
+    runs = []
+    for grouped in (True, False):
+        model = build_decoder(model_args(cfg), where="cpu", lora=lora, init=KeyedInit(0))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(
+                    len(name))))
+        for layer in model.layers:
+            layer.moe.grouped = grouped
+        loss, _ = model.loss(TOKENS[:, :13] % 64)
+        loss.backward()
+        runs.append((loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}))
+    assert abs(runs[0][0] - runs[1][0]) <= 1e-6
+    assert_close_by_fqn({k: v.numpy() for k, v in runs[0][1].items()},
+                        {k: v.numpy() for k, v in runs[1][1].items()}, RTOL["fp32"])

@@ -60,7 +60,7 @@ class ModelConfig(_Section):
     sliding_window: int | None = _arch(
         None, ge=1, description="Keys a sliding-window layer reads: query i sees keys j with "
                                 "i - window < j <= i; None = no window.")
-    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] | None = _arch(
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = _arch(
         None, description="Attention per layer (n_layers entries, transformers' names); None: "
                           "every layer sliding when sliding_window is set, else full.")
     rope_type: Literal["default", "yarn"] = _arch(

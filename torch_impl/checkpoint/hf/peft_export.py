@@ -83,6 +83,10 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
     family = family_for(arch_of(store.read_manifest(base_dir)))
     lora = _lora(trained)
     experts = {k: v for k, v in lora.items() if _EXPERT.fullmatch(k + ".lora_A")}
+    if experts and family.export_items:  # gpt-oss: x @ W experts, gate/up interleaved
+        raise CheckpointError(f"{ckpt}: routed-expert adapters of {family.model_type} have no "
+                              "PEFT form moezero writes; export them merged: --merge-lora "
+                              "--format hf")
     fused = sorted({_FUSED[k.rsplit(".", 1)[1]] for k in experts})
     rank = max(a.shape[0] for a, _ in lora.values())
     tensors, modules = {}, set()
@@ -156,6 +160,13 @@ def _expert_pair(ws: dict, param: str, rank: int) -> tuple[torch.Tensor, torch.T
     return _pad(a, b, 2 * rank)
 
 
+def _composed(src, weights: dict, shape: tuple) -> torch.Tensor:
+    """An exported tensor: one FQN's, or a family's composition of several (``export_items``)."""
+    if not callable(src):
+        return weights[src]
+    return torch.stack(list(src(weights.__getitem__))).reshape(shape)
+
+
 def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
                   model_type: str | None = None) -> list[Path]:
     """The adapter checkpoint's full weights, ``W + alpha/r · B A`` per adapted projection
@@ -171,8 +182,11 @@ def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
                     if not k.endswith(adapter_ckpt.ADAPTER_SUFFIXES)})
     arch = arch_of(base_manifest)
     family = family_for(arch, model_type)
-    tensors = {hf_name(fqn, family): weights[fqn].to(DTYPES[dtype]).contiguous()
-               for fqn, _ in base_manifest.layout.shapes}
+    shapes = base_manifest.layout.shapes
+    items = family.export_items(shapes, arch) if family.export_items else \
+        [(hf_name(fqn, family), fqn, shape) for fqn, shape in shapes]
+    tensors = {key: _composed(src, weights, shape).to(DTYPES[dtype]).contiguous()
+               for key, src, shape in items}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "model.safetensors",
               metadata={"format": "pt", "moezero.step": str(manifest.step)})
