@@ -343,3 +343,70 @@ def test_expert_lora_with_biases_and_clamp_grouped_equals_loop():
     assert abs(runs[0][0] - runs[1][0]) <= 1e-6
     assert_close_by_fqn({k: v.numpy() for k, v in runs[0][1].items()},
                         {k: v.numpy() for k, v in runs[1][1].items()}, RTOL["fp32"])
+
+
+# gpt-oss's harmony format, in the shape of its hub template (written here, nothing
+# downloaded): a system block (identity, cutoff, today's date, reasoning effort, channels),
+# developer instructions from a system message, ``<|start|>role<|message|>...<|end|>`` turns,
+# the assistant's answer on the final channel, its reasoning (``thinking``) on the analysis
+# channel for the last turn only, ``<|return|>`` ending the last turn. The assistant's tokens
+# are marked with ``{% generation %}`` (earlier turns render differently once later ones follow,
+# so prefixes cannot locate them).
+HARMONY = """\
+{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\n' -}}
+{{- 'Knowledge cutoff: 2024-06\\nCurrent date: ' + strftime_now('%Y-%m-%d') + '\\n\\n' -}}
+{{- 'Reasoning: ' + (reasoning_effort | default('medium')) + '\\n\\n' -}}
+{{- '# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>' -}}
+{%- if messages[0].role == 'system' %}
+{{- '<|start|>developer<|message|># Instructions\\n\\n' + messages[0].content + '<|end|>' -}}
+{%- set messages = messages[1:] %}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{{- '<|start|>user<|message|>' + message.content + '<|end|>' -}}
+{%- elif message.role == 'assistant' %}
+{{- '<|start|>assistant' -}}
+{%- generation %}
+{%- if loop.last and message.thinking %}
+{{- '<|channel|>analysis<|message|>' + message.thinking + '<|end|><|start|>assistant' -}}
+{%- endif %}
+{{- '<|channel|>final<|message|>' + message.content + ('<|return|>' if loop.last else '<|end|>') -}}
+{%- endgeneration %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' -}}{%- endif %}"""
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>")
+
+
+def test_harmony_chat_renders_as_apply_chat_template_with_the_assistant_mask(tmp_path):
+    from moezero.cli import main
+    from moezero.data.indexed import TokenDataset
+    from tests.torch_impl.tokenizer_util import save_tokenizer, sentences, train_bpe
+
+    tok = train_bpe(sentences(200) + ["Hello, how are you? I am fine."])
+    tok.add_special_tokens(list(HARMONY_TOKENS))
+    save_tokenizer(tok, tmp_path / "tok")
+    (tmp_path / "tok" / "chat_template.jinja").write_text(HARMONY)
+    convs = [[{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": "the cat sat?"},
+              {"role": "assistant", "content": "the dog ran."},
+              {"role": "user", "content": "and then?"},
+              {"role": "assistant", "content": "a big red fox.", "thinking": "the fox ran."}],
+             [{"role": "user", "content": "hello"},
+              {"role": "assistant", "content": "Hello, how are you?"}]]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n"
+                                                  for c in convs))
+    assert main(["prepare-data", str(tmp_path / "chats.jsonl"), "--tokenizer",
+                 str(tmp_path / "tok"), "--format", "chat", "--workers", "1",
+                 "--out", str(tmp_path / "out")]) == 0
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    ds = TokenDataset(tmp_path / "out")
+    kept_text = ["<|channel|>final<|message|>the dog ran.<|end|><|channel|>analysis<|message|>"
+                 "the fox ran.<|end|><|start|>assistant<|channel|>final<|message|>a big red "
+                 "fox.<|return|>", "<|channel|>final<|message|>Hello, how are you?<|return|>"]
+    for i, conv in enumerate(convs):
+        a, b = int(ds.offsets[i]), int(ds.offsets[i + 1])
+        ids, mask = ds.read(a, b).tolist(), ds.mask(a, b).tolist()
+        assert ids == hf.apply_chat_template(conv, tokenize=True)["input_ids"]
+        kept = hf.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        assert kept == kept_text[i]
