@@ -410,3 +410,19 @@ def test_harmony_chat_renders_as_apply_chat_template_with_the_assistant_mask(tmp
         assert ids == hf.apply_chat_template(conv, tokenize=True)["input_ids"]
         kept = hf.decode([t for t, m in zip(ids, mask, strict=True) if m])
         assert kept == kept_text[i]
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_is_bit_identical():
+    """Every gpt-oss option on (windows on every layer), stages 0 and 3: checkpointed blocks
+    train bit-identically to no checkpointing."""
+    from tests.torch_impl.test_estimate import case
+    from tests.torch_impl.test_recompute import assert_runs_same, runs, with_and_without
+
+    def gpt_oss(c: dict) -> dict:
+        return {**c, "model": {**c["model"], "attn_sinks": True, "attn_bias": "all",
+                               "sliding_window": 5, "rope_type": "yarn", "rope_factor": 4.0,
+                               "rope_original_max_positions": 8},
+                "moe": {**c["moe"], "router_scoring": "topk_softmax", "router_bias": True,
+                        "expert_mlp_bias": True, "swiglu_limit": 1.5}}
+    assert_runs_same(runs(with_and_without([gpt_oss(case(0)), gpt_oss(case(3))])))
