@@ -426,3 +426,24 @@ def test_activation_checkpointing_is_bit_identical():
                 "moe": {**c["moe"], "router_scoring": "topk_softmax", "router_bias": True,
                         "expert_mlp_bias": True, "swiglu_limit": 1.5}}
     assert_runs_same(runs(with_and_without([gpt_oss(case(0)), gpt_oss(case(3))])))
+
+
+def test_recipes_estimate_count_every_gpt_oss_20b_parameter():
+    """The recipes' architecture is gpt-oss-20b's: ``moezero estimate`` counts exactly the
+    parameters of transformers' model of that config (built on the meta device), sinks and
+    biases included; the LoRA recipe trains only the attention adapters and fits 80 GB."""
+    from moezero.config import load_config
+    from moezero.estimate import estimate
+
+    with torch.device("meta"):
+        hub_model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            num_hidden_layers=24, num_local_experts=32))
+    total = sum(p.numel() for p in hub_model.parameters())
+    recipes = Path(__file__).resolve().parents[2] / "torch_impl" / "recipes"
+    no_base = ["checkpoint.load=null"]
+    sft = estimate(load_config(recipes / "gpt-oss-20b-sft.yaml", no_base), 8)
+    lora = estimate(load_config(recipes / "gpt-oss-20b-lora.yaml", no_base), 1)
+    assert sft.model_numel == total == 20_914_757_184
+    adapters = 24 * 16 * ((2880 + 64 * 64) * 2 + (2880 + 8 * 64) * 2)
+    assert (lora.model_numel, lora.trained_numel) == (total + adapters, adapters)
+    assert max(sft.peak("device"), lora.peak("device")) < 70 * 2**30
