@@ -72,7 +72,8 @@ def refusal(arch: Arch):
              "moe.expert_mlp_bias": (arch.expert_mlp_bias, True),
              "model.qk_norm": (arch.qk_norm, "none"), "moe.expert_bias": (arch.expert_bias, False),
              "moe.shared_ffn_dim": (arch.shared_ffn_dim, 0),
-             "model.first_k_dense": (arch.first_k_dense, 0)}
+             "model.first_k_dense": (arch.first_k_dense, 0),
+             "model.partial_rotary_factor": (arch.partial_rotary_factor, 1.0)}
     for key, (got, want) in wants.items():
         if got != want:
             return key, got, f"gpt-oss has {key.split('.')[1]}={want}"
