@@ -62,7 +62,7 @@ class ModelArgs:
     # biases, clamped SwiGLU (model/experts.py).
     attn_sinks: bool = False
     sliding_window: int | None = None
-    layer_types: tuple[str, ...] | None = None  # None: all sliding if sliding_window, else full
+    layer_types: list[str] | tuple[str, ...] | None = None  # None: all sliding if a window, else full
     rope_type: str = "default"  # rope.ROPE_TYPES
     rope_factor: float = 1.0
     rope_original_max_positions: int | None = None
@@ -121,6 +121,4 @@ class ModelArgs:
 def model_args(cfg: Config) -> ModelArgs:
     """The ``ModelArgs`` of a run: each field from the ``model`` or ``moe`` key of its name."""
     values = {**cfg.model.model_dump(), **cfg.moe.model_dump()}
-    if values["layer_types"] is not None:  # hashable, as the reference's jit-static config
-        values["layer_types"] = tuple(values["layer_types"])
     return ModelArgs(**{f.name: values[f.name] for f in fields(ModelArgs)})
