@@ -1,7 +1,7 @@
 """RoPE inverse frequencies and their YaRN scaling (transformers' ``_compute_yarn_parameters``),
 and the attention factor that scales cos and sin. The YaRN frequencies are numpy constants of
 the config at trace time; the tables and the rotation (``apply_rope``) are JAX. Torch counterpart: ``torch_impl/model/rope.py``; semantics:
-docs/model.md ("RoPE scaling").
+docs/model.md ("gpt-oss's options").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ correction dims of ``beta_fast`` and ``beta_slow`` rotations; cos and sin are sc
 attention factor (``0.1 ln(factor) + 1``, or DeepSeek-V3's ratio of two ``mscale`` terms).
 
 The rotation itself is ``moezero.model.attention.rope``; the JAX counterpart is
-``reference/rope.py``. Semantics: docs/model.md ("RoPE scaling").
+``reference/rope.py``. Semantics: docs/model.md ("gpt-oss's options").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ every query may read, with a zero value: q and k get one more dim, ``s_h · sqrt
 queries of head h and 1 on the extra key (0 on the real keys), and the scale stays
 ``1/sqrt(K)``, so the extra key's logit is ``s_h`` and the real logits are unchanged (works
 with grouped-query heads, masks and autograd as they are). Semantics: docs/model.md
-("Attention"); the JAX counterpart is ``reference/model.py: attention`` (scores, the sink
+("gpt-oss's options"); the JAX counterpart is ``reference/model.py: attention`` (scores, the sink
 column, softmax, drop). Legend: B batch, S sequence, H query heads, G key/value heads,
 K head dim.
 """
