@@ -4,7 +4,8 @@ alternating sliding windows of 5 shorter than the 16-token rows, YaRN with a tru
 off) is imported (logits within 1e-5), exported in the hub's layout (every tensor bit-equal,
 logits within 1e-5), read from MXFP4 blocks/scales (bit-equal to transformers' own
 dequantization), and fine-tuned 10 steps equal to transformers + ``torch.optim.AdamW``; W = 2
-ep 2 at stages 0-3 equals W = 1; what gpt-oss cannot hold is refused in one line.
+ep 2 at stages 0-3 equals W = 1; what gpt-oss cannot hold, and what its import cannot build,
+is refused in one line.
 """
 
 from __future__ import annotations
@@ -447,3 +448,29 @@ def test_recipes_estimate_count_every_gpt_oss_20b_parameter():
     adapters = 24 * 16 * ((2880 + 64 * 64) * 2 + (2880 + 8 * 64) * 2)
     assert (lora.model_numel, lora.trained_numel) == (total + adapters, adapters)
     assert max(sft.peak("device"), lora.peak("device")) < 70 * 2**30
+
+
+BAD_CONFIGS = {  # config.json changes, what the one line names
+    "quantization": ({"quantization_config": {"quant_method": "fp8"}},
+                     'quantization_config.quant_method="fp8"'),
+    "layer types": ({"layer_types": ["full_attention"]}, 'layer_types=["full_attention"]'),
+    "rope type": ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+                  "rope_parameters="),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS)
+def test_what_gpt_oss_import_cannot_build_is_one_line(hub, tmp_path, capsys, case):
+    from moezero.cli import main
+
+    _, src, _ = hub
+    changes, expected = BAD_CONFIGS[case]
+    (tmp_path / "hf").mkdir()
+    for f in src.iterdir():
+        (tmp_path / "hf" / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, **changes}))
+    code = main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and expected in err[0], err
+    assert not (tmp_path / "ckpt").exists()
