@@ -4,8 +4,12 @@ alternating sliding windows of 5 shorter than the 16-token rows, YaRN with a tru
 off) is imported (logits within 1e-5), exported in the hub's layout (every tensor bit-equal,
 logits within 1e-5), read from MXFP4 blocks/scales (bit-equal to transformers' own
 dequantization), and fine-tuned 10 steps equal to transformers + ``torch.optim.AdamW``; W = 2
-ep 2 at stages 0-3 equals W = 1; what gpt-oss cannot hold, and what its import cannot build,
-is refused in one line.
+ep 2 at stages 0-3 equals W = 1 (slow: one spawn); a PEFT export loads in ``peft`` and a
+merged one in transformers (slow: a CLI run); LoRA on the biased, clamped experts runs the
+grouped GEMMs as the loop; activation checkpointing is bit-identical (slow); a harmony-format
+chat template renders through prepare-data as ``apply_chat_template``; the gpt-oss-20b
+recipes' estimate counts transformers' parameters; what gpt-oss cannot hold, and what its
+import cannot build, is refused in one line.
 """
 
 from __future__ import annotations
