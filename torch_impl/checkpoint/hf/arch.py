@@ -47,6 +47,15 @@ class Arch:
     first_k_dense: int = 0  # no exported family has dense layers yet (families.py refuses)
     dense_ffn_dim: int | None = None
     capacity_factor: float | None = None  # HF is dropless: exported as such (docs/hf.md)
+    # Multi-head latent attention (model/mla.py); no exported family has it yet (families.py)
+    attention: str = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True
+    mla_mscale: float = 1.0
     tie_embeddings: bool = False
 
     def sections(self) -> dict:
