@@ -52,6 +52,13 @@ OPTIONS = {
     "sigmoid-expert-bias": tiny(router_scoring="sigmoid", expert_bias=True),
     "softmax-expert-bias-no-renorm": tiny(expert_bias=True, renormalize=False),
     "first-k-dense": tiny(n_layers=3, first_k_dense=1, dense_ffn_dim=40),
+    # multi-head latent attention (model/mla.py): a query latent, interleaved RoPE dims,
+    # biases, YaRN's softmax factor; a plain q_proj with half-split RoPE dims
+    "mla-q-lora-interleave-bias": tiny(attention="mla", q_lora_rank=12, kv_lora_rank=8,
+                                       qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=10,
+                                       attn_bias="all", mla_mscale=1.2),
+    "mla-plain-q-halves": tiny(attention="mla", kv_lora_rank=8, qk_nope_head_dim=6,
+                               qk_rope_head_dim=4, v_head_dim=5, rope_interleave=False),
 }
 
 
@@ -165,6 +172,10 @@ def torch_run(model: Decoder, batch) -> Run:
 # ------------------------------------------------------------------------------ torch engine
 
 
+MLA_KEYS = ("attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim", "rope_interleave", "mla_mscale")
+
+
 def engine_config(cfg: ModelConfig, opt: OptimConfig, *, precision: str = "fp32",
                   ep_size: int = 1, stage: int = 0) -> Config:
     """The torch ``Config`` of a reference (model, optimizer) pair: same keys, same values.
@@ -176,7 +187,7 @@ def engine_config(cfg: ModelConfig, opt: OptimConfig, *, precision: str = "fp32"
         k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim",
                                      "rope_theta", "norm_eps", "n_kv_heads", "head_dim",
                                      "qk_norm", "attn_bias", "first_k_dense",
-                                     "dense_ffn_dim")})
+                                     "dense_ffn_dim", *MLA_KEYS)})
     c.moe = c.moe.model_copy(update={
         "num_experts": cfg.num_experts, "top_k": cfg.top_k, "ep_size": ep_size,
         "capacity_factor": cfg.capacity_factor, "aux_loss_coef": cfg.aux_loss_coef,
