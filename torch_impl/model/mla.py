@@ -99,11 +99,22 @@ class MLA(nn.Module):
         k_rot_BS1R = self._rope(k_rot_BSR[:, :, None, :], docs)  # one rotary key for all heads
         q_BSHQ = torch.cat([q_nope_BSHN, q_rot_BSHR], dim=-1)
         k_BSHQ = torch.cat([k_nope_BSHN, k_rot_BS1R.expand(b, s, h, self.rot)], dim=-1)
-        out_BHSV = F.scaled_dot_product_attention(
-            q_BSHQ.transpose(1, 2), k_BSHQ.transpose(1, 2), v_BSHV.transpose(1, 2),
-            attn_mask=None if docs is None else docs.allowed_B1SS, is_causal=docs is None,
-            scale=self.scale)
-        return self.o_proj(out_BHSV.transpose(1, 2).reshape(b, s, h * self.v_dim))
+        # Zero-padded to one head width, so the fused kernels (flash on CPU and CUDA) take it:
+        # with V != Q, SDPA falls back to its math path, which keeps the [B,H,S,S] weights.
+        width = max(self.nope + self.rot, self.v_dim)
+        q_BHSW, k_BHSW, v_BHSW = (_pad(t, width).transpose(1, 2) for t in (q_BSHQ, k_BSHQ, v_BSHV))
+        out_BHSW = F.scaled_dot_product_attention(
+            q_BHSW, k_BHSW, v_BHSW, attn_mask=None if docs is None else docs.allowed_B1SS,
+            is_causal=docs is None, scale=self.scale)
+        out_BSHV = out_BHSW.transpose(1, 2)[..., :self.v_dim]
+        return self.o_proj(out_BSHV.reshape(b, s, h * self.v_dim))
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` with zeros appended to its last dim up to ``width`` (itself when that wide): a
+    zero query/key dim adds nothing to a score, a zero value dim is cut from the output."""
+    extra = width - x.shape[-1]
+    return F.pad(x, (0, extra)) if extra else x
 
 
 def _mla_modules(args, at: Placement) -> dict[str, nn.Module]:
