@@ -21,6 +21,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from moezero.checkpoint.hf.arch import Arch
 from moezero.checkpoint.hf.families import family_for
 from moezero.config import Config, ConfigError, load_config
+from moezero.data import Batches, make_corpus
+from moezero.distributed.topology import build_topology
+from moezero.engine import initialize
 from moezero.model.args import ModelArgs, model_args
 from moezero.model.build import build_decoder
 from moezero.model.kinds import hf_layer_names
@@ -29,6 +32,11 @@ from moezero.model.materialize import KeyedInit
 from moezero.model.mla import MLA, MLA_KIND
 from moezero.model.packing import document_mask
 from moezero.plan.store import CheckpointError
+from moezero.train import build_model
+from tests.support.compare import assert_close_by_fqn
+from tests.support.world import run_world
+from tests.torch_impl.test_options import MICRO, options_config
+from tests.torch_impl.tolerances import RTOL
 
 D, H, S = 48, 3, 13  # S not a power of two
 SIZES = {"kv_lora_rank": 12, "qk_nope_head_dim": 10, "qk_rope_head_dim": 6, "v_head_dim": 7}
@@ -194,3 +202,51 @@ def test_export_of_the_four_families_refuses_mla_in_one_line():
     arch = Arch(64, 32, 2, 2, 24, 1e4, 1e-5, 4, 2, 2, 16, attention="mla")
     with pytest.raises(CheckpointError, match="^model.attention=\"mla\" cannot be exported"):
         family_for(arch)
+
+
+# ---------------------------------------------------------------------- W = 2 ep 2 vs W = 1
+
+def mla_config(ep: int) -> dict:
+    cfg = options_config(ep).model_dump(by_alias=True)
+    cfg["model"].update(n_heads=4, n_kv_heads=None, qk_norm="none", attn_bias="all", **{
+        k: v for k, v in MODEL.items() if k not in ("vocab_size", "dim", "n_layers", "n_heads",
+                                                    "ffn_dim")})
+    return cfg
+
+
+def two_steps_with_losses(cfg_data: dict, stage: int) -> dict:
+    """``test_options.two_steps`` on an MLA model, keeping each micro-batch's loss."""
+    cfg = Config.model_validate(cfg_data)
+    cfg.zero_optimization.stage = stage
+    topo = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
+    cfg.train.grad_accum_steps = 2 // topo.world_size
+    engine = initialize(build_model(cfg, topo), cfg, topology=topo, device="cpu")
+    batches = Batches(make_corpus(None, vocab=32, sources=2, seed=7), global_batch=2 * MICRO,
+                      seq_len=cfg.train.seq_len, seed=3, dp_rank=0, dp_size=1)
+    losses = []
+    for _ in range(2):
+        slices = torch.from_numpy(batches.next()).split(MICRO)
+        for batch in slices[topo.rank::topo.world_size]:
+            loss, _ = engine.forward(batch)
+            engine.backward(loss)
+            losses.append(loss.item())
+        engine.reduce_gradients()
+        engine.optimizer_step()
+    params = {k: p.detach().clone().numpy() for k, p in engine.full_parameters().items()}
+    return {"losses": losses, "params": params}
+
+
+@pytest.mark.slow  # ~50 s wall on the shared 2-core box (one 2-rank spawn)
+def test_w2_ep2_stage3_equals_w1_with_mla(tmp_path):
+    """An MLA model (query latent, biases, sigmoid routing with an expert bias, a gated shared
+    expert): W = 2 with ep 2 at ZeRO 3 (one spawn) computes the losses and weights W = 1 does
+    at stage 0 (each rank's micro-batch is one of the single run's two)."""
+    ranks = run_world(two_steps_with_losses, 2, tmp_path, mla_config(2), 3)
+    single = two_steps_with_losses(mla_config(1), 0)
+    assert "layers.1.attn.kv_b_proj.weight" in single["params"]
+    for step in range(2):
+        for rank in range(2):
+            mine, want = ranks[rank]["losses"][step], single["losses"][2 * step + rank]
+            assert abs(mine - want) <= 1e-6 * abs(want), (step, rank, mine, want)
+    params = {k: v for r in ranks for k, v in r["params"].items()}
+    assert_close_by_fqn(params, single["params"], RTOL["fp32"])
