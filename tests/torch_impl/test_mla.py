@@ -250,3 +250,35 @@ def test_w2_ep2_stage3_equals_w1_with_mla(tmp_path):
             assert abs(mine - want) <= 1e-6 * abs(want), (step, rank, mine, want)
     params = {k: v for r in ranks for k, v in r["params"].items()}
     assert_close_by_fqn(params, single["params"], RTOL["fp32"])
+
+
+def test_peft_names_of_mla_adapters_are_the_keys_peft_makes_on_deepseek_v3():
+    """The names an adapter export writes (``base_model.model.`` + the Hugging Face key of the
+    adapted projection, ``checkpoint/hf/peft_export.py``) are the keys PEFT itself gives a
+    deepseek_v3 model's adapters with the same ``target_modules``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import DeepseekV3ForCausalLM
+
+    from moezero.checkpoint.hf.family import Family
+    from moezero.checkpoint.hf.names import hf_name
+
+    deepseek = Family("deepseek_v3", "DeepseekV3ForCausalLM", "mlp",
+                      ("gate_proj", "up_proj", "down_proj"), None, None, None)
+    model = decoder(config(), LoraOptions(r=2, targets=("attn",)))
+    ours, modules = set(), set()
+    for fqn in dict(model.named_parameters()):
+        if fqn.endswith(".lora_A") or fqn.endswith(".lora_B"):
+            base, ab = fqn.rsplit(".", 1)
+            key = hf_name(base + ".weight", deepseek).removesuffix(".weight")
+            modules.add(key.split(".", 3)[3])
+            ours.add(f"base_model.model.{key}.{ab}.weight")
+    hf = DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+        num_hidden_layers=2, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=6,
+        qk_rope_head_dim=4, v_head_dim=10, intermediate_size=24, moe_intermediate_size=24,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1))
+    peft = get_peft_model(hf, LoraConfig(r=2, target_modules=sorted(modules)))
+    theirs = {k.replace(".default", "") for k in peft.state_dict() if "lora_" in k}
+    assert modules == {"self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
+                       "self_attn.kv_b_proj", "self_attn.o_proj"}
+    assert ours == theirs
