@@ -183,6 +183,8 @@ def test_lora_adapts_mla_projections_under_deepseek_v3_module_names():
     (["model.qk_norm=head"], "model.qk_norm: must be none with model.attention: mla"),
     (["model.attn_bias=qkv"], "model.attn_bias: must be none or all"),
     (["model.qk_rope_head_dim=5"], "model.qk_rope_head_dim: must be even"),
+    (["model.n_kv_heads=2"], "model.n_kv_heads: must be null with model.attention: mla"),
+    (["model.head_dim=16"], "model.head_dim: must be null with model.attention: mla"),
     (["model.attention=latent"], "model.attention"),
     (["peft.method=lora", "peft.targets=[attn.wq]"], "peft.targets: names attn.wq"),
     (["peft.method=lora", "peft.targets=[attn.q_a_proj]"], "peft.targets: names attn.q_a_proj"),
