@@ -35,7 +35,9 @@ from moezero.plan.store import CheckpointError
 from moezero.train import build_model
 from tests.support.compare import assert_close_by_fqn
 from tests.support.world import run_world
+from tests.torch_impl.test_estimate import case
 from tests.torch_impl.test_options import MICRO, options_config
+from tests.torch_impl.test_recompute import assert_runs_same, runs, with_and_without
 from tests.torch_impl.tolerances import RTOL
 
 D, H, S = 48, 3, 13  # S not a power of two
@@ -284,3 +286,13 @@ def test_peft_names_of_mla_adapters_are_the_keys_peft_makes_on_deepseek_v3():
     assert modules == {"self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa",
                        "self_attn.kv_b_proj", "self_attn.o_proj"}
     assert ours == theirs
+
+
+def test_activation_checkpointing_is_bit_identical_with_mla():
+    """MLA blocks checkpointed (every block, every second block) train bit-identically to no
+    checkpointing (W = 1, ZeRO 0)."""
+    mla = {k: v for k, v in MODEL.items() if k not in ("vocab_size", "dim", "n_layers",
+                                                       "n_heads", "ffn_dim")}
+    base = case(0)
+    base["model"] = {**base["model"], **mla, "attn_bias": "all"}
+    assert_runs_same(runs(with_and_without([base])))
