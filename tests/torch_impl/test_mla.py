@@ -185,8 +185,8 @@ def test_lora_adapts_mla_projections_under_deepseek_v3_module_names():
     (["model.qk_norm=head"], "model.qk_norm: must be none with model.attention: mla"),
     (["model.attn_bias=qkv"], "model.attn_bias: must be none or all"),
     (["model.qk_rope_head_dim=5"], "model.qk_rope_head_dim: must be even"),
-    (["model.n_kv_heads=2"], "model.n_kv_heads: must be null with model.attention: mla"),
-    (["model.head_dim=16"], "model.head_dim: must be null with model.attention: mla"),
+    (["model.n_kv_heads=2"], "model.n_kv_heads: must be null or 4 with model.attention: mla"),
+    (["model.head_dim=16"], "model.head_dim: must be null or 64 with model.attention: mla"),
     (["model.attention=latent"], "model.attention"),
     (["peft.method=lora", "peft.targets=[attn.wq]"], "peft.targets: names attn.wq"),
     (["peft.method=lora", "peft.targets=[attn.q_a_proj]"], "peft.targets: names attn.q_a_proj"),
@@ -195,6 +195,14 @@ def test_config_refuses_in_one_line(sets, key):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.attention=mla", "model.kv_lora_rank=8", *sets])
     assert str(err.value).startswith(key) and "\n" not in str(err.value)
+
+
+def test_mla_takes_transformers_head_dim_and_kv_heads():
+    """deepseek_v3's config has ``head_dim`` = ``qk_rope_head_dim`` and
+    ``num_key_value_heads`` = ``num_attention_heads``: both are taken (and change nothing)."""
+    cfg = load_config(None, ["model.attention=mla", "model.qk_rope_head_dim=8",
+                             "model.head_dim=8", "model.n_kv_heads=4"])
+    assert cfg.model.head_dim == 8 and cfg.model.n_kv_heads == 4
 
 
 def test_gqa_refuses_mla_lora_targets():

@@ -97,11 +97,12 @@ class ModelConfig(_Section):
         if self.attn_bias == "qkv":
             raise FieldError("attn_bias", "must be none or all with model.attention: mla "
                                           "(transformers' attention_bias)")
-        for key in ("n_kv_heads", "head_dim"):  # MLA's heads are sized by its own fields
-            if getattr(self, key) not in (None, self.n_heads if key == "n_kv_heads" else None):
-                raise FieldError(key, f"must be null with model.attention: mla (its heads are "
-                                      f"sized by qk_nope_head_dim, qk_rope_head_dim, v_head_dim), "
-                                      f"got {getattr(self, key)}")
+        # MLA's heads are sized by its own fields; transformers' head_dim is the rotary width
+        for key, same in (("n_kv_heads", self.n_heads), ("head_dim", self.qk_rope_head_dim)):
+            if getattr(self, key) not in (None, same):
+                raise FieldError(key, f"must be null or {same} with model.attention: mla (its "
+                                      "heads are sized by qk_nope_head_dim, qk_rope_head_dim, "
+                                      f"v_head_dim), got {getattr(self, key)}")
         return self
 
     @model_validator(mode="after")
