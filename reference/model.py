@@ -1,9 +1,9 @@
 """Mixtral-style MoE decoder: RMSNorm, half-split RoPE, causal attention, MoE FFN, loss.
 
-Torch counterpart: ``torch_impl/model/decoder.py``, with ``attention.py`` (latent attention:
-``reference/mla.py`` ↔ ``mla.py``), ``moe_mlp.py`` and ``shared.py`` beside it (the MoE layer: ``reference/moe.py`` ↔ ``torch_impl/model/moe.py`` and
+Torch counterpart: ``torch_impl/model/decoder.py``, with ``attention.py``, ``moe_mlp.py`` and
+``shared.py`` beside it (the MoE layer: ``reference/moe.py`` ↔ ``torch_impl/model/moe.py`` and
 ``router.py``; the dense MLP kind of the first ``first_k_dense`` layers: ``reference/dense.py``
-↔ ``torch_impl/model/dense.py``).
+↔ ``torch_impl/model/dense.py``; latent attention: ``reference/mla.py`` ↔ ``mla.py``).
 Semantics: ``docs/model.md``.
 
 Params are a plain nested dict mirroring the FQNs, with experts stacked on a leading global
@@ -66,8 +66,7 @@ class ModelConfig:
     shared_gate: bool = False
     first_k_dense: int = 0  # layers 0..k-1: the dense MLP kind (reference/dense.py)
     dense_ffn_dim: int | None = None  # None: ffn_dim
-    # Multi-head latent attention (reference/mla.py; torch: model/mla.py): "gqa" | "mla"
-    attention: str = "gqa"
+    attention: str = "gqa"  # "gqa" | "mla": latent attention (reference/mla.py), the fields below
     q_lora_rank: int | None = None  # None: a plain q_proj
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
@@ -155,8 +154,7 @@ def _init_layer(cfg: ModelConfig, key, index: int) -> dict:
     mlp = {"mlp": init_dense(cfg, k[2], std, out_std)} if cfg.mlp_kind(index) == "dense" \
         else init_moe_mlp(cfg, k, std, out_std)
     return {"attn_norm": {"weight": jnp.ones((d,), jnp.float32)},
-            "attn": (init_mla if cfg.attention == "mla" else _init_attention)(cfg, k[0], std,
-                                                                              out_std),
+            "attn": (init_mla if cfg.attention == "mla" else _init_attention)(cfg, k[0], std, out_std),
             "ffn_norm": {"weight": jnp.ones((d,), jnp.float32)}, **mlp}
 
 
