@@ -63,6 +63,13 @@ OPTIONS = {
     "window-yarn-mscale": tiny(sliding_window=3, rope_type="yarn", rope_factor=8.0,
                                rope_original_max_positions=4, rope_mscale=0.8,
                                rope_mscale_all_dim=0.5),
+    # multi-head latent attention (model/mla.py): a query latent, interleaved RoPE dims,
+    # biases, YaRN's softmax factor; a plain q_proj with half-split RoPE dims
+    "mla-q-lora-interleave-bias": tiny(attention="mla", q_lora_rank=12, kv_lora_rank=8,
+                                       qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=10,
+                                       attn_bias="all", mla_mscale=1.2),
+    "mla-plain-q-halves": tiny(attention="mla", kv_lora_rank=8, qk_nope_head_dim=6,
+                               qk_rope_head_dim=4, v_head_dim=5, rope_interleave=False),
 }
 
 
@@ -181,6 +188,8 @@ GPT_OSS_KEYS = {  # issue 36's gpt-oss fields, by config section
               "rope_original_max_positions", "rope_beta_fast", "rope_beta_slow", "rope_truncate",
               "rope_attention_factor", "rope_mscale", "rope_mscale_all_dim"),
     "moe": ("router_bias", "expert_mlp_bias", "swiglu_limit", "swiglu_alpha")}
+MLA_KEYS = ("attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim", "rope_interleave", "mla_mscale")
 
 
 def engine_config(cfg: ModelConfig, opt: OptimConfig, *, precision: str = "fp32",
@@ -194,7 +203,7 @@ def engine_config(cfg: ModelConfig, opt: OptimConfig, *, precision: str = "fp32"
         k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim",
                                      "rope_theta", "norm_eps", "n_kv_heads", "head_dim",
                                      "qk_norm", "attn_bias", "first_k_dense",
-                                     "dense_ffn_dim")})
+                                     "dense_ffn_dim", *MLA_KEYS)})
     c.moe = c.moe.model_copy(update={
         "num_experts": cfg.num_experts, "top_k": cfg.top_k, "ep_size": ep_size,
         "capacity_factor": cfg.capacity_factor, "aux_loss_coef": cfg.aux_loss_coef,

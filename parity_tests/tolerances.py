@@ -65,6 +65,12 @@ BF16 = Tolerances(
 
 TOLERANCES = {"fp32": FP32, "bf16": BF16}
 
+KIND_REL = {"fp32": 1e-5, "bf16": 2**-5}
+"""max |a − b| / max |b| of a whole attention kind alone and of its input gradient (several
+projections, latent norms and the attention in a row, each output rounded once): multi-head
+latent attention (test_mla.py) measured ≤ 9.2e-7 (fp32) and ≤ 6.2e-3 (bf16); a wrong RoPE
+layout or softmax scale is off by O(1)."""
+
 # The lr schedule, dtype-independent: the reference evaluates it in fp32 (cos of an fp32
 # angle), torch in float64; measured ≤ 3.4e-7. One step off changes it by ≥ 1e-3.
 SCHEDULE_REL = 1e-5

@@ -3,7 +3,7 @@
 Torch counterpart: ``torch_impl/model/decoder.py``, with ``attention.py``, ``moe_mlp.py`` and
 ``shared.py`` beside it (the MoE layer: ``reference/moe.py`` ↔ ``torch_impl/model/moe.py`` and
 ``router.py``; the dense MLP kind of the first ``first_k_dense`` layers: ``reference/dense.py``
-↔ ``torch_impl/model/dense.py``).
+↔ ``torch_impl/model/dense.py``; latent attention: ``reference/mla.py`` ↔ ``mla.py``).
 Semantics: ``docs/model.md``.
 
 Params are a plain nested dict mirroring the FQNs, with experts stacked on a leading global
@@ -31,6 +31,7 @@ from moezero.plan.model_buffers import is_buffer
 from moezero.reference.dense import dense_mlp, init_dense
 from moezero.reference.lora import linear
 from moezero.reference.lora import with_lora as _with_lora
+from moezero.reference.mla import init_mla, mla_attention
 from moezero.reference.moe import acc_dtype, expert_load
 from moezero.reference.moe_mlp import init_moe_mlp, moe_mlp
 from moezero.reference.packing import DocumentLayout, document_layout
@@ -88,6 +89,14 @@ class ModelConfig:
     expert_mlp_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    attention: str = "gqa"  # "gqa" | "mla": latent attention (reference/mla.py), the fields below
+    q_lora_rank: int | None = None  # None: a plain q_proj
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True
+    mla_mscale: float = 1.0  # softmax scale = mla_mscale² / sqrt(nope + rope dims)
     # LoRA (torch: the ``peft`` section, ``moezero.model.lora``): rank (0: none), alpha / r,
     # and the targets (attn, shared, experts, mlp, or one projection of them, e.g. attn.wq)
     lora_r: int = 0
@@ -183,7 +192,7 @@ def _init_layer(cfg: ModelConfig, key, index: int) -> dict:
     mlp = {"mlp": init_dense(cfg, k[2], std, out_std)} if cfg.mlp_kind(index) == "dense" \
         else init_moe_mlp(cfg, k, std, out_std)
     return {"attn_norm": {"weight": jnp.ones((d,), jnp.float32)},
-            "attn": _init_attention(cfg, k[0], std, out_std),
+            "attn": (init_mla if cfg.attention == "mla" else _init_attention)(cfg, k[0], std, out_std),
             "ffn_norm": {"weight": jnp.ones((d,), jnp.float32)}, **mlp}
 
 
@@ -281,8 +290,9 @@ def forward_with_stats(params: dict, tokens_BS: jax.Array, cfg: ModelConfig, *,
     b, s, d = h_BSD.shape
     aux, z, load = [], [], []
     for i, layer in enumerate(p["layers"]):
-        h_BSD = h_BSD + attention(layer["attn"], rmsnorm(h_BSD, layer["attn_norm"]["weight"],
-                                                         cfg.norm_eps), cfg, docs, cfg.window(i))
+        x_BSD = rmsnorm(h_BSD, layer["attn_norm"]["weight"], cfg.norm_eps)
+        h_BSD = h_BSD + (mla_attention(layer["attn"], x_BSD, cfg, docs) if cfg.attention == "mla"
+                         else attention(layer["attn"], x_BSD, cfg, docs, cfg.window(i)))
         x_TD = rmsnorm(h_BSD, layer["ffn_norm"]["weight"], cfg.norm_eps).reshape(b * s, d)
         if cfg.mlp_kind(i) == "dense":  # no router, no aux loss
             h_BSD = h_BSD + dense_mlp(layer["mlp"], x_TD, cfg.lora_scale).reshape(b, s, d)

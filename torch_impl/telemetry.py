@@ -162,10 +162,24 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     experts and router or a dense layer's MLP, output head; not the embedding lookup) plus the attention-score term
     12 x layers x dim x seq_len (PaLM's appendix B accounting, causal mask not discounted)."""
     d, f, dense = args.dim, args.ffn_dim, args.first_k_dense
-    per_layer = 4 * d * d + args.top_k * 3 * d * f + d * args.num_experts
-    dense_layer = 4 * d * d + 3 * d * args.dense_hidden  # model.first_k_dense layers
+    attn, scores = _attention_flops(args)
+    per_layer = attn + args.top_k * 3 * d * f + d * args.num_experts
+    dense_layer = attn + 3 * d * args.dense_hidden  # model.first_k_dense layers
     active = (args.n_layers - dense) * per_layer + dense * dense_layer + args.vocab_size * d
-    return 6.0 * active + 12.0 * args.n_layers * d * seq_len
+    return 6.0 * active + 6.0 * args.n_layers * scores * seq_len
+
+
+def _attention_flops(args: ModelArgs) -> tuple[int, int]:
+    """(attention's parameters a token uses, its score width): 4 D² and 2 D for ``gqa``;
+    for ``mla`` its projections' sizes and H·(Q + V) (q·k over Q dims, probs·v over V)."""
+    d, h = args.dim, args.n_heads
+    if args.attention != "mla":
+        return 4 * d * d, 2 * d
+    q, c, v = args.qk_nope_head_dim + args.qk_rope_head_dim, args.kv_lora_rank, args.v_head_dim
+    rank = args.q_lora_rank
+    queries = d * h * q if rank is None else d * rank + rank * h * q
+    latent = d * (c + args.qk_rope_head_dim) + c * h * (args.qk_nope_head_dim + v)
+    return queries + latent + h * v * d, h * (q + v)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:

@@ -264,18 +264,40 @@ def _block_bytes(cfg: Config, itemsize: int, layer: int) -> int:
     """Bytes a decoder block's forward keeps per token: 6 D-wide tensors in fp32 whatever the
     compute dtype (each of the two norms keeps its fp32 input and normalised value, the router
     its fp32 input; the sixth covers the small ones: routing indices and weights, rotary
-    tables, per-row statistics), the queries, the attention's output and its reshaped copy
-    (3 H·K), the keys and values (2 G·K: grouped-query heads are never expanded; the attention
-    kernels, flash on GPUs and CPUs alike, keep only a log-sum-exp per head), the top-k rows
+    tables, per-row statistics), the attention kind's (``_attention_bytes``: for ``gqa`` the
+    queries, the attention's output and its reshaped copy, 3 H·K, the keys and values, 2 G·K:
+    grouped-query heads are never expanded; the attention kernels, flash on GPUs and CPUs
+    alike, keep only a log-sum-exp per head), the top-k rows
     into the experts (k D) and out of them in fp32 (k D), two of their SwiGLU hidden
     activations (2 k F) and three of the shared expert's (3 F_shared), the router's fp32 logits
     and probabilities (2 E). A dense layer (``model.first_k_dense``) keeps, after the same
     attention, its D-wide input and four of its SwiGLU's F-wide tensors (counted from the
     tensors autograd saves), with 5 D-wide fp32 tensors and no router's."""
     m, k = cfg.model, cfg.moe.top_k
-    head = m.head_dim or m.dim // m.n_heads
-    attention = 3 * m.n_heads * head + 2 * (m.n_kv_heads or m.n_heads) * head
+    attention = _attention_bytes(cfg, itemsize)
     if layer < m.first_k_dense:
-        return itemsize * (attention + m.dim + 4 * (m.dense_ffn_dim or m.ffn_dim)) + 4 * 5 * m.dim
-    widths = attention + k * m.dim + 2 * k * m.ffn_dim + 3 * cfg.moe.shared_ffn_dim
-    return itemsize * widths + 4 * ((6 + k) * m.dim + 2 * cfg.moe.num_experts)
+        return attention + itemsize * (m.dim + 4 * (m.dense_ffn_dim or m.ffn_dim)) + 4 * 5 * m.dim
+    widths = k * m.dim + 2 * k * m.ffn_dim + 3 * cfg.moe.shared_ffn_dim
+    return attention + itemsize * widths + 4 * ((6 + k) * m.dim + 2 * cfg.moe.num_experts)
+
+
+def _attention_bytes(cfg: Config, itemsize: int) -> int:
+    """Bytes the attention kind keeps per token (``model.attention``). ``gqa``: 3 H·K + 2 G·K
+    (``_block_bytes``). ``mla`` (``moezero.model.mla``): per latent RMSNorm (width n) its
+    fp32 input, normalised value and row statistic plus its output, (8 + itemsize)·n + 4,
+    where in fp32 the key/value norm's input is the whole kv_a_proj_with_mqa output (C + R
+    wide); then, W = max(Q, V), the queries, keys and output of W per head (3 H·W: the fused
+    kernel keeps no S×S weights) and the kernel's fp32 log-sum-exp per head; with V < Q the
+    zero-padded values (H·W) and the output's cut copy for o_proj (H·V), else the values'
+    kv_b_proj output (H·(N + V)) and no copy. Counted from the tensors autograd saves
+    (tests/torch_impl/test_mla_estimate.py)."""
+    m = cfg.model
+    if m.attention != "mla":
+        head = m.head_dim or m.dim // m.n_heads
+        return itemsize * (3 * m.n_heads * head + 2 * (m.n_kv_heads or m.n_heads) * head)
+    c, r, h = m.kv_lora_rank, m.qk_rope_head_dim, m.n_heads
+    wide = max(m.qk_nope_head_dim + r, m.v_head_dim)
+    latents = [c] + ([m.q_lora_rank] if m.q_lora_rank else [])
+    norms = sum((8 + itemsize) * n + 4 for n in latents) + (4 * r if itemsize == 4 else 0)
+    values = wide + m.v_head_dim if m.v_head_dim < wide else m.qk_nope_head_dim + m.v_head_dim
+    return norms + itemsize * h * (3 * wide + values) + 4 * h

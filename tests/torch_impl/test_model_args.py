@@ -35,9 +35,14 @@ def test_model_args_defaults_are_the_schemas():
             assert ARGS[name].default == want, name
 
 
+MLA = {"attention": "mla", "q_lora_rank": 24, "kv_lora_rank": 12, "qk_nope_head_dim": 6,
+       "qk_rope_head_dim": 4, "v_head_dim": 9, "rope_interleave": False, "mla_mscale": 1.25}
+"""The latent attention's fields (model/mla.py), set where its refusals allow (no QK-norm)."""
+
+
 def test_model_args_carries_every_key_of_the_config():
     """Every field set to a value other than its default, so one left to the dataclass
-    default would show."""
+    default would show (the MLA fields in a config of their own: ``MLA``)."""
     cfg = Config.model_validate({
         "model": {"vocab_size": 99, "dim": 48, "n_layers": 3, "n_heads": 6, "ffn_dim": 40,
                   "rope_theta": 123.0, "norm_eps": 1e-3, "init_std": 0.5, "n_kv_heads": 3,
@@ -57,10 +62,11 @@ def test_model_args_carries_every_key_of_the_config():
                 "router_bias": True, "expert_mlp_bias": True, "swiglu_limit": 7.0,
                 "swiglu_alpha": 1.5},
         "data": {"synthetic_vocab": 32}})
-    args = model_args(cfg)
+    mla = Config.model_validate({"model": {"qk_norm": "none", **MLA}})
     for name, field in ARGS.items():
-        section = cfg.model if name in ModelConfig.model_fields else cfg.moe
-        assert getattr(args, name) == getattr(section, name) != field.default, name
+        c = mla if name in MLA else cfg
+        section = c.model if name in ModelConfig.model_fields else c.moe
+        assert getattr(model_args(c), name) == getattr(section, name) != field.default, name
 
 
 def test_architecture_keys_are_model_args_and_arch_fields():

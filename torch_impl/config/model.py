@@ -88,6 +88,26 @@ class ModelConfig(_Section):
         if self.rope_type == "yarn" and self.rope_original_max_positions is None:
             raise FieldError("rope_original_max_positions", "rope_type yarn needs it")
         return self
+    # Multi-head latent attention (docs/model.md, "Multi-head latent attention"; model/mla.py).
+    attention: Literal["gqa", "mla"] = _arch(
+        "gqa", description="Attention kind of every layer: grouped-query softmax attention, or "
+                           "DeepSeek-V3's multi-head latent attention (the fields below).")
+    q_lora_rank: int | None = _arch(
+        None, ge=1, description="MLA: rank of the query latent (q_a_proj, q_a_layernorm, "
+                                "q_b_proj); None = one plain q_proj.")
+    kv_lora_rank: int = _arch(512, ge=1, description="MLA: rank of the key/value latent.")
+    qk_nope_head_dim: int = _arch(128, ge=1, description="MLA: per-head query/key dims "
+                                                         "without RoPE.")
+    qk_rope_head_dim: int = _arch(64, ge=2, description="MLA: per-head query/key dims with "
+                                                        "RoPE (the key's shared by all heads); "
+                                                        "even.")
+    v_head_dim: int = _arch(128, ge=1, description="MLA: per-head value dims.")
+    rope_interleave: bool = _arch(True, description="MLA: the RoPE dims are stored as "
+                                                    "interleaved pairs (DeepSeek-V3).")
+    mla_mscale: float = _arch(1.0, gt=0, description="MLA: the softmax scale is "
+                                                     "mla_mscale² / sqrt(qk_nope_head_dim + "
+                                                     "qk_rope_head_dim) (YaRN's mscale_all_dim "
+                                                     "factor; 1 without it).")
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
@@ -104,6 +124,26 @@ class ModelConfig(_Section):
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise FieldError("n_kv_heads", f"must divide model.n_heads ({self.n_heads}), "
                                            f"got {self.n_kv_heads}")
+        return self
+
+    @model_validator(mode="after")
+    def _latent_attention(self) -> ModelConfig:
+        if self.attention != "mla":
+            return self
+        if self.qk_rope_head_dim % 2:
+            raise FieldError("qk_rope_head_dim", f"must be even (RoPE), got {self.qk_rope_head_dim}")
+        if self.qk_norm != "none":
+            raise FieldError("qk_norm", "must be none with model.attention: mla (its latents "
+                                        "have their own norms)")
+        if self.attn_bias == "qkv":
+            raise FieldError("attn_bias", "must be none or all with model.attention: mla "
+                                          "(transformers' attention_bias)")
+        # MLA's heads are sized by its own fields; transformers' head_dim is the rotary width
+        for key, same in (("n_kv_heads", self.n_heads), ("head_dim", self.qk_rope_head_dim)):
+            if getattr(self, key) not in (None, same):
+                raise FieldError(key, f"must be null or {same} with model.attention: mla (its "
+                                      "heads are sized by qk_nope_head_dim, qk_rope_head_dim, "
+                                      f"v_head_dim), got {getattr(self, key)}")
         return self
 
     @model_validator(mode="after")

@@ -20,7 +20,7 @@ from pydantic import ConfigDict, Field, model_validator
 from moezero.config.errors import FieldError
 from moezero.config.model import ARCHITECTURE_KEYS, ModelConfig, MoEConfig
 from moezero.config.offload import OptimizerOffloadConfig, ParamOffloadConfig
-from moezero.config.peft import PeftConfig
+from moezero.config.peft import PeftConfig, attention_target_problem
 from moezero.config.schedule import LRScheduleConfig
 from moezero.config.section import Section as _Section
 
@@ -310,6 +310,10 @@ class Config(_Section):
                 and any(t.startswith("mlp") for t in self.peft.targets):
             raise FieldError("peft.targets", "names the dense MLP, but the model has none "
                                              "(model.first_k_dense is 0)")
+        problem = attention_target_problem(self.peft.targets, self.model.attention,
+                                           self.model.q_lora_rank)
+        if self.peft.uses_lora and problem:
+            raise FieldError("peft.targets", problem)
 
     @model_validator(mode="after")
     def _across_sections(self) -> Config:

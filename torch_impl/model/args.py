@@ -76,6 +76,15 @@ class ModelArgs:
     expert_mlp_bias: bool = False
     swiglu_limit: float | None = None  # None: plain SwiGLU
     swiglu_alpha: float = 1.702
+    # Multi-head latent attention (model/mla.py)
+    attention: str = "gqa"  # kinds.ATTENTION_KINDS: gqa | mla
+    q_lora_rank: int | None = None  # None: a plain q_proj
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True
+    mla_mscale: float = 1.0  # softmax scale = mla_mscale² / sqrt(nope + rope dims)
 
     @property
     def kv_heads(self) -> int:

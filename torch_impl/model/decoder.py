@@ -101,10 +101,15 @@ class Decoder(nn.Module):
         return ce + aux, {"ce": ce.detach(), "aux_loss": aux.detach(), "trained": trained}
 
 
+_OUTPUT_PROJECTIONS = ("wo.weight", "w2.weight", "o_proj.weight")
+"""Weights init at std/sqrt(2L): attention's output (``wo``; MLA's ``o_proj``) and SwiGLU's."""
+
+
 def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Deterministic init keyed by FQN: the same weights for any world size or EP layout.
 
-    Norm gains are 1, biases and attention sinks 0; output projections (``wo``, ``w2``) get std/sqrt(2L)
+    Norm gains are 1, biases and attention sinks 0; output projections (``wo``, MLA's ``o_proj``,
+    ``w2``) get std/sqrt(2L)
     (docs/model.md). LoRA adapters (``moezero.model.lora``): ``lora_B`` 0, ``lora_A``
     uniform in ±1/sqrt(in) (PEFT's default, kaiming-uniform with a = sqrt(5)).
     """
@@ -121,5 +126,5 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
             if fqn.endswith(".lora_A"):
                 param.copy_((torch.rand(param.shape, generator=gen) * 2 - 1) / math.sqrt(param.shape[1]))
                 continue
-            scale = std / math.sqrt(2 * n_layers) if fqn.endswith(("wo.weight", "w2.weight")) else std
+            scale = std / math.sqrt(2 * n_layers) if fqn.endswith(_OUTPUT_PROJECTIONS) else std
             param.copy_(torch.randn(param.shape, generator=gen) * scale)

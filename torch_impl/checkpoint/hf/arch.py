@@ -65,6 +65,15 @@ class Arch:
     expert_mlp_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # Multi-head latent attention (model/mla.py); no exported family has it yet (families.py)
+    attention: str = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True
+    mla_mscale: float = 1.0
     tie_embeddings: bool = False
 
     def sections(self) -> dict:

@@ -56,4 +56,7 @@ def _common_refusal(arch: Arch):
     if arch.first_k_dense:
         return ("model.first_k_dense", arch.first_k_dense,
                 "the exported families have an MoE layer in every layer")
+    if arch.attention != "gqa":
+        return ("model.attention", arch.attention,
+                "the exported families have grouped-query attention")
     return None
