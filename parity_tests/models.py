@@ -53,6 +53,10 @@ OPTIONS = {
     "sigmoid-expert-bias": tiny(router_scoring="sigmoid", expert_bias=True),
     "softmax-expert-bias-no-renorm": tiny(expert_bias=True, renormalize=False),
     "first-k-dense": tiny(n_layers=3, first_k_dense=1, dense_ffn_dim=40),
+    # DeepSeek-V3's routing: sigmoid + expert bias, group-limited top-k, scaled gates
+    "sigmoid-groups-scaled": tiny(num_experts=8, top_k=3, router_scoring="sigmoid",
+                                  expert_bias=True, n_group=4, topk_group=2,
+                                  routed_scaling_factor=2.5, shared_ffn_dim=48),
 }
 
 
@@ -183,7 +187,8 @@ def engine_config(cfg: ModelConfig, opt: OptimConfig, *, precision: str = "fp32"
         "capacity_factor": cfg.capacity_factor, "aux_loss_coef": cfg.aux_loss_coef,
         "z_loss_coef": cfg.z_loss_coef,
         **{k: getattr(cfg, k) for k in ("router_scoring", "renormalize", "expert_bias",
-                                        "bias_update_rate", "shared_ffn_dim", "shared_gate")}})
+                                        "bias_update_rate", "shared_ffn_dim", "shared_gate",
+                                        "n_group", "topk_group", "routed_scaling_factor")}})
     c.optimizer = c.optimizer.model_copy(update={
         "lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay,
         "gradient_clipping": opt.gradient_clipping, "warmup_steps": opt.warmup_steps,

@@ -64,6 +64,10 @@ FAMILIES = {  # every option of models.OPTIONS in one of these
     "deepseek-v3-first-k-dense": tiny(n_layers=3, first_k_dense=1, dense_ffn_dim=40,
                                       router_scoring="sigmoid", expert_bias=True,
                                       bias_update_rate=1e-2),
+    # group-limited top-k and scaled gates, the bias stepped
+    "deepseek-v3-groups": tiny(num_experts=8, top_k=3, router_scoring="sigmoid",
+                               expert_bias=True, bias_update_rate=1e-2, n_group=4, topk_group=2,
+                               routed_scaling_factor=2.5),
 }
 CASES.update({name: (cfg, optim()) for name, cfg in FAMILIES.items()})
 SLOW = {"dropless-k1-clip-every"}

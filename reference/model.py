@@ -27,6 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moezero.plan import rules
 from moezero.plan.model_buffers import is_buffer
 from moezero.reference.dense import dense_mlp, init_dense
 from moezero.reference.lora import linear
@@ -66,6 +67,9 @@ class ModelConfig:
     first_k_dense: int = 0  # layers 0..k-1: the dense MLP kind (reference/dense.py)
     dense_ffn_dim: int | None = None  # None: ffn_dim
     partial_rotary_factor: float = 1.0  # RoPE rotates the first int(K * factor) dims of a head
+    n_group: int = 1  # DeepSeek-V3's group-limited routing (reference/moe.py: limit_to_groups)
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # factor on the routed gates
     # LoRA (torch: the ``peft`` section, ``moezero.model.lora``): rank (0: none), alpha / r,
     # and the targets (attn, shared, experts, mlp, or one projection of them, e.g. attn.wq)
     lora_r: int = 0
@@ -93,6 +97,10 @@ class ModelConfig:
             raise ValueError("shared_gate needs a shared expert (shared_ffn_dim > 0)")
         if not 0 <= self.first_k_dense < self.n_layers:
             raise ValueError(f"first_k_dense={self.first_k_dense} must be in [0, n_layers)")
+        problem = rules.group_problem(num_experts=self.num_experts, top_k=self.top_k,
+                                      n_group=self.n_group, topk_group=self.topk_group)
+        if problem is not None:
+            raise ValueError(f"{problem[0]}: {problem[1]}")
 
     def mlp_kind(self, layer: int) -> str:
         """Layer ``layer``'s MLP kind: ``dense`` below ``first_k_dense``, else ``moe`` (torch:

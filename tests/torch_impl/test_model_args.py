@@ -46,7 +46,8 @@ def test_model_args_carries_every_key_of_the_config():
         "moe": {"num_experts": 6, "top_k": 3, "ep_size": 3, "capacity_factor": 1.5,
                 "expert_group_name": "g", "aux_loss_coef": 0.5, "z_loss_coef": 0.25,
                 "router_scoring": "sigmoid", "renormalize": False, "expert_bias": True,
-                "bias_update_rate": 0.125, "shared_ffn_dim": 7, "shared_gate": True},
+                "bias_update_rate": 0.125, "shared_ffn_dim": 7, "shared_gate": True,
+                "n_group": 2, "topk_group": 2, "routed_scaling_factor": 2.5},
         "data": {"synthetic_vocab": 32}})
     args = model_args(cfg)
     for name, field in ARGS.items():

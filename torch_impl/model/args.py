@@ -57,6 +57,9 @@ class ModelArgs:
     first_k_dense: int = 0  # layers 0..k-1: the dense MLP kind (model/dense.py)
     dense_ffn_dim: int | None = None  # None: ffn_dim
     partial_rotary_factor: float = 1.0  # the share of each head's dims RoPE rotates
+    n_group: int = 1  # DeepSeek-V3's group-limited routing: expert groups (1: none)
+    topk_group: int = 1  # groups a token's experts are chosen from
+    routed_scaling_factor: float = 1.0  # factor on the routed gates
 
     @property
     def kv_heads(self) -> int:
@@ -82,7 +85,9 @@ class ModelArgs:
     @property
     def router(self) -> RouterOptions:
         return RouterOptions(self.router_scoring, self.renormalize, self.expert_bias,
-                             self.bias_update_rate)
+                             self.bias_update_rate, n_group=self.n_group,
+                             topk_group=self.topk_group,
+                             routed_scaling_factor=self.routed_scaling_factor)
 
 
 def model_args(cfg: Config) -> ModelArgs:
