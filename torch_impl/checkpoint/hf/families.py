@@ -6,14 +6,15 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from moezero.checkpoint.hf import glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
+from moezero.checkpoint.hf import deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
 from moezero.checkpoint.hf.arch import Arch, refuse
 from moezero.checkpoint.hf.family import Family
 from moezero.plan.store import CheckpointError
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY)}
-FAMILIES.update({f.model_type: f for f in (glm4_moe.FAMILY,)})  # DeepSeek-style routing
+FAMILIES.update({f.model_type: f for f in (  # DeepSeek-style routing
+    glm4_moe.FAMILY, deepseek_v3.FAMILY)})
 
 
 def family_of_config(cfg: dict, where: str) -> Family:
@@ -55,7 +56,7 @@ def _without(arch: Arch, holds: frozenset[str]) -> Arch:
     """``arch`` with the fields a family ``holds`` at their defaults, so the common refusal
     leaves them to the family's own."""
     defaults = {f.name: f.default for f in dataclasses.fields(Arch)}
-    return dataclasses.replace(arch, **{k: defaults[k] for k in holds})
+    return dataclasses.replace(arch, **{k: defaults[k] for k in holds if k in defaults})
 
 
 def _common_refusal(arch: Arch):

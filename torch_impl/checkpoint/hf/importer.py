@@ -22,6 +22,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from moezero.checkpoint import tokenizer as hf_tokenizer
+from moezero.checkpoint.hf import fp8
 from moezero.checkpoint.hf.arch import Arch
 from moezero.checkpoint.hf.families import family_of_config
 from moezero.checkpoint.hf.family import Family
@@ -84,13 +85,14 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     family, arch, raw = read_hf_config(src)
     refuse_non_empty(out)
     cfg = import_config(arch, out, str(src / HF_CONFIG), hf_tokenizer.describe_import(src, out))
-    tensors = HFTensors(src)
+    tensors = HFTensors(src, fp8.block_size(raw, str(src / HF_CONFIG)))
     layout = _layout(cfg)
     sources = {fqn: _source(tensors, fqn, shape, arch, family, src)
                for fqn, shape in layout.shapes + layout.buffers}
     dropped = family.dropped(raw) if family.dropped else None
-    _check_all_used(tensors, {key for key, _ in sources.values()}, arch, src,
-                    dropped[0] if dropped else None)
+    used = {key for key, _ in sources.values()}
+    used |= {fp8.scale_key(key) for key in used if tensors.scaled(key)}
+    _check_all_used(tensors, used, arch, src, dropped[0] if dropped else None)
     hf_tokenizer.copy_import(src, out)  # every header read and checked: now write
     source = {"format": f"hf-{family.model_type}", "path": str(src.resolve()), "config": raw}
     final = _write(layout, tensors, sources, out, meta={
