@@ -112,7 +112,7 @@ class MoEConfig(_Section):
                                                      "SwiGLU expert; 0 = none.")
     shared_gate: bool = _arch(False, description="Scale the shared expert by sigmoid(x . g) "
                                                  "per token (Qwen2-MoE).")
-    # DeepSeek-V3 / GLM-4.5 routing (docs/model.md, "Group-limited routing").
+    # DeepSeek-V3 / GLM-4.5 routing (docs/model.md, "MoE layer").
     n_group: int = _arch(1, ge=1, description="Expert groups (DeepSeek-V3's n_group): the top-k "
                                               "choice is limited to the topk_group groups whose "
                                               "two best experts score highest; 1 = no groups.")

@@ -3,8 +3,8 @@ noaux_tc router (sigmoid scores, the ``e_score_correction_bias`` added for the c
 group-limited top-k over ``n_group`` groups, ``routed_scaling_factor`` on the gates,
 ``norm_topk_prob``), ``n_shared_experts`` ungated shared experts of ``moe_intermediate_size``
 each, dense SwiGLU MLPs of ``intermediate_size`` in the first ``first_k_dense_replace`` layers,
-and multi-token-prediction layers moezero drops at import (docs/hf.md, "DeepSeek-V3 and
-GLM-4.5").
+and multi-token-prediction layers moezero drops at import (docs/hf.md, "The
+mapping").
 """
 
 from __future__ import annotations
