@@ -8,7 +8,8 @@ own dequantization (``Fp8Dequantize``), streamed in row ranges that cut blocks, 
 equal transformers' on the dequantized weights. A tiny random DeepSeek-V3 (latent attention
 with and without ``q_lora_rank``, 4 expert groups of which 2 are chosen, a dense first layer,
 2 shared experts, scaled gates, every tensor random) imports within 1e-5 of transformers'
-logits and exports every tensor back; these need the MLA attention kind (skipped without it).
+logits, exports every tensor back and trains 10 AdamW steps as transformers + torch.optim.AdamW
+do; these need the MLA attention kind (skipped without it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from moezero.cli import main
 from moezero.plan import store
 from moezero.plan.reading import read_tensors
 from tests.torch_impl.test_hf_families import TOKENS, VOCAB, assert_logits_close, moezero_logits
-from tests.torch_impl.test_hf_glm4_moe import glm_model
+from tests.torch_impl.test_hf_glm4_moe import check_training, glm_model
 
 transformers = pytest.importorskip("transformers")
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize  # noqa: E402
@@ -170,6 +171,14 @@ def test_deepseek_v3_imports_and_exports_exactly(tmp_path, changes):
     assert all(torch.equal(mine[k], v) for k, v in theirs.state_dict().items())
     with torch.no_grad():
         assert_logits_close(back.eval()(TOKENS).logits, source, "deepseek_v3 export")
+
+
+def test_deepseek_v3_ten_adamw_steps_equal_transformers_and_torch_adamw(tmp_path):
+    theirs = deepseek_model(q_lora_rank=16, attention_bias=True)
+    theirs.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    check_training(transformers.DeepseekV3ForCausalLM, tmp_path / "hf", tmp_path / "ckpt",
+                   "deepseek_v3", CONFIG["moe_intermediate_size"])
 
 
 def test_deepseek_v3_fp8_import(tmp_path):

@@ -27,6 +27,7 @@ from moezero.model.build import config_decoder
 from moezero.plan import rules, store
 from moezero.plan.reading import read_tensors
 from moezero.train import train
+from tests.support.compare import rel_err
 from tests.torch_impl.test_hf_families import TOKENS, VOCAB, assert_logits_close, moezero_logits
 
 transformers = pytest.importorskip("transformers")
@@ -161,42 +162,46 @@ def moezero_loop(ckpt: Path, batches) -> tuple[list[float], dict]:
     return losses, {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
 
 
-def test_ten_adamw_steps_equal_transformers_and_torch_adamw(made):
-    _, hf_dir, ckpt = made
+def check_training(cls, hf_dir: Path, ckpt: Path, model_type: str, ffn: int) -> None:
+    """10 steps on two batches in turn: every loss within 1e-6 (relative) of transformers' +
+    ``torch.optim.AdamW``'s, every tensor within 1e-5 (``||a − b|| / ||b||``, the suite's
+    relative error) at the end."""
     gen = torch.Generator().manual_seed(3)
     pair = [torch.randint(0, VOCAB, (2, 13), generator=gen) for _ in range(2)]
     batches = pair * (STEPS // 2)  # two batches in turn: the loss on each falls
-    theirs = transformers.Glm4MoeForCausalLM.from_pretrained(hf_dir)
+    theirs = cls.from_pretrained(hf_dir)
     their_losses = hf_step_loop(theirs, batches)
     losses, state = moezero_loop(ckpt, batches)
-    print("losses", losses[0], losses[-1], "max diff",
-          max(abs(a - b) for a, b in zip(losses, their_losses, strict=True)))
+    print(f"{model_type}: losses {losses[0]:.4f} -> {losses[-1]:.4f}, max abs diff "
+          f"{max(abs(a - b) for a, b in zip(losses, their_losses, strict=True)):.2e}")
     for step, (a, b) in enumerate(zip(losses, their_losses, strict=True), start=1):
         assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: loss {a} vs {b}"
     assert their_losses[-2] < their_losses[0] - 0.1  # it trains
     trained = theirs.state_dict()
-    worst = 0.0
-    for fqn, value in state.items():
-        key, index = _hf_key(fqn)
-        ref = trained[key][index]
-        rel = ((value - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-        worst = max(worst, rel)
-        assert rel <= 1e-5, f"{fqn}: relative difference {rel:.2e}"
-    print(f"weights: worst relative max-abs difference {worst:.2e}")
+    errors = {fqn: rel_err(value, trained[_hf_key(fqn, model_type, ffn)[0]][
+        _hf_key(fqn, model_type, ffn)[1]]) for fqn, value in state.items()}
+    worst = max(errors, key=errors.get)
+    print(f"{model_type} weights: worst ||a - b|| / ||b|| {errors[worst]:.2e} ({worst})")
+    assert errors[worst] <= 1e-5, f"{worst}: relative error {errors[worst]:.2e}"
 
 
-def _hf_key(fqn: str) -> tuple[str, tuple]:
+def test_ten_adamw_steps_equal_transformers_and_torch_adamw(made):
+    _, hf_dir, ckpt = made
+    check_training(transformers.Glm4MoeForCausalLM, hf_dir, ckpt, "glm4_moe",
+                   CONFIG["moe_intermediate_size"])
+
+
+def _hf_key(fqn: str, model_type: str, ffn: int) -> tuple[str, tuple]:
     """The transformers 5 in-memory tensor (fused experts) and index holding ``fqn``."""
     from moezero.checkpoint.hf import FAMILIES, hf_name
 
     parts = fqn.split(".")
     if ".moe.experts." in fqn:
         layer, e, w = parts[1], int(parts[4]), parts[5]
-        f = CONFIG["moe_intermediate_size"]
         key = f"model.layers.{layer}.mlp.experts." + ("down_proj" if w == "w2" else "gate_up_proj")
-        rows = {"w1": slice(0, f), "w3": slice(f, 2 * f), "w2": slice(None)}[w]
+        rows = {"w1": slice(0, ffn), "w3": slice(ffn, 2 * ffn), "w2": slice(None)}[w]
         return key, (e, rows)
-    return hf_name(fqn, FAMILIES["glm4_moe"]), ()
+    return hf_name(fqn, FAMILIES[model_type]), ()
 
 
 def test_lora_run_exports_as_peft_that_peft_loads(made, tmp_path, capsys):
