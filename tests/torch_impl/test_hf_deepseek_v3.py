@@ -77,21 +77,34 @@ def fp8_folder(model, root: Path) -> tuple[Path, dict]:
     return root / "fp8", expected
 
 
-def check_fp8_import(model, cls, root: Path) -> None:
-    folder, expected = fp8_folder(model, root)
+def check_fp8_import(folder: Path, expected: dict, cls, root: Path) -> Path:
+    """Import the FP8 ``folder``: its export holds transformers' dequantized weights bit for
+    bit (the others as saved), and moezero's logits are transformers' on them. Returns the
+    imported step."""
     step = import_hf(folder, root / "ckpt")
     exported = export_hf(step, root / "export")[0].parent  # per-expert keys, fp32
     back = load_file(exported / "model.safetensors")
     assert expected and all(torch.equal(back[k], v) for k, v in expected.items())
-    plain = load_file(root / "plain" / "model.safetensors")
+    plain = load_file(folder.parent / "plain" / "model.safetensors")
     assert all(torch.equal(back[k], plain[k]) for k in plain if k not in expected)
     theirs = cls.from_pretrained(exported).eval()  # transformers on the dequantized weights
     with torch.no_grad():
         assert_logits_close(moezero_logits(root / "ckpt"), theirs(TOKENS).logits, "fp8 import")
+    return step
 
 
-def test_fp8_import_is_transformers_dequantization_bit_for_bit(tmp_path):
-    check_fp8_import(glm_model(), transformers.Glm4MoeForCausalLM, tmp_path)
+@pytest.fixture(scope="module")
+def glm_fp8(tmp_path_factory) -> tuple[Path, dict]:
+    """A tiny GLM-4.5 as an FP8 checkpoint, and transformers' dequantization of it."""
+    return fp8_folder(glm_model(), tmp_path_factory.mktemp("glm_fp8"))
+
+
+def test_fp8_import_is_transformers_dequantization_bit_for_bit(glm_fp8, tmp_path):
+    folder, expected = glm_fp8
+    step = check_fp8_import(folder, expected, transformers.Glm4MoeForCausalLM, tmp_path)
+    tensors = read_tensors(step, store.read_manifest(step))  # the checkpoint itself, by FQN
+    assert torch.equal(torch.from_numpy(tensors["layers.1.attn.wq.weight"]),
+                       expected["model.layers.1.self_attn.q_proj.weight"])
 
 
 def test_fp8_rows_stream_across_partial_blocks(tmp_path):
@@ -114,12 +127,16 @@ def test_fp8_rows_stream_across_partial_blocks(tmp_path):
     ({"fmt": "e5m2"}, "moezero reads fp8 e4m3 weights"),
     ({"weight_block_size": [8, 8]}, "scale_inv has shape"),
 ])
-def test_fp8_problems_are_one_line(tmp_path, capsys, change, line):
-    folder, _ = fp8_folder(glm_model(), tmp_path)
-    cfg = json.loads((folder / "config.json").read_text())
+def test_fp8_problems_are_one_line(glm_fp8, tmp_path, capsys, change, line):
+    src = tmp_path / "fp8"
+    src.mkdir()
+    for f in glm_fp8[0].iterdir():
+        (src / f.name).symlink_to(f)
+    cfg = json.loads((glm_fp8[0] / "config.json").read_text())
     cfg["quantization_config"].update(change)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    assert main(["import-hf", str(folder), "--out", str(tmp_path / "ckpt")]) == 2
+    (src / "config.json").unlink()
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert main(["import-hf", str(src), "--out", str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and line in err[0], err
     assert not (tmp_path / "ckpt").exists()
@@ -182,8 +199,8 @@ def test_deepseek_v3_ten_adamw_steps_equal_transformers_and_torch_adamw(tmp_path
 
 
 def test_deepseek_v3_fp8_import(tmp_path):
-    check_fp8_import(deepseek_model(q_lora_rank=16), transformers.DeepseekV3ForCausalLM,
-                     tmp_path)
+    folder, expected = fp8_folder(deepseek_model(q_lora_rank=16), tmp_path / "hf")
+    check_fp8_import(folder, expected, transformers.DeepseekV3ForCausalLM, tmp_path)
 
 
 def test_deepseek_v3_yarn_is_refused_in_one_line(tmp_path, capsys):
@@ -196,12 +213,3 @@ def test_deepseek_v3_yarn_is_refused_in_one_line(tmp_path, capsys):
     assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "rope_parameters=" in err[0], err
-
-
-def test_imported_weights_are_the_dequantized_ones_by_fqn(tmp_path):
-    """The checkpoint itself (not only its export) holds the dequantized weight."""
-    folder, expected = fp8_folder(glm_model(), tmp_path)
-    step = import_hf(folder, tmp_path / "ckpt")
-    tensors = read_tensors(step, store.read_manifest(step))
-    got = torch.from_numpy(tensors["layers.1.attn.wq.weight"])
-    assert torch.equal(got, expected["model.layers.1.self_attn.q_proj.weight"])
