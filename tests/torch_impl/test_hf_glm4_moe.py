@@ -238,3 +238,19 @@ def test_lora_run_exports_as_peft_that_peft_loads(made, tmp_path, capsys):
     assert any(".mlp.shared_experts." in k for k in saved)
     assert any("layers.0.mlp.gate_proj" in k for k in saved)  # the dense layer's
     assert_logits_close(logits(model), ours, "glm4_moe peft")
+
+
+def test_peft_export_refuses_expert_biases_that_moved(made):
+    """A PEFT adapter holds no buffers: an adapter checkpoint whose expert biases differ from
+    its base's (a LoRA run with moe.bias_update_rate > 0) is refused in one line naming one."""
+    from moezero.checkpoint.hf.peft_export import _refuse_moved_buffers
+    from moezero.plan.store import CheckpointError
+
+    base = store.find_checkpoint(made[2])
+    trained = {k: torch.from_numpy(v) for k, v in
+               read_tensors(base, store.read_manifest(base)).items()}
+    _refuse_moved_buffers(base, trained, base)  # unchanged: fine
+    trained["layers.2.moe.router.expert_bias"][3] += 1e-3
+    with pytest.raises(CheckpointError, match=r"the expert bias layers.2.moe.router.expert_bias "
+                                              r"moved in the LoRA run .* --merge-lora"):
+        _refuse_moved_buffers(base, trained, base)
