@@ -70,6 +70,10 @@ OPTIONS = {
                                        attn_bias="all", mla_mscale=1.2),
     "mla-plain-q-halves": tiny(attention="mla", kv_lora_rank=8, qk_nope_head_dim=6,
                                qk_rope_head_dim=4, v_head_dim=5, rope_interleave=False),
+    # DeepSeek-V3's routing: sigmoid + expert bias, group-limited top-k, scaled gates
+    "sigmoid-groups-scaled": tiny(num_experts=8, top_k=3, router_scoring="sigmoid",
+                                  expert_bias=True, n_group=4, topk_group=2,
+                                  routed_scaling_factor=2.5, shared_ffn_dim=48),
 }
 
 
@@ -209,7 +213,8 @@ def engine_config(cfg: ModelConfig, opt: OptimConfig, *, precision: str = "fp32"
         "capacity_factor": cfg.capacity_factor, "aux_loss_coef": cfg.aux_loss_coef,
         "z_loss_coef": cfg.z_loss_coef,
         **{k: getattr(cfg, k) for k in ("router_scoring", "renormalize", "expert_bias",
-                                        "bias_update_rate", "shared_ffn_dim", "shared_gate")}})
+                                        "bias_update_rate", "shared_ffn_dim", "shared_gate",
+                                        "n_group", "topk_group", "routed_scaling_factor")}})
     c.model = c.model.model_copy(update={k: getattr(cfg, k) for k in GPT_OSS_KEYS["model"]})
     c.moe = c.moe.model_copy(update={k: getattr(cfg, k) for k in GPT_OSS_KEYS["moe"]})
     c.optimizer = c.optimizer.model_copy(update={

@@ -69,6 +69,10 @@ FAMILIES = {  # every option of models.OPTIONS in one of these
                          rope_type="yarn", rope_factor=4.0, rope_original_max_positions=8,
                          router_scoring="topk_softmax", router_bias=True, expert_mlp_bias=True,
                          swiglu_limit=0.1),
+    # group-limited top-k and scaled gates, the bias stepped
+    "deepseek-v3-groups": tiny(num_experts=8, top_k=3, router_scoring="sigmoid",
+                               expert_bias=True, bias_update_rate=1e-2, n_group=4, topk_group=2,
+                               routed_scaling_factor=2.5),
 }
 CASES.update({name: (cfg, optim()) for name, cfg in FAMILIES.items()})
 SLOW = {"dropless-k1-clip-every"}

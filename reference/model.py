@@ -27,6 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moezero.plan import rules
 from moezero.plan.model_buffers import is_buffer
 from moezero.reference.dense import dense_mlp, init_dense
 from moezero.reference.lora import linear
@@ -97,6 +98,9 @@ class ModelConfig:
     v_head_dim: int = 128
     rope_interleave: bool = True
     mla_mscale: float = 1.0  # softmax scale = mla_mscale² / sqrt(nope + rope dims)
+    n_group: int = 1  # DeepSeek-V3's group-limited routing (reference/moe.py: limit_to_groups)
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # factor on the routed gates
     # LoRA (torch: the ``peft`` section, ``moezero.model.lora``): rank (0: none), alpha / r,
     # and the targets (attn, shared, experts, mlp, or one projection of them, e.g. attn.wq)
     lora_r: int = 0
@@ -124,6 +128,10 @@ class ModelConfig:
             raise ValueError("shared_gate needs a shared expert (shared_ffn_dim > 0)")
         if not 0 <= self.first_k_dense < self.n_layers:
             raise ValueError(f"first_k_dense={self.first_k_dense} must be in [0, n_layers)")
+        problem = rules.group_problem(num_experts=self.num_experts, top_k=self.top_k,
+                                      n_group=self.n_group, topk_group=self.topk_group)
+        if problem is not None:
+            raise ValueError(f"{problem[0]}: {problem[1]}")
 
     def mlp_kind(self, layer: int) -> str:
         """Layer ``layer``'s MLP kind: ``dense`` below ``first_k_dense``, else ``moe`` (torch:

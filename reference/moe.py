@@ -46,15 +46,18 @@ def acc_dtype(dtype):
 
 def route(x_TD: jax.Array, router_ED: jax.Array, top_k: int, *, scoring: str = "softmax",
           renormalize: bool = True, bias_E: jax.Array | None = None,
-          logit_bias_E: jax.Array | None = None) -> Routing:
+          logit_bias_E: jax.Array | None = None, groups: tuple[int, int] = (1, 1),
+          scale: float = 1.0) -> Routing:
     """Router logits in fp32 (x and W upcast), scores, top-k and gates (docs/model.md).
 
     Scores are ``softmax`` over experts or a ``sigmoid`` per expert. The top-k choice ranks
-    ``scores + bias_E`` (the aux-loss-free expert bias; ties: lower index first); the gates are
-    the chosen experts' unbiased scores, renormalised to sum 1 (Mixtral) or not. ``probs_TE``
-    (the aux loss's P) is the scores normalised per token. ``topk_softmax`` (gpt-oss): the
-    top-k of the logits (plus ``bias_E``), gated by a softmax over those k; P the softmax over
-    all. ``logit_bias_E``: the router's own bias, added to the logits (gpt-oss).
+    ``scores + bias_E`` (the aux-loss-free expert bias; ties: lower index first) among the
+    experts of the best groups (``groups`` = (n_group, topk_group): ``limit_to_groups``); the
+    gates are the chosen experts' unbiased scores, renormalised to sum 1 (Mixtral) or not,
+    times ``scale`` (``routed_scaling_factor``). ``probs_TE`` (the aux loss's P) is the scores
+    normalised per token. ``topk_softmax`` (gpt-oss): the top-k of the logits (plus
+    ``bias_E``), gated by a softmax over those k; P the softmax over all. ``logit_bias_E``: the
+    router's own bias, added to the logits (gpt-oss).
     """
     f32 = acc_dtype(x_TD.dtype)
     logits_TE = x_TD.astype(f32) @ router_ED.astype(f32).T
@@ -70,12 +73,28 @@ def route(x_TD: jax.Array, router_ED: jax.Array, top_k: int, *, scoring: str = "
     else:
         scores_TE = jax.nn.sigmoid(logits_TE)
     choice_TE = scores_TE if bias_E is None else scores_TE + jax.lax.stop_gradient(bias_E)
+    if groups[0] > 1:
+        choice_TE = limit_to_groups(choice_TE, *groups)
     _, topi_Tk = jax.lax.top_k(choice_TE, top_k)  # ties: lower index first (documented)
     topv_Tk = jnp.take_along_axis(scores_TE, topi_Tk, axis=-1)
     gates_Tk = topv_Tk / jnp.sum(topv_Tk, axis=-1, keepdims=True) if renormalize else topv_Tk
+    if scale != 1.0:
+        gates_Tk = gates_Tk * scale
     probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True) \
         if scoring == "sigmoid" else scores_TE
     return Routing(logits_TE, probs_TE, topi_Tk, gates_Tk)
+
+
+def limit_to_groups(choice_TE: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """Group-limited choice (DeepSeek-V3's noaux_tc): experts in ``n_group`` consecutive groups,
+    a group's score the sum of its two best choice scores; experts outside the ``topk_group``
+    best groups (ties: lower group first) get -inf."""
+    num_tokens, num_experts = choice_TE.shape
+    grouped_TGe = choice_TE.reshape(num_tokens, n_group, num_experts // n_group)
+    group_TG = jnp.sum(jax.lax.top_k(grouped_TGe, 2)[0], axis=-1)
+    _, best_Tg = jax.lax.top_k(group_TG, topk_group)
+    keep_TG = jnp.sum(jax.nn.one_hot(best_Tg, n_group, dtype=jnp.int32), axis=1) > 0
+    return jnp.where(keep_TG[..., None], grouped_TGe, -jnp.inf).reshape(choice_TE.shape)
 
 
 def expert_load(topi_Tk: jax.Array, num_experts: int) -> jax.Array:
@@ -199,15 +218,17 @@ class MoEOut(NamedTuple):
 def moe_layer(params: dict, x_TD: jax.Array, *, top_k: int,
               capacity_factor: float | None, scoring: str = "softmax",
               renormalize: bool = True, lora_scale: float = 1.0,
-              limit: float | None = None, alpha: float = 1.702) -> MoEOut:
+              limit: float | None = None, alpha: float = 1.702,
+              groups: tuple[int, int] = (1, 1), scale: float = 1.0) -> MoEOut:
     """The MoE layer on one rank's T tokens: ``params = {router: {weight[, bias][,
-    expert_bias]}, experts: {...}}``; the router variant is ``scoring``/``renormalize`` (see
-    ``route``), the experts' activation ``limit``/``alpha`` (see ``gated``)."""
+    expert_bias]}, experts: {...}}``; the router variant is ``scoring``/``renormalize``/
+    ``groups``/``scale`` (see ``route``), the experts' activation ``limit``/``alpha`` (see
+    ``gated``)."""
     num_tokens = x_TD.shape[0]
     num_experts = params["router"]["weight"].shape[0]
     r = route(x_TD, params["router"]["weight"], top_k, scoring=scoring, renormalize=renormalize,
               bias_E=params["router"].get("expert_bias"),
-              logit_bias_E=params["router"].get("bias"))
+              logit_bias_E=params["router"].get("bias"), groups=groups, scale=scale)
     cap = capacity(num_tokens, num_experts, top_k, capacity_factor)
     plan = assign_slots(r.topi_Tk, num_experts, cap)
     slots = buffer_slots(num_tokens, num_experts, top_k, capacity_factor)

@@ -75,7 +75,8 @@ def moe_mlp(layer: dict, x_TD: jax.Array, cfg: ModelConfig):
     shared expert; returns (y_TD, the ``moe_layer`` output with its aux, z and routing)."""
     out = moe_layer(layer["moe"], x_TD, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
                     scoring=cfg.router_scoring, renormalize=cfg.renormalize,
-                    lora_scale=cfg.lora_scale, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
+                    lora_scale=cfg.lora_scale, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha,
+                    groups=(cfg.n_group, cfg.topk_group), scale=cfg.routed_scaling_factor)
     if "shared" not in layer:
         return out.y_TD, out
     return out.y_TD + shared_expert(layer["shared"], x_TD, cfg.lora_scale), out

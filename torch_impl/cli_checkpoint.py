@@ -83,7 +83,11 @@ def import_hf(args: argparse.Namespace) -> int:
         step_dir = hf.import_hf(Path(args.path), Path(args.out))
     except OSError as exc:
         raise CheckpointError(f"import-hf to {args.out}: {exc.strerror or exc}") from None
-    numel = hf.num_params(read_manifest(step_dir))
+    manifest = read_manifest(step_dir)
+    note = (manifest.state or {}).get("source", {}).get("note")
+    if note:
+        print(f"moezero: {note}")
+    numel = hf.num_params(manifest)
     print(f"imported {args.path}: {numel:,} parameters as weights-only checkpoint {step_dir}\n"
           f"fine-tune: moezero train --set checkpoint.load={args.out} "
           f"(or --config {Path(args.out) / 'config.yaml'})")

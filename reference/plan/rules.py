@@ -85,6 +85,23 @@ def check_ep_size(*, ep_size: int, world_size: int | None = None,
         raise ValueError(f"ep_size {problem}")
 
 
+def group_problem(*, num_experts: int, top_k: int, n_group: int,
+                  topk_group: int) -> tuple[str, str] | None:
+    """What is wrong with a group-limited routing (``moe.n_group``, ``moe.topk_group``), or
+    ``None``: ``(key, message)``. The groups split the experts evenly, at least two each (a
+    group scores by its two best experts), ``topk_group`` of them (at most ``n_group``) hold
+    at least ``top_k`` experts. One group (the default) routes over every expert."""
+    if n_group > 1 and (num_experts % n_group or num_experts // n_group < 2):
+        return "n_group", (f"must split the {num_experts} experts into groups of at least 2, "
+                           f"got {n_group}")
+    if topk_group > n_group:
+        return "topk_group", f"must be <= n_group ({n_group}), got {topk_group}"
+    if topk_group * (num_experts // n_group) < top_k and n_group > 1:
+        return "topk_group", (f"its {topk_group} groups of {num_experts // n_group} experts hold "
+                              f"fewer than top_k={top_k}")
+    return None
+
+
 def weight_decay_applies(fqn: str, shape: Sequence[int]) -> bool:
     """Whether AdamW's decoupled weight decay applies to parameter ``fqn`` of ``shape``.
 

@@ -148,7 +148,7 @@ BAD = {  # (family, config.json changes, what the one line names)
     "rope scaling": ("qwen3_moe", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                                                        "rope_theta": 1e4}}, "rope_parameters="),
     "mla": ("qwen2_moe", {"kv_lora_rank": 512}, "kv_lora_rank=512"),
-    "other family": ("olmoe", {"model_type": "deepseek_v3"}, 'model_type="deepseek_v3"'),
+    "other family": ("olmoe", {"model_type": "dbrx"}, 'model_type="dbrx"'),
 }
 
 

@@ -60,7 +60,8 @@ def test_model_args_carries_every_key_of_the_config():
                 "bias_update_rate": 0.125, "shared_ffn_dim": 7, "shared_gate": True,
                 # gpt-oss (issue 36)
                 "router_bias": True, "expert_mlp_bias": True, "swiglu_limit": 7.0,
-                "swiglu_alpha": 1.5},
+                "swiglu_alpha": 1.5,
+                "n_group": 2, "topk_group": 2, "routed_scaling_factor": 2.5},
         "data": {"synthetic_vocab": 32}})
     mla = Config.model_validate({"model": {"qk_norm": "none", **MLA}})
     for name, field in ARGS.items():

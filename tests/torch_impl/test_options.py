@@ -25,7 +25,8 @@ from tests.torch_impl.tolerances import RTOL
 MICRO = 2  # sequences per rank
 EVERY_OPTION = {"model": {"n_heads": 4, "n_kv_heads": 2, "qk_norm": "head", "attn_bias": "qkv"},
                 "moe": {"router_scoring": "sigmoid", "expert_bias": True, "renormalize": False,
-                        "shared_ffn_dim": 24, "shared_gate": True, "bias_update_rate": 0.01}}
+                        "shared_ffn_dim": 24, "shared_gate": True, "bias_update_rate": 0.01,
+                        "n_group": 2, "topk_group": 2, "routed_scaling_factor": 1.5}}
 
 
 def test_sigmoid_gates_are_raw_scores_unless_renormalised():

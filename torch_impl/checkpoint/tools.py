@@ -117,45 +117,45 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
 
 
 def write_weights(ckpt: Path, m, out: Path, items: list[tuple[str, str, tuple]], dtype: str,
-                  *, meta: dict, shard_bytes: int | None = None) -> list[Path]:
+                  *, meta: dict, shard_bytes: int | None = None,
+                  keep_fp32: frozenset[str] = frozenset()) -> list[Path]:
     """Write ``items`` (key on disk, FQN in the checkpoint, shape) as safetensors shards of at
-    most ``shard_bytes`` (default 4 GiB; one file is ``model.safetensors``) plus the index."""
-    torch_dtype, tag = EXPORT_DTYPES[dtype]
-    size = torch.tensor([], dtype=torch_dtype).element_size()
+    most ``shard_bytes`` (default 4 GiB; one file is ``model.safetensors``) plus the index;
+    the FQNs in ``keep_fp32`` stay fp32 whatever ``dtype`` (the Hub's DeepSeek-V3 expert
+    biases)."""
+    kinds = {fqn: EXPORT_DTYPES["fp32" if fqn in keep_fp32 else dtype] for _, fqn, _ in items}
+    nbytes = {fqn: math.prod(shape) * kinds[fqn][0].itemsize for _, fqn, shape in items}
     cap = SHARD_BYTES if shard_bytes is None else shard_bytes
     shards, current, used = [], [], 0
     for item in items:
-        nbytes = math.prod(item[2]) * size
-        if current and used + nbytes > cap:
+        if current and used + nbytes[item[1]] > cap:
             shards.append(current)
             current, used = [], 0
         current.append(item)
-        used += nbytes
+        used += nbytes[item[1]]
     shards.append(current)
     out.mkdir(parents=True, exist_ok=True)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     reader = CheckedReader(ckpt, m)  # every byte checked against the manifest, as load does
     for name, tensors in zip(names, shards, strict=True):
-        _write_safetensors(out / name, (ckpt, m, reader), tensors, torch_dtype, tag, meta)
+        _write_safetensors(out / name, (ckpt, m, reader), tensors, kinds, meta)
     weight_map = {key: name for name, tensors in zip(names, shards, strict=True)
                   for key, _, _ in tensors}
-    total = sum(math.prod(shape) for _, _, shape in items) * size
-    index = {"metadata": {"total_size": total, **meta}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": sum(nbytes.values()), **meta}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     return [out / n for n in names] + [out / "model.safetensors.index.json"]
 
 
-def _write_safetensors(path: Path, source: tuple, tensors, torch_dtype, tag: str,
-                       meta: dict) -> None:
+def _write_safetensors(path: Path, source: tuple, tensors, kinds: dict, meta: dict) -> None:
     """One safetensors file: the header computed up front (``plan.layout.safetensors_header``),
-    then each tensor read from ``source`` (checkpoint, manifest, reader), cast and written
-    ``CHUNK`` bytes of fp32 at a time with pwrite at its offset, under ``<name>.partial``
-    renamed when complete."""
-    size = torch.tensor([], dtype=torch_dtype).element_size()
+    then each tensor read from ``source`` (checkpoint, manifest, reader), cast to its
+    ``kinds[fqn]`` (torch dtype, safetensors tag) and written ``CHUNK`` bytes of fp32 at a
+    time with pwrite at its offset, under ``<name>.partial`` renamed when complete."""
     entries, cursor = [], 0
-    for key, _, shape in tensors:
-        entries.append((key, tag, shape, cursor, cursor + math.prod(shape) * size))
+    for key, fqn, shape in tensors:
+        torch_dtype, tag = kinds[fqn]
+        entries.append((key, tag, shape, cursor, cursor + math.prod(shape) * torch_dtype.itemsize))
         cursor = entries[-1][4]
     header = safetensors_header(meta, entries)
     partial = path.with_name(path.name + ".partial")
@@ -165,7 +165,7 @@ def _write_safetensors(path: Path, source: tuple, tensors, torch_dtype, tag: str
         host = np.empty(CHUNK // 4, np.float32)
         for (_, fqn, shape), entry in zip(tensors, entries, strict=True):
             _write_tensor(fd, len(header) + entry[3], (*source, fqn), math.prod(shape),
-                          host, torch_dtype)
+                          host, kinds[fqn][0])
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -196,6 +196,14 @@ class MoEConfig(_Section):
                                 "(up + 1) * gate * sigmoid(alpha * gate); None = plain SwiGLU.")
     swiglu_alpha: float = _arch(1.702, gt=0, description="The sigmoid gain of the clamped "
                                                          "SwiGLU (used with swiglu_limit).")
+    # DeepSeek-V3 / GLM-4.5 routing (docs/model.md, "MoE layer").
+    n_group: int = _arch(1, ge=1, description="Expert groups (DeepSeek-V3's n_group): the top-k "
+                                              "choice is limited to the topk_group groups whose "
+                                              "two best experts score highest; 1 = no groups.")
+    topk_group: int = _arch(1, ge=1, description="Groups a token's experts are chosen from "
+                                                 "(<= n_group).")
+    routed_scaling_factor: float = _arch(1.0, gt=0, description="Factor on the routed experts' "
+                                                                "gates (after renormalising).")
 
     @property
     def group_name(self) -> str:
@@ -211,6 +219,10 @@ class MoEConfig(_Section):
             raise FieldError("ep_size", problem)
         if self.shared_gate and not self.shared_ffn_dim:
             raise FieldError("shared_gate", "needs a shared expert (moe.shared_ffn_dim > 0)")
+        problem = rules.group_problem(num_experts=self.num_experts, top_k=self.top_k,
+                                      n_group=self.n_group, topk_group=self.topk_group)
+        if problem is not None:
+            raise FieldError(*problem)
         return self
 
 

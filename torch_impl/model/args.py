@@ -85,6 +85,9 @@ class ModelArgs:
     v_head_dim: int = 128
     rope_interleave: bool = True
     mla_mscale: float = 1.0  # softmax scale = mla_mscale² / sqrt(nope + rope dims)
+    n_group: int = 1  # DeepSeek-V3's group-limited routing: expert groups (1: none)
+    topk_group: int = 1  # groups a token's experts are chosen from
+    routed_scaling_factor: float = 1.0  # factor on the routed gates
 
     @property
     def kv_heads(self) -> int:
@@ -110,7 +113,9 @@ class ModelArgs:
     @property
     def router(self) -> RouterOptions:
         return RouterOptions(self.router_scoring, self.renormalize, self.expert_bias,
-                             self.bias_update_rate, linear_bias=self.router_bias)
+                             self.bias_update_rate, linear_bias=self.router_bias,
+                             n_group=self.n_group, topk_group=self.topk_group,
+                             routed_scaling_factor=self.routed_scaling_factor)
 
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window (``layer_types``, ``sliding_window``), or None."""

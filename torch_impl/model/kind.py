@@ -60,7 +60,8 @@ class MlpKind:
     """A per-token kind after the attention: ``apply(block, x_BSD) -> (y_BSD, aux)``, ``aux``
     the layer's weighted auxiliary loss or ``None`` for a kind without one (the decoder's
     total skips it). Attributes as ``AttentionKind``'s; ``hf_names`` values may hold
-    ``{moe_block}``, the family's name of its MoE block (``Family.moe_block``)."""
+    ``{moe_block}``, the family's name of its MoE block (``Family.moe_block``), and
+    ``{shared}``, its shared expert's (``Family.shared_block``)."""
 
     name: str
     build: Build

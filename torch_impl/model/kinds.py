@@ -24,13 +24,14 @@ def layer_kinds(args: ModelArgs, layer: int) -> tuple[AttentionKind, MlpKind]:
             MLP_KINDS["dense" if layer < args.first_k_dense else "moe"])
 
 
-def hf_layer_names(moe_block: str) -> dict[str, str]:
+def hf_layer_names(moe_block: str, shared: str = "shared_expert") -> dict[str, str]:
     """Every kind's ``{FQN within a layer: Hugging Face key within a layer}``, ``{moe_block}``
-    filled in. Raises ValueError if two kinds claim one FQN for different keys."""
+    and ``{shared}`` (the family's shared-expert name) filled in. Raises ValueError if two
+    kinds claim one FQN for different keys."""
     names: dict[str, str] = {}
     for kind in (*ATTENTION_KINDS.values(), *MLP_KINDS.values()):
         for fqn, key in kind.hf_names.items():
-            key = key.format(moe_block=moe_block)
+            key = key.format(moe_block=moe_block, shared=shared)
             if names.setdefault(fqn, key) != key:
                 raise ValueError(f"layer kind {kind.name}: {fqn} is already {names[fqn]}")
     return names

@@ -42,8 +42,10 @@ def _apply(block: nn.Module, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.T
 MOE = MlpKind("moe", _modules, _apply, hf_names={
     "moe.router.weight": "{moe_block}.gate.weight",
     "moe.router.bias": "{moe_block}.gate.bias",
-    "shared.w1.weight": "mlp.shared_expert.gate_proj.weight",
-    "shared.w3.weight": "mlp.shared_expert.up_proj.weight",
-    "shared.w2.weight": "mlp.shared_expert.down_proj.weight",
+    "moe.router.expert_bias": "{moe_block}.gate.e_score_correction_bias",
+    "shared.w1.weight": "mlp.{shared}.gate_proj.weight",
+    "shared.w3.weight": "mlp.{shared}.up_proj.weight",
+    "shared.w2.weight": "mlp.{shared}.down_proj.weight",
     "shared.gate.weight": "mlp.shared_expert_gate.weight"})
-"""Routed experts and the optional shared expert."""
+"""Routed experts and the optional shared expert (``{shared}``: the family's name of it,
+``shared_expert`` for Qwen2-MoE, ``shared_experts`` for DeepSeek-V3 and GLM-4.5)."""

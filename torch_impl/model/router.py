@@ -3,7 +3,8 @@
 Variants (docs/model.md, "Router"): softmax or sigmoid scores; the top-k gates renormalised to
 sum 1 or not; an expert bias (DeepSeek-V3's aux-loss-free balancing) added to the scores for
 the choice only, updated after each optimizer step from the global expert loads, outside the
-optimizer. The JAX counterpart is ``reference/moe.py: route`` and ``update_expert_bias``.
+optimizer; DeepSeek-V3's group-limited choice (``limit_to_groups``) and routed scaling
+factor. The JAX counterpart is ``reference/moe.py: route`` and ``update_expert_bias``.
 Legend: T tokens, D model dim, E experts, k top-k, L MoE layers.
 """
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moezero.model.recompute import recomputing
+from moezero.plan import rules
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 
@@ -31,6 +33,11 @@ class RouterOptions:
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
     linear_bias: bool = False
+    # DeepSeek-V3 / GLM-4.5 routing (``moe.n_group``, ``moe.topk_group``,
+    # ``moe.routed_scaling_factor``): the choice limited to the best groups, gates scaled.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         if self.scoring not in SCORINGS:
@@ -38,16 +45,19 @@ class RouterOptions:
 
 
 def route(logits_TE: torch.Tensor, top_k: int, *, scoring: str = "softmax",
-          renormalize: bool = True, bias_E: torch.Tensor | None = None):
+          renormalize: bool = True, bias_E: torch.Tensor | None = None,
+          groups: tuple[int, int] = (1, 1), scale: float = 1.0):
     """Scores, top-k and gates of fp32 router logits.
 
     Returns:
         ``(probs_TE, gates_Tk, experts_Tk)``: the scores normalised to sum 1 per token (the aux
         loss's P; softmax: the scores themselves), the gates (the chosen experts' scores,
-        renormalised or not) and the chosen experts, best first. The choice ranks
-        ``scores + bias_E`` (ties: lower index first); the gates never include the bias.
-        ``topk_softmax`` (gpt-oss): the choice ranks the logits (plus ``bias_E``), the gates
-        are a softmax over the k chosen logits, and the scores are the softmax over all.
+        renormalised or not, times ``scale``) and the chosen experts, best first. The choice
+        ranks ``scores + bias_E`` (ties: lower index first) among the experts of the best
+        groups (``groups`` = (n_group, topk_group): ``limit_to_groups``); the gates never
+        include the bias. ``topk_softmax`` (gpt-oss): the choice ranks the logits (plus
+        ``bias_E``), the gates are a softmax over the k chosen logits, and the scores are the
+        softmax over all.
     """
     if scoring == "topk_softmax":
         choice_TE = logits_TE if bias_E is None else logits_TE + bias_E
@@ -55,11 +65,27 @@ def route(logits_TE: torch.Tensor, top_k: int, *, scoring: str = "softmax",
         return logits_TE.softmax(dim=-1), logits_TE.gather(1, experts_Tk).softmax(-1), experts_Tk
     scores_TE = logits_TE.softmax(dim=-1) if scoring == "softmax" else logits_TE.sigmoid()
     choice_TE = scores_TE if bias_E is None else scores_TE + bias_E
+    if groups[0] > 1:
+        choice_TE = limit_to_groups(choice_TE, *groups)
     experts_Tk = choice_TE.sort(dim=-1, descending=True, stable=True)[1][:, :top_k]
     top_Tk = scores_TE.gather(1, experts_Tk)
     gates_Tk = top_Tk / top_Tk.sum(dim=-1, keepdim=True) if renormalize else top_Tk
+    if scale != 1.0:
+        gates_Tk = gates_Tk * scale
     probs_TE = scores_TE if scoring == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
     return probs_TE, gates_Tk, experts_Tk
+
+
+def limit_to_groups(choice_TE: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited choice (transformers' noaux_tc): the E experts split into
+    ``n_group`` consecutive groups, each scored by the sum of its two best choice scores; the
+    experts outside the ``topk_group`` best groups (ties: lower group first) get -inf."""
+    num_tokens, num_experts = choice_TE.shape
+    grouped_TGe = choice_TE.view(num_tokens, n_group, num_experts // n_group)
+    group_TG = grouped_TGe.topk(2, dim=-1)[0].sum(dim=-1)
+    best_Tg = group_TG.sort(dim=-1, descending=True, stable=True)[1][:, :topk_group]
+    keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, best_Tg, True)
+    return grouped_TGe.masked_fill(~keep_TG[..., None], float("-inf")).view_as(choice_TE)
 
 
 def expert_counts(experts_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -83,6 +109,10 @@ class Router(nn.Linear):
     def __init__(self, dim: int, num_experts: int, top_k: int,
                  options: RouterOptions = RouterOptions()):
         super().__init__(dim, num_experts, bias=options.linear_bias)
+        problem = rules.group_problem(num_experts=num_experts, top_k=top_k,
+                                      n_group=options.n_group, topk_group=options.topk_group)
+        if problem is not None:
+            raise ValueError(f"moe.{problem[0]}: {problem[1]}")
         self.num_experts, self.top_k, self.options = num_experts, top_k, options
         self.register_buffer("expert_bias", torch.empty(num_experts) if options.expert_bias
                              else None)
@@ -102,9 +132,11 @@ class Router(nn.Linear):
     def forward(self, x_TD: torch.Tensor):
         logits_TE = F.linear(x_TD.float(), self.weight.float(),
                              None if self.bias is None else self.bias.float())
+        opts = self.options
         probs_TE, gates_Tk, experts_Tk = route(
-            logits_TE, self.top_k, scoring=self.options.scoring,
-            renormalize=self.options.renormalize, bias_E=self.expert_bias)
+            logits_TE, self.top_k, scoring=opts.scoring, renormalize=opts.renormalize,
+            bias_E=self.expert_bias, groups=(opts.n_group, opts.topk_group),
+            scale=opts.routed_scaling_factor)
         # A checkpointed block's recomputation in backward routes the same tokens again.
         if (self.expert_bias is not None and self.training and torch.is_grad_enabled()
                 and not recomputing()):

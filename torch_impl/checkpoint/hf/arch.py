@@ -47,6 +47,10 @@ class Arch:
     first_k_dense: int = 0  # no exported family has dense layers yet (families.py refuses)
     dense_ffn_dim: int | None = None
     partial_rotary_factor: float = 1.0
+    # DeepSeek-V3 / GLM-4.5 routing (glm4_moe.py, deepseek_v3.py hold them; the others: 1, 1, 1)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     capacity_factor: float | None = None  # HF is dropless: exported as such (docs/hf.md)
     # gpt-oss (issue 36; checkpoint/hf/gpt_oss.py)
     attn_sinks: bool = False

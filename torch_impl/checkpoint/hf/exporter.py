@@ -3,7 +3,9 @@ Hugging Face model directory ``from_pretrained`` loads (docs/hf.md, "Export").
 
 The family is the one named, or the one that holds the checkpoint's architecture (chosen by
 QK-norm and the shared expert); what it cannot hold is refused in one line. K/V projections
-keep their grouped-query shapes. Streamed as ``tools.write_weights``: one 8 MiB chunk at a time.
+keep their grouped-query shapes; the expert biases (buffers) are written as the family's
+``e_score_correction_bias``, fp32 at any ``dtype`` (as the Hub holds them). Streamed as
+``tools.write_weights``: one 8 MiB chunk at a time.
 """
 
 from __future__ import annotations
@@ -41,10 +43,12 @@ def export_hf(ckpt: Path, out: Path, dtype: str = "fp32", shard_bytes: int | Non
     arch = arch_of(manifest)
     family = family_for(arch, model_type)
     tokenizer_files = hf_tokenizer.files_to_export(manifest.config)
-    items = family.export_items(manifest.layout.shapes, arch) if family.export_items else \
-        [(hf_name(fqn, family), fqn, shape) for fqn, shape in manifest.layout.shapes]
+    shapes = manifest.layout.shapes + manifest.layout.buffers
+    items = family.export_items(shapes, arch) if family.export_items else \
+        [(hf_name(fqn, family), fqn, shape) for fqn, shape in shapes]
     files = write_weights(ckpt, manifest, out, items, dtype, shard_bytes=shard_bytes,
-                          meta={"format": "pt", "moezero.step": str(manifest.step)})
+                          meta={"format": "pt", "moezero.step": str(manifest.step)},
+                          keep_fp32=frozenset(f for f, _ in manifest.layout.buffers))
     config = {**family.config(arch, dtype), **hf_tokenizer.config_ids(manifest.config)}
     (out / HF_CONFIG).write_text(json.dumps(config, indent=2))
     return [out / HF_CONFIG, *files, *hf_tokenizer.copy_export(tokenizer_files, out)]

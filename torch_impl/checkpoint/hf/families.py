@@ -3,15 +3,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
-from moezero.checkpoint.hf import gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
+from moezero.checkpoint.hf import (
+    deepseek_v3,
+    glm4_moe,
+    gpt_oss,
+    mixtral,
+    olmoe,
+    qwen2_moe,
+    qwen3_moe,
+)
 from moezero.checkpoint.hf.arch import Arch, refuse
 from moezero.checkpoint.hf.family import Family
 from moezero.plan.store import CheckpointError
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, gpt_oss.FAMILY)}
+FAMILIES.update({f.model_type: f for f in (  # DeepSeek-style routing
+    glm4_moe.FAMILY, deepseek_v3.FAMILY)})
 
 
 def family_of_config(cfg: dict, where: str) -> Family:
@@ -24,10 +35,12 @@ def family_of_config(cfg: dict, where: str) -> Family:
 
 
 def family_for(arch: Arch, model_type: str | None = None) -> Family:
-    """The family that holds ``arch`` (``model_type``: that one, or chosen by QK-norm and the
-    shared expert); CheckpointError (one line) naming the moezero key it cannot hold."""
+    """The family that holds ``arch`` (``model_type``: that one, or chosen by the router, QK-norm
+    and the shared expert); CheckpointError (one line) naming the moezero key it cannot hold."""
     if model_type is None and arch.attn_sinks:
         model_type = "gpt_oss"
+    if model_type is None and arch.router_scoring == "sigmoid" and arch.expert_bias:
+        model_type = _deepseek_style(arch)
     if model_type is None:
         model_type = {"head": "qwen3_moe", "projection": "olmoe"}.get(
             arch.qk_norm, "qwen2_moe" if arch.shared_ffn_dim else "mixtral")
@@ -36,7 +49,8 @@ def family_for(arch: Arch, model_type: str | None = None) -> Family:
                               f"{', '.join(FAMILIES)})")
     family = FAMILIES[model_type]
     why = family.refusal(arch) if family is gpt_oss.FAMILY else \
-        _common_refusal(arch) or gpt_oss.foreign_refusal(arch) or family.refusal(arch)
+        _common_refusal(_without(arch, family.holds)) or gpt_oss.foreign_refusal(arch) \
+        or family.refusal(arch)
     if why:
         key, value, reason = why
         raise CheckpointError(f"{key}={json.dumps(value)} cannot be exported as Hugging Face "
@@ -44,7 +58,24 @@ def family_for(arch: Arch, model_type: str | None = None) -> Family:
     return family
 
 
+def _deepseek_style(arch: Arch) -> str:
+    """A sigmoid router with an expert bias is DeepSeek-V3's noaux_tc: its own family with
+    latent attention, else GLM-4.5 (grouped-query attention)."""
+    return "deepseek_v3" if getattr(arch, "attention", "gqa") == "mla" else "glm4_moe"
+
+
+def _without(arch: Arch, holds: frozenset[str]) -> Arch:
+    """``arch`` with the fields a family ``holds`` at their defaults, so the common refusal
+    leaves them to the family's own."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Arch)}
+    return dataclasses.replace(arch, **{k: defaults[k] for k in holds if k in defaults})
+
+
 def _common_refusal(arch: Arch):
+    if arch.n_group != 1 or arch.routed_scaling_factor != 1:
+        key, value = (("moe.n_group", arch.n_group) if arch.n_group != 1 else
+                      ("moe.routed_scaling_factor", arch.routed_scaling_factor))
+        return key, value, "the exported families route over every expert, gates unscaled"
     if arch.router_scoring != "softmax":
         return ("moe.router_scoring", arch.router_scoring,
                 "the exported families route with a softmax")

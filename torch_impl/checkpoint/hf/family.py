@@ -1,12 +1,13 @@
 """What one Hugging Face MoE family is to moezero: its ``config.json`` reader and writer, its
 on-disk tensor names, and what of moezero's architecture it cannot hold.
 
-One module per family (``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``) defines a
-``FAMILY``; ``families`` lists them and picks one for a ``model_type`` or an ``Arch``.
+One module per family (``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``, ``glm4_moe``)
+defines a ``FAMILY``; ``families`` lists them and picks one for a ``model_type`` or an ``Arch``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,17 @@ class Family:
             quantized hub layouts); None: the names table.
         export_items: ``(fqn shapes, arch) -> [(key, fqn or composer, shape)]``: the
             exported tensors when they are not one per FQN (``tools.write_weights``).
+        shared_block: The shared expert's name in the MoE block (``mlp.<name>.gate_proj``).
+        holds: ``Arch`` fields the family may set that most families refuse
+            (``families._common_refusal``: sigmoid routing, the expert bias, dense first
+            layers, partial rotary); its ``refusal`` checks them.
+        dropped: ``config.json object -> (pattern, note) or None``: the keys the import
+            drops on purpose (DeepSeek-V3's multi-token-prediction layers) and the note it
+            prints about them.
+        peft_as_parameters: Module-name endings that a PEFT export names as
+            ``target_parameters`` (``<module>.weight``) instead of ``target_modules``: PEFT
+            (0.21, transformers 5) retargets a module target with such an ending to the fused
+            experts for the families converted like Qwen2-MoE (GLM-4.5, DeepSeek-V3).
     """
 
     model_type: str
@@ -44,6 +56,10 @@ class Family:
     refusal: Callable[[Arch], tuple[str, object, str] | None]
     source: Callable | None = None
     export_items: Callable | None = None
+    shared_block: str = "shared_expert"
+    holds: frozenset[str] = frozenset()
+    dropped: Callable[[dict], tuple[re.Pattern, str] | None] | None = None
+    peft_as_parameters: tuple[str, ...] = ()
 
     def config(self, arch: Arch, dtype: str) -> dict:
         """The exported ``config.json``: the keys every family shares, then its own."""

@@ -22,11 +22,13 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from moezero.checkpoint import tokenizer as hf_tokenizer
+from moezero.checkpoint.hf import fp8
 from moezero.checkpoint.hf.arch import Arch
 from moezero.checkpoint.hf.families import family_of_config
 from moezero.checkpoint.hf.family import Family
 from moezero.checkpoint.hf.names import candidates
 from moezero.checkpoint.hf.reader import Derived, HFTensors
+from moezero.checkpoint.model_buffers import buffer_shapes
 from moezero.checkpoint.tools import refuse_non_empty
 from moezero.config import Config, dump_config
 from moezero.model.build import config_decoder
@@ -35,6 +37,7 @@ from moezero.plan import plan_groups, plan_layout, store
 from moezero.plan.bytes_io import CHUNK, byte_view
 from moezero.plan.files import pwrite_all, read_json
 from moezero.plan.layout import ITEMSIZE, RangeRecord
+from moezero.plan.model_buffer_io import write_buffers
 from moezero.plan.store import CheckpointError
 
 HF_CONFIG = "config.json"
@@ -82,20 +85,22 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     family, arch, raw = read_hf_config(src)
     refuse_non_empty(out)
     cfg = import_config(arch, out, str(src / HF_CONFIG), hf_tokenizer.describe_import(src, out))
-    tensors = HFTensors(src)
+    tensors = HFTensors(src, fp8.block_size(raw, str(src / HF_CONFIG)))
     layout = _layout(cfg)
     sources = {fqn: _source(tensors, fqn, shape, arch, family, src)
-               for fqn, shape in layout.shapes}
+               for fqn, shape in layout.shapes + layout.buffers}
+    dropped = family.dropped(raw) if family.dropped else None
     used = {key for s in sources.values() for key in (s.keys if isinstance(s, Derived) else s[:1])}
-    _check_all_used(tensors, used, arch, src)
+    used |= {fp8.scale_key(key) for key in used if tensors.scaled(key)}
+    _check_all_used(tensors, used, arch, src, dropped[0] if dropped else None)
     hf_tokenizer.copy_import(src, out)  # every header read and checked: now write
+    source = {"format": f"hf-{family.model_type}", "path": str(src.resolve()), "config": raw}
     final = _write(layout, tensors, sources, out, meta={
         "config": cfg.model_dump(by_alias=True, mode="json"),
         "topology": {"world_size": 1, "ep_sizes": [cfg.moe.ep_size], "zero_stage": None,
                      "dtype": str(raw.get("dtype") or raw.get("torch_dtype") or "?"),
                      "writer": "import-hf"},
-        "state": {"source": {"format": f"hf-{family.model_type}", "path": str(src.resolve()),
-                             "config": raw}}})
+        "state": {"source": {**source, "note": dropped[1]} if dropped else source}})
     dump_config(cfg, out / "config.yaml")
     return final
 
@@ -116,6 +121,9 @@ def _write(layout, tensors: HFTensors, sources: dict, out: Path, meta: dict) -> 
             os.fsync(fd)
         finally:
             os.close(fd)
+    records += write_buffers(partial, layout, {  # a few [E] fp32 biases: read whole
+        fqn: tensors.read_rows(*sources[fqn], slice(0, shape[0])).numpy()
+        for fqn, shape in layout.buffers})
     store.write_manifest(partial, layout, checksums=records, **meta)
     return store.commit(partial)
 
@@ -159,19 +167,23 @@ def _source(tensors: HFTensors, fqn: str, shape: tuple[int, ...], arch: Arch, fa
 
 def _layout(cfg: Config, *, step: int = 0, weights_only: bool = True):
     """The plan's layout of the default recipe's groups for the imported architecture (by
-    default weights only), so a run with the default grouping reads each group contiguously."""
+    default weights only), so a run with the default grouping reads each group contiguously;
+    the model's buffers (the expert biases) in their own file."""
     model = config_decoder(cfg, where="meta", adapters=False)
     specs, _ = param_specs(model, config_user_group(cfg))
     groups = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
                          split_by_expert=cfg.moe.split_groups_by_expert)
     return plan_layout(groups, {s.fqn: s.shape for s in specs}, step=step,
-                       weights_only=weights_only)
+                       weights_only=weights_only, buffers=buffer_shapes(model))
 
 
-def _check_all_used(tensors: HFTensors, used: set[str], arch: Arch, src: Path) -> None:
-    """Refuse a tensor moezero would silently drop (a bias, an extra norm, ...)."""
+def _check_all_used(tensors: HFTensors, used: set[str], arch: Arch, src: Path,
+                    dropped: re.Pattern | None = None) -> None:
+    """Refuse a tensor moezero would silently drop (a bias, an extra norm, ...); the family's
+    ``dropped`` ones are dropped on purpose, with a note."""
     tied = {"lm_head.weight"} if arch.tie_embeddings else set()
-    left = sorted(k for k in set(tensors.files) - used - tied if not _IGNORED.fullmatch(k))
+    left = sorted(k for k in set(tensors.files) - used - tied if not _IGNORED.fullmatch(k)
+                  and not (dropped and dropped.fullmatch(k)))
     if left:
         raise CheckpointError(f"{src}: tensor {left[0]} has no place in moezero's decoder "
                               f"({len(left)} such tensors); refusing to drop it")

@@ -33,7 +33,7 @@ def hf_name(fqn: str, family: Family) -> str:
         name = family.expert_names[_W.index(w)]
         return f"model.layers.{layer}.{family.moe_block}.experts.{e}.{name}.weight"
     block = _IN_BLOCK.fullmatch(fqn)
-    names = {**_NORMS, **hf_layer_names(family.moe_block)} if block else {}
+    names = {**_NORMS, **hf_layer_names(family.moe_block, family.shared_block)} if block else {}
     if block and block[2] in names:
         return f"model.layers.{block[1]}.{names[block[2]]}"
     raise CheckpointError(f"parameter {fqn} has no Hugging Face {family.model_type} counterpart")

@@ -5,7 +5,11 @@ the ``--format hf`` export of the base; ``--merge-lora --format hf`` (``export_m
 full weights with ``W + alpha/r · B A`` folded in.
 
 Attention and shared-expert adapters are PEFT ``target_modules`` (``self_attn.q_proj``,
-``mlp.shared_expert.gate_proj``, ...). Routed experts are transformers 5's fused parameters,
+``mlp.shared_expert.gate_proj``, ...), except where PEFT would take a module name for the fused
+experts (``Family.peft_as_parameters``: GLM-4.5's and DeepSeek-V3's ``mlp.shared_experts.*`` and
+dense ``mlp.*_proj``, which PEFT's transformers-5 conversion retargets to
+``mlp.experts.gate_up_proj``): those are ``target_parameters`` ``<module>.weight``, the same
+tensors and keys. Routed experts are transformers 5's fused parameters,
 PEFT ``target_parameters`` ``mlp.experts.gate_up_proj`` [E, 2F, D] and ``mlp.experts.down_proj``
 [E, D, F]: one LoRA per parameter whose ``lora_A`` [E·R, in] stacks the experts' A by rows
 (expert-major) and whose ``lora_B`` [out, R·E] holds expert e's column k at ``k·E + e``.
@@ -34,6 +38,7 @@ from moezero.checkpoint.hf.families import family_for
 from moezero.checkpoint.hf.names import hf_name
 from moezero.plan import store
 from moezero.plan.checked import CheckedReader
+from moezero.plan.model_buffers import is_buffer
 from moezero.plan.reading import read_tensors
 from moezero.plan.store import CheckpointError
 
@@ -75,7 +80,9 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
     """``adapter_config.json`` + ``adapter_model.safetensors`` of an adapter checkpoint, for
     the family that holds its architecture."""
     manifest, base_dir, trained = _adapter_checkpoint(ckpt, "--format peft")
-    others = sorted(f for f in trained if not f.endswith(adapter_ckpt.ADAPTER_SUFFIXES))
+    others = sorted(f for f in trained if not f.endswith(adapter_ckpt.ADAPTER_SUFFIXES)
+                    and not is_buffer(f))
+    _refuse_moved_buffers(ckpt, trained, base_dir)
     if others:
         raise CheckpointError(f"{ckpt}: trains {others[0]} besides the LoRA adapters "
                               f"({len(others)} such tensors); a PEFT adapter holds adapters "
@@ -89,12 +96,16 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
                               "--format hf")
     fused = sorted({_FUSED[k.rsplit(".", 1)[1]] for k in experts})
     rank = max(a.shape[0] for a, _ in lora.values())
-    tensors, modules = {}, set()
+    tensors, modules, params = {}, set(), set()
     for fqn, (a, b) in lora.items():
         if fqn in experts:
             continue
         key = hf_name(fqn + ".weight", family).removesuffix(".weight")
-        modules.add(key.split(".", 3)[3])  # model.layers.N.<module>
+        module = key.split(".", 3)[3]  # model.layers.N.<module>
+        if module.endswith(family.peft_as_parameters):
+            params.add(module + ".weight")
+        else:
+            modules.add(module)
         _put(tensors, f"base_model.model.{key}", *_pad(a, b, rank))
     for layer, param, (a, b) in _fused(experts, rank):
         nested = "experts.base_layer" if param == "gate_up_proj" and len(fused) == 2 else "experts"
@@ -106,10 +117,26 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
               "lora_alpha": _scale(manifest) * rank, "lora_dropout": 0.0, "bias": "none",
               "use_rslora": False, "fan_in_fan_out": False, "inference_mode": True,
               "target_modules": sorted(modules) or None,
-              "target_parameters": [f"mlp.experts.{p}" for p in fused] or None,
+              "target_parameters": [f"mlp.experts.{p}" for p in fused] + sorted(params)
+              or None,
               **_fused_rank(fused, rank, _scale(manifest)), "base_model_name_or_path": None}
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     return [out / ADAPTER_CONFIG, out / ADAPTER_WEIGHTS]
+
+
+def _refuse_moved_buffers(ckpt: Path, trained: dict, base_dir: Path) -> None:
+    """A PEFT adapter holds no buffers: refuse (one line) an adapter checkpoint whose expert
+    biases moved away from its base's (``moe.bias_update_rate`` > 0 in the LoRA run)."""
+    base_manifest = store.read_manifest(base_dir)
+    base = dict(base_manifest.layout.buffers)
+    for fqn in sorted(f for f in trained if is_buffer(f)):
+        same = fqn in base and torch.equal(trained[fqn], torch.from_numpy(
+            store.read_param(base_dir, base_manifest, fqn).reshape(base[fqn])))
+        if not same:
+            raise CheckpointError(f"{ckpt}: the expert bias {fqn} moved in the LoRA run "
+                                  "(moe.bias_update_rate > 0) and a PEFT adapter cannot hold "
+                                  "it: export with --merge-lora --format hf, or train with "
+                                  "moe.bias_update_rate=0")
 
 
 def _fused_rank(fused: list[str], rank: int, scale: float) -> dict:
@@ -182,10 +209,11 @@ def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
                     if not k.endswith(adapter_ckpt.ADAPTER_SUFFIXES)})
     arch = arch_of(base_manifest)
     family = family_for(arch, model_type)
-    shapes = base_manifest.layout.shapes
+    shapes = base_manifest.layout.shapes + base_manifest.layout.buffers
     items = family.export_items(shapes, arch) if family.export_items else \
         [(hf_name(fqn, family), fqn, shape) for fqn, shape in shapes]
-    tensors = {key: _composed(src, weights, shape).to(DTYPES[dtype]).contiguous()
+    tensors = {key: _composed(src, weights, shape).to(  # biases (buffers) stay fp32
+        torch.float32 if isinstance(src, str) and is_buffer(src) else DTYPES[dtype]).contiguous()
                for key, src, shape in items}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "model.safetensors",

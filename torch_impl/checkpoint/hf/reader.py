@@ -11,14 +11,18 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from moezero.checkpoint.hf import fp8
 from moezero.plan.layout import INDEX_NAME
 from moezero.plan.store import CheckpointError
 
 
 class HFTensors:
-    """``files``: every tensor key of the directory and the file that holds it."""
+    """``files``: every tensor key of the directory and the file that holds it. ``fp8_block``:
+    the block of an FP8 block-scaled checkpoint (``fp8.block_size``), whose weights with a
+    ``weight_scale_inv`` beside them are read dequantized."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, fp8_block: tuple[int, int] | None = None):
+        self.fp8_block = fp8_block
         index = root / INDEX_NAME
         if index.is_file():
             try:
@@ -49,6 +53,23 @@ class HFTensors:
         if got != shape:
             raise CheckpointError(f"{self.files[key]}: {key}{_slice_text(index)} has shape "
                                   f"{got}, config.json implies {shape}")
+        if self.scaled(key):
+            self._check_scale(key, index, tuple(full))
+
+    def scaled(self, key: str) -> bool:
+        """Whether ``key`` is an FP8 weight read dequantized (its scale is beside it)."""
+        return self.fp8_block is not None and fp8.scale_key(key) in self.files
+
+    def _check_scale(self, key: str, index: tuple, full: tuple[int, ...]) -> None:
+        """An FP8 weight: 2-D (per expert, as the Hub has them) with a scale per block."""
+        scale = fp8.scale_key(key)
+        with self._open(scale) as f:
+            got = tuple(f.get_slice(scale).get_shape())
+        grid = tuple(-(-n // b) for n, b in zip(full, self.fp8_block, strict=False))
+        if index or len(full) != 2 or got != grid:
+            raise CheckpointError(f"{self.files[scale]}: {scale} has shape {got} for {key} "
+                                  f"{full}: moezero reads 2-D FP8 weights with a "
+                                  f"{list(self.fp8_block)} block scale grid {grid}")
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The shape of ``key`` (header only)."""
@@ -71,7 +92,13 @@ class HFTensors:
             index = (index[0], slice(base + rows.start, base + rows.stop), *index[2:])
         with self._open(key) as f:
             part = f.get_slice(key)
-            return (part[index][0] if index else part[rows]).float()
+            data = part[index][0] if index else part[rows]
+        if not self.scaled(key):
+            return data.float()
+        scale = fp8.scale_key(key)
+        with self._open(scale) as f:
+            scale_SN = f.get_slice(scale)[fp8.scale_rows(rows, self.fp8_block)]
+        return fp8.dequantize_rows(data, scale_SN, rows.start, self.fp8_block)
 
 
 @dataclass(frozen=True)
