@@ -16,11 +16,11 @@ import torch
 from moezero.checkpoint.tools import describe
 from moezero.cli import main
 from moezero.plan import store
+from tests.support.hf import save_hf
 from tests.support.world import run_world
 from tests.torch_impl.test_distributed import MICRO
 from tests.torch_impl.test_hf_families import hf_model
 from tests.torch_impl.test_zero import engine_and_batches
-from tests.support.hf import save_hf
 
 transformers = pytest.importorskip("transformers")
 

@@ -26,8 +26,8 @@ import torch
 from moezero.plan import store
 from moezero.plan.bytes_io import CHUNK, byte_view
 from moezero.plan.checked import CheckedReader
-from moezero.plan.files import pwrite_all
 from moezero.plan.encoding import WEIGHT_DTYPES, safetensors_header
+from moezero.plan.files import pwrite_all
 from moezero.plan.layout import FORMAT_VERSION
 
 __all__ = ["describe", "export", "into_empty", "refuse_non_empty", "verify", "write_weights"]

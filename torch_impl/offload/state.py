@@ -29,8 +29,8 @@ from contextlib import contextmanager
 import torch
 
 from moezero.memory.pinned import PinnedPool
-from moezero.offload.base_params import BaseFiles, plan_sources
 from moezero.offload.aio import AsyncIO, aligned_empty, aligned_size, wait
+from moezero.offload.base_params import BaseFiles, plan_sources
 from moezero.offload.options import IOOptions
 from moezero.offload.readahead import ReadAhead
 from moezero.offload.swapdir import OPTIMIZER_KEY, PARAM_KEY, SwapDir
