@@ -64,6 +64,7 @@ class Estimate:
     trained_numel: int | None = None  # of model_numel, the trained (None: all of it)
     frozen: tuple[tuple[str, int], ...] = ()  # (tier, bytes) of this rank's frozen weights
     base_dtype: str | None = None  # the base checkpoint's weights (``bf16``, ``fp32``, ...)
+    in_place: bool = False  # the frozen shards on NVMe are the base's own files, not swap
 
     @property
     def frozen_numel(self) -> int:
@@ -218,7 +219,12 @@ def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda
             frozen_total += _frozen_bytes(part, pl)
         else:
             total += _group_bytes(part, pl)
-    total += frozen_total
+    in_place = _reads_in_place(cfg, base_dtype)
+    if in_place:  # the base's own files (offload.base_params), in its dtype: no swap file
+        frozen_total = Counter({("params", "nvme"): ITEMSIZE[base_dtype] * sum(
+            _real(p, rank) for p in parts if p.group in frozen)})
+    else:
+        total += frozen_total
     units = _units(model, plan, parts, pl.itemsize) if zero.stage == 3 else {}
     unit, unit_bytes = max(((n, b) for n, b in units.items()), key=lambda nb: nb[1],
                            default=("", 0))
@@ -230,7 +236,22 @@ def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda
                     tuple((c, t, b) for (c, t), b in sorted(total.items()) if b),
                     unit, unit_bytes, activations, transients(cfg, shape, activations),
                     RUNTIME_BYTES.get(device), sum(s.numel for s in specs if not s.frozen),
-                    tuple((t, b) for (_, t), b in sorted(frozen_total.items()) if b), base_dtype)
+                    tuple((t, b) for (_, t), b in sorted(frozen_total.items()) if b), base_dtype,
+                    in_place)
+
+
+def _reads_in_place(cfg: Config, base_dtype: str | None) -> bool:
+    """A LoRA run from a known base at stage 3 with params on NVMe reads its frozen params
+    from the base checkpoint's files (``moezero.train.frozen_base``)."""
+    zero = cfg.zero_optimization
+    return base_dtype is not None and cfg.peft.uses_lora and zero.stage == 3 \
+        and zero.offload_param.device == "nvme"
+
+
+def _real(part: Partition, rank: int) -> int:
+    """Real (unpadded) elements of ``rank``'s shard of ``part``."""
+    lo, hi = part.rank_range(part.dp_rank(rank))
+    return max(0, min(hi, part.numel) - min(lo, part.numel))
 
 
 def _step_shape(plan, parts: list[Partition], pl: _Placement, units: dict[str, int],
@@ -281,9 +302,10 @@ def _frozen_lines(est: Estimate, gib) -> list[str]:
         return []
     held = ", ".join(f"{gib(b).strip()} GiB on {t}" for t, b in est.frozen)
     dtype = est.base_dtype or "bf16, assumed"
-    return [f"frozen base: {est.frozen_numel:,} params; this rank holds {held or 'none'} "
-            f"({est.dtype}); the base checkpoint {gib(est.base_disk_bytes()).strip()} GiB "
-            f"on disk ({dtype})"]
+    how = (f"reads {held} in place from the base's files ({dtype}, no swap file)"
+           if est.in_place else f"holds {held or 'none'} ({est.dtype})")
+    return [f"frozen base: {est.frozen_numel:,} params; this rank {how}; the base checkpoint "
+            f"{gib(est.base_disk_bytes()).strip()} GiB on disk ({dtype})"]
 
 
 def _trained(est: Estimate) -> str:

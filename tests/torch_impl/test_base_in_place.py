@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 import torch
 
+from moezero.checkpoint.adapter_ckpt import check_same
 from moezero.checkpoint.core import CheckpointError
 from moezero.cli import main
 from moezero.config import Config
 from moezero.data import Batches, make_corpus
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
+from moezero.offload.aio import AsyncIO
 from moezero.plan import store
 from moezero.train import build_model
 from tests.support.hf import save_hf
@@ -137,3 +139,18 @@ def test_a_base_file_changed_during_the_run_is_refused_in_one_line(base, tmp_pat
     line = res["error"]
     assert "\n" not in line and line.startswith(f"{target}: the base checkpoint's file changed "
                                                 "during the run"), line
+
+
+def test_another_base_than_the_one_read_in_place_is_refused_and_nothing_is_written(tmp_path):
+    check_same(None, tmp_path)  # nothing read in place: any base
+    check_same(tmp_path / "a" / ".." / "a", tmp_path / "a")
+    with pytest.raises(CheckpointError) as err:
+        check_same(tmp_path / "a", tmp_path / "b")
+    assert "\n" not in str(err.value) and "read in place from" in str(err.value)
+    (tmp_path / "f").write_bytes(bytes(8))
+    with AsyncIO(readonly=True) as io:
+        with pytest.raises(ValueError, match="read-only"):
+            io.write(tmp_path / "f", torch.ones(2))
+        out = torch.ones(2)
+        io.read(tmp_path / "f", out).result()
+    assert out.tolist() == [0.0, 0.0]

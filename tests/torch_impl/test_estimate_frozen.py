@@ -53,3 +53,20 @@ def test_the_cli_reads_the_bases_dtype_from_checkpoint_load(tmp_path, capsys):
                  "--set", "peft.targets=[attn]"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("frozen base:"))
     assert line.endswith("on disk (bf16)"), line
+
+
+def test_a_base_read_in_place_costs_no_swap_file(tmp_path):
+    """Stage 3 fp32 on the CPU, params on NVMe: a LoRA run from a bf16 base reads the base's
+    files (2 B x BASE, by hand) and writes swap files for the adapters only; without a known
+    base the frozen shards are copied to swap files in the compute dtype (4 B each)."""
+    cfg = Config.model_validate(lora(3, param="nvme", optim="cpu", nvme=str(tmp_path)))
+    copied = estimate(cfg, 1, device="cpu")
+    in_place = estimate(cfg, 1, device="cpu", base_dtype="bf16")
+    assert in_place.in_place and not copied.in_place
+    assert in_place.frozen == (("nvme", 2 * BASE),)
+    ((tier, swap),) = copied.frozen
+    assert tier == "nvme" and swap >= 4 * BASE
+    assert in_place.get("params", "nvme") == copied.get("params", "nvme") - swap
+    line = next(x for x in format_table(in_place).splitlines() if x.startswith("frozen base:"))
+    assert f"this rank reads {2 * BASE / 2**30:.3f} GiB on nvme in place from the base's files " \
+           "(bf16, no swap file)" in line

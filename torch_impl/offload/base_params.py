@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from moezero.offload.aio import AsyncIO
+from moezero.offload.aio import ALIGN, AsyncIO, aligned_empty
 from moezero.offload.options import IOOptions
 from moezero.plan import store
 from moezero.plan.store import CheckpointError
@@ -114,12 +114,15 @@ def plan_sources(base: str | os.PathLike, slots, options: IOOptions) -> BaseFile
 def read_source(io, source: BaseSource, buf: torch.Tensor) -> Future:
     """Fill ``buf`` (a slot's padded shard in the compute dtype) from ``source``: its real
     elements read in place (straight into ``buf`` when the dtypes agree, else read raw and
-    upcast exactly when the read completes), the padding zero."""
+    upcast exactly when the read completes), the padding zero. The raw buffer starts at the
+    file offset's place modulo ``ALIGN``, so the aligned middle of the range is read with
+    O_DIRECT where the filesystem allows it."""
     source.check()
     buf[source.numel:].zero_()
     if source.dtype == buf.dtype:
         return io.read(source.path, buf[:source.numel], source.offset)
-    raw = torch.empty(source.numel, dtype=source.dtype)
+    shift, nbytes = source.offset % ALIGN, source.numel * source.dtype.itemsize
+    raw = aligned_empty(nbytes + ALIGN, torch.uint8)[shift:shift + nbytes].view(source.dtype)
     done: Future = Future()
 
     def upcast(read: Future) -> None:
