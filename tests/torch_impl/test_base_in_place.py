@@ -23,7 +23,7 @@ from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
 from moezero.offload.aio import AsyncIO
 from moezero.plan import store
-from moezero.train import build_model
+from moezero.train import build_model, frozen_base
 from tests.support.hf import save_hf
 from tests.support.world import run_world
 from tests.torch_impl.test_distributed import MICRO
@@ -154,3 +154,18 @@ def test_another_base_than_the_one_read_in_place_is_refused_and_nothing_is_writt
         out = torch.ones(2)
         io.read(tmp_path / "f", out).result()
     assert out.tolist() == [0.0, 0.0]
+
+
+def test_train_reads_in_place_only_a_lora_run_at_stage_3_with_params_on_nvme(base, tmp_path):
+    cfg = Config.model_validate(lora_cfg(base, "nvme", str(tmp_path)))
+    assert frozen_base(cfg, tmp_path) == base
+    cfg.checkpoint.load = str(base.parent)  # a root: its newest checkpoint
+    assert frozen_base(cfg, tmp_path) == base
+    assert frozen_base(Config.model_validate(lora_cfg(base, "cpu", "")), tmp_path) is None
+    no_lora = lora_cfg(base, "nvme", str(tmp_path))
+    no_lora["peft"] = {"method": "none"}
+    assert frozen_base(Config.model_validate(no_lora), tmp_path) is None
+    stage2 = lora_cfg(base, "cpu", "")
+    stage2["zero_optimization"] = {**stage2["zero_optimization"], "stage": 2,
+                                   "offload_param": {"device": "none", "nvme_path": None}}
+    assert frozen_base(Config.model_validate(stage2), tmp_path) is None
