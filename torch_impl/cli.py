@@ -248,7 +248,9 @@ def _train(args: argparse.Namespace, io: IOOptions | None = None) -> int:
     from moezero.distributed.devices import compute_device, cuda_device_count
 
     device = compute_device(cfg.dist.backend, cuda_device_count())
-    check_supported(cfg, numel=model_numel(cfg), share=local / world, device=device)
+    frozen = model_numel(cfg) if cfg.peft.uses_lora else 0  # the base: no optimizer state
+    check_supported(cfg, numel=model_numel(cfg, adapters=cfg.peft.uses_lora), frozen=frozen,
+                    share=local / world, device=device)
     check_activation_memory(cfg, device=device.type, memory_bytes=memory_of(device.type),
                             local_ranks=local)
     preflight(cfg, run_dir)

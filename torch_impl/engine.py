@@ -60,13 +60,17 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 
 
 def check_supported(cfg: Config, *, numel: int = 0, share: float = 1.0,
-                    device: torch.device | None = None) -> None:
+                    device: torch.device | None = None, frozen: int = 0) -> None:
     """Checks the CLI runs before any rank starts: NVMe swap folders exist, are writable
     and have room for this node's ``share`` of the model's swap files, sized with the params'
-    dtype on ``device`` (``auto`` is bf16 on GPUs). One-line ``ConfigError``; nothing is
-    written. Ranks check their exact sizes again."""
+    dtype on ``device`` (``auto`` is bf16 on GPUs). ``frozen`` of the ``numel`` elements (a
+    LoRA base) have no optimizer state, and no param swap file where the base is read in
+    place (``offload.base_params``). One-line ``ConfigError``; nothing is written. Ranks
+    check their exact sizes again."""
+    in_place = cfg.peft.uses_lora and cfg.checkpoint.load is not None
     offload_state.check_paths(cfg.zero_optimization, numel=numel, share=share,
-                              param_bytes=resolve_dtype(cfg, device or torch.device("cpu")).itemsize)
+                              param_bytes=resolve_dtype(cfg, device or torch.device("cpu")).itemsize,
+                              frozen=frozen, in_place=in_place)
 
 
 class Engine:

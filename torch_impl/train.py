@@ -157,9 +157,10 @@ def _check_base_outside(base: Path, root: Path) -> None:
                               "own --out (or checkpoint.dir)")
 
 
-def model_numel(cfg: Config) -> int:
-    """Elements of the global model (every expert once), from shapes on the meta device."""
-    shapes = model_shapes(config_decoder(cfg, where="meta", adapters=False))
+def model_numel(cfg: Config, *, adapters: bool = False) -> int:
+    """Elements of the global model (every expert once; the LoRA adapters too with
+    ``adapters``), from shapes on the meta device."""
+    shapes = model_shapes(config_decoder(cfg, where="meta", adapters=adapters))
     return sum(math.prod(shape) for shape in shapes.values())
 
 

@@ -8,6 +8,7 @@ copies the base to swap files; a base file changed during the run is refused in 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +18,12 @@ import torch
 from moezero.checkpoint.adapter_ckpt import check_same
 from moezero.checkpoint.core import CheckpointError
 from moezero.cli import main
-from moezero.config import Config
+from moezero.config import Config, ConfigError
 from moezero.data import Batches, make_corpus
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
 from moezero.offload.aio import AsyncIO
+from moezero.offload.state import check_paths
 from moezero.plan import store
 from moezero.train import build_model, frozen_base
 from tests.support.hf import save_hf
@@ -169,3 +171,14 @@ def test_train_reads_in_place_only_a_lora_run_at_stage_3_with_params_on_nvme(bas
     stage2["zero_optimization"] = {**stage2["zero_optimization"], "stage": 2,
                                    "offload_param": {"device": "none", "nvme_path": None}}
     assert frozen_base(Config.model_validate(stage2), tmp_path) is None
+
+
+def test_the_space_check_before_launch_needs_no_room_for_a_base_read_in_place(tmp_path):
+    cfg = Config.model_validate({"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}})
+    numel = shutil.disk_usage(tmp_path).free // 4 + 1  # its param files would not fit
+    check_paths(cfg.zero_optimization, numel=numel, share=1.0, param_bytes=4,
+                frozen=numel - 16, in_place=True)
+    with pytest.raises(ConfigError, match="offload_param.nvme_path"):
+        check_paths(cfg.zero_optimization, numel=numel, share=1.0, param_bytes=4,
+                    frozen=numel - 16)

@@ -376,21 +376,24 @@ def _prepare(stores: list[SwapState], folders) -> None:
         raise
 
 
-def check_paths(cfg_zero, *, numel: int, share: float, param_bytes: int) -> None:
+def check_paths(cfg_zero, *, numel: int, share: float, param_bytes: int, frozen: int = 0,
+                in_place: bool = False) -> None:
     """Before any rank starts: each NVMe folder exists, is a writable directory and has room
     for what this node's ranks will swap there: their ``share`` of the model's ``numel``
     elements at 12 B (fp32 master + moments; at stage 3 plus ``param_bytes`` of reduced
     gradient) and, at stage 3, ``param_bytes`` of param shard (alignment aside; each rank
-    checks its exact size again). One-line ``ConfigError`` naming the key and path; writes
+    checks its exact size again). ``frozen`` elements have no optimizer state (nor, with
+    ``in_place``, a param file). One-line ``ConfigError`` naming the key and path; writes
     nothing."""
     need: dict[str, list] = {}
     grad_bytes = param_bytes if cfg_zero.stage == 3 else 0
-    tiers = [(cfg_zero.offload_optimizer, OPTIMIZER_KEY, 12 + grad_bytes)]
+    tiers = [(cfg_zero.offload_optimizer, OPTIMIZER_KEY, 12 + grad_bytes, numel - frozen)]
     if cfg_zero.stage == 3:
-        tiers.append((cfg_zero.offload_param, PARAM_KEY, param_bytes))
-    for tier, key, per_elem in tiers:
+        tiers.append((cfg_zero.offload_param, PARAM_KEY, param_bytes,
+                      numel - (frozen if in_place else 0)))
+    for tier, key, per_elem, count in tiers:
         if tier.device == "nvme":
             entry = need.setdefault(os.path.abspath(tier.nvme_path), [key, 0])
-            entry[1] += int(per_elem * numel * share)
+            entry[1] += int(per_elem * count * share)
     for path, (key, nbytes) in need.items():
         SwapDir(path, 0).check(nbytes, key)
