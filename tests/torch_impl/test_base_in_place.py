@@ -46,12 +46,12 @@ def base(tmp_path_factory) -> Path:
     return step
 
 
-def lora_cfg(step: Path, param: str, nvme: str) -> dict:
+def lora_cfg(step: Path, param: str, nvme: str, dtype: str = "fp32") -> dict:
     cfg = dict(store.read_manifest(step).config)
     cfg["peft"] = {"method": "lora", "r": 4, "alpha": 8.0, "targets": ["attn", "experts"]}
     cfg["train"] = {**cfg["train"], "seq_len": 16, "micro_batch_size": MICRO}
     cfg["optimizer"] = {**cfg["optimizer"], "lr": 1e-2}
-    cfg["precision"] = {**cfg["precision"], "dtype": "fp32"}
+    cfg["precision"] = {**cfg["precision"], "dtype": dtype}
     cfg["zero_optimization"] = {
         **cfg["zero_optimization"], "stage": 3,
         "offload_optimizer": {"device": "cpu", "nvme_path": None},
@@ -84,7 +84,8 @@ def run(cfg_data: dict, base: str | None, change: str | None = None) -> dict:
             os.utime(change, ns=(os.stat(change).st_atime_ns, os.stat(change).st_mtime_ns + 1))
     swap = engine.optimizer.param_swap
     out = {"losses": losses, "error": error,
-           "params": {k: p.detach().clone().numpy() for k, p in engine.full_parameters().items()}
+           "params": {k: p.detach().float().clone().numpy()
+                      for k, p in engine.full_parameters().items()}
            if error is None else {},
            "files": swap.folder.listing() if swap else [],
            "written": swap.traffic["write"] if swap else 0}
@@ -117,6 +118,22 @@ def test_in_place_equals_the_base_in_memory_bit_for_bit(w2):
             for fqn, value in memory["params"].items():
                 assert np.array_equal(rank[name]["params"][fqn].view(np.uint32),
                                       value.view(np.uint32)), (name, fqn)
+
+
+@pytest.mark.slow  # bf16 matmuls on a CPU: about 15 s of the CI's scarce time
+def test_bf16_compute_reads_the_bf16_base_straight_in_bit_for_bit(base, tmp_path):
+    """bf16 compute (a GPU's) at W = 1: the shards are read straight into their buffers."""
+    (tmp_path / "swap").mkdir()
+    one = lambda cfg: {**cfg, "moe": {**cfg["moe"], "ep_size": 1}}
+    calls = {"memory": (one(lora_cfg(base, "cpu", "", "bf16")), None),
+             "in_place": (one(lora_cfg(base, "nvme", str(tmp_path / "swap"), "bf16")),
+                          str(base))}
+    (res,) = run_world(cases, 1, tmp_path, calls, timeout_s=300)
+    assert res["in_place"]["losses"] == res["memory"]["losses"]
+    assert not any("frozen" in n for n, _ in res["in_place"]["files"])
+    for fqn, value in res["memory"]["params"].items():
+        assert np.array_equal(res["in_place"]["params"][fqn].view(np.uint32),
+                              value.view(np.uint32)), fqn
 
 
 def test_no_swap_file_is_written_for_a_frozen_param(w2):
