@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     hf.add_argument("path", metavar="PATH", help="directory with config.json and safetensors")
     hf.add_argument("--out", required=True, metavar="DIR",
                     help="checkpoint root to create (new or empty)")
+    hf.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                    help="dtype of the weights written (default: the source's; fp32 masters "
+                         "are derived exactly at load)")
     ckpt_cmd.import_deepspeed_parser(sub)
     _prepare_parser(sub)
     est = sub.add_parser("estimate", help="per-rank bytes of params, grads and optimizer state "
@@ -128,6 +131,19 @@ def _adopt(cfg, run_dir: Path):
     return cfg
 
 
+def _base_dtype(cfg) -> str | None:
+    """The weights' dtype of ``checkpoint.load`` (``bf16`` for a bf16 import), else None."""
+    if not cfg.checkpoint.load or cfg.checkpoint.load == "latest":
+        return None
+    from moezero.plan import store
+
+    try:
+        dtype = store.read_manifest(store.find_checkpoint(cfg.checkpoint.load)).layout.dtype
+    except (store.CheckpointError, OSError):
+        return None
+    return {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}[dtype]
+
+
 def _estimate(args: argparse.Namespace) -> int:
     cfg = load_config(resolve_recipe(args.config), args.overrides)
     cfg = _adopt(cfg, Path(cfg.train.out_dir or "."))
@@ -142,7 +158,8 @@ def _estimate(args: argparse.Namespace) -> int:
         raise ConfigError(key, problem, f"world size {args.nproc}") from None
     from moezero.estimate import estimate, format_table
 
-    print(format_table(estimate(cfg, args.nproc, rank=args.rank, device=args.device)))
+    print(format_table(estimate(cfg, args.nproc, rank=args.rank, device=args.device,
+                                base_dtype=_base_dtype(cfg))))
     return 0
 
 
@@ -231,7 +248,9 @@ def _train(args: argparse.Namespace, io: IOOptions | None = None) -> int:
     from moezero.distributed.devices import compute_device, cuda_device_count
 
     device = compute_device(cfg.dist.backend, cuda_device_count())
-    check_supported(cfg, numel=model_numel(cfg), share=local / world, device=device)
+    frozen = model_numel(cfg) if cfg.peft.uses_lora else 0  # the base: no optimizer state
+    check_supported(cfg, numel=model_numel(cfg, adapters=cfg.peft.uses_lora), frozen=frozen,
+                    share=local / world, device=device)
     check_activation_memory(cfg, device=device.type, memory_bytes=memory_of(device.type),
                             local_ranks=local)
     preflight(cfg, run_dir)

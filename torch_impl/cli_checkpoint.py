@@ -80,15 +80,16 @@ def import_hf(args: argparse.Namespace) -> int:
     from moezero.checkpoint import hf  # torch import deferred, as for train
 
     try:
-        step_dir = hf.import_hf(Path(args.path), Path(args.out))
+        step_dir = hf.import_hf(Path(args.path), Path(args.out), args.dtype)
     except OSError as exc:
         raise CheckpointError(f"import-hf to {args.out}: {exc.strerror or exc}") from None
     manifest = read_manifest(step_dir)
     note = (manifest.state or {}).get("source", {}).get("note")
     if note:
         print(f"moezero: {note}")
-    numel = hf.num_params(manifest)
-    print(f"imported {args.path}: {numel:,} parameters as weights-only checkpoint {step_dir}\n"
+    numel, dtype = hf.num_params(manifest), manifest.layout.dtype
+    print(f"imported {args.path}: {numel:,} parameters as weights-only checkpoint {step_dir} "
+          f"({dtype})\n"
           f"fine-tune: moezero train --set checkpoint.load={args.out} "
           f"(or --config {Path(args.out) / 'config.yaml'})")
     return 0

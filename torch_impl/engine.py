@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -59,13 +60,17 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 
 
 def check_supported(cfg: Config, *, numel: int = 0, share: float = 1.0,
-                    device: torch.device | None = None) -> None:
+                    device: torch.device | None = None, frozen: int = 0) -> None:
     """Checks the CLI runs before any rank starts: NVMe swap folders exist, are writable
     and have room for this node's ``share`` of the model's swap files, sized with the params'
-    dtype on ``device`` (``auto`` is bf16 on GPUs). One-line ``ConfigError``; nothing is
-    written. Ranks check their exact sizes again."""
+    dtype on ``device`` (``auto`` is bf16 on GPUs). ``frozen`` of the ``numel`` elements (a
+    LoRA base) have no optimizer state, and no param swap file where the base is read in
+    place (``offload.base_params``). One-line ``ConfigError``; nothing is written. Ranks
+    check their exact sizes again."""
+    in_place = cfg.peft.uses_lora and cfg.checkpoint.load is not None
     offload_state.check_paths(cfg.zero_optimization, numel=numel, share=share,
-                              param_bytes=resolve_dtype(cfg, device or torch.device("cpu")).itemsize)
+                              param_bytes=resolve_dtype(cfg, device or torch.device("cpu")).itemsize,
+                              frozen=frozen, in_place=in_place)
 
 
 class Engine:
@@ -77,7 +82,8 @@ class Engine:
     """
 
     def __init__(self, model: nn.Module, cfg: Config, topology: Topology, device: torch.device,
-                 io: IOOptions | None = None, init: KeyedInit | None = None):
+                 io: IOOptions | None = None, init: KeyedInit | None = None,
+                 base: Path | None = None):
         self.cfg, self.topology, self.device = cfg, topology, device
         determinism.configure(cfg.train.deterministic, device)
         self.io = io or IOOptions()
@@ -98,7 +104,8 @@ class Engine:
         self.optimizer = build_optimizer(
             self.params, self.groups, topology, zero, model=self.model, initial=initial,
             swap_factory=lambda slots, meter, frozen=(): offload_state.build(
-                zero, slots, topology.rank, self.dtype, meter, self.io, frozen=frozen))
+                zero, slots, topology.rank, self.dtype, meter, self.io, frozen=frozen,
+                base=base))
         self.scaler = LossScaler.from_config(cfg.precision)
         self.step_count = 0  # optimizer steps taken (skipped steps excluded)
         self.global_steps = 0  # optimizer_step calls, skipped ones included (checkpoint names)
@@ -108,6 +115,7 @@ class Engine:
         self.shapes = model_shapes(self.model)  # of the global model (every expert)
         self.lora = cfg.peft.uses_lora
         self.base: dict | None = None  # LoRA: the checkpoint holding the frozen base weights
+        self.read_in_place = base  # the base step directory frozen params are read from
 
     @property
     def meter(self):
@@ -301,10 +309,13 @@ class Engine:
         frozen, trained = (self.optimizer.load_targets(trained=False),
                            self.optimizer.load_targets(frozen=False))
         if manifest.base:
-            load(adapter_ckpt.check(manifest.base, where), frozen, split.frozen, exact=False)
+            source = adapter_ckpt.check(manifest.base, where)
+            adapter_ckpt.check_same(self.read_in_place, source)
+            load(source, frozen, split.frozen, exact=False)
             self.base = manifest.base
             return load(where, trained, split.trained, buffers=buffers)
         self.base = adapter_ckpt.record(where)
+        adapter_ckpt.check_same(self.read_in_place, where)
         if split.lacks_adapters(dict(manifest.layout.shapes)):
             load(where, frozen, split.frozen, buffers=buffers, exact=False)
             if split.unfrozen:  # base params trained too ("!" patterns): their values
@@ -359,12 +370,14 @@ def _host_blocks(zero, io: IOOptions) -> None:
 
 def initialize(model: nn.Module, config: Config, *, topology: Topology | None = None,
                device: torch.device | str | None = None, io: IOOptions | None = None,
-               init: KeyedInit | None = None) -> Engine:
+               init: KeyedInit | None = None, base: Path | None = None) -> Engine:
     """Wrap ``model`` (already holding its MoE layers' EP groups) in a training engine.
 
     ``topology`` defaults to one built from the model's MoE layers; ``device`` to CUDA when
     available (this rank's local device), else CPU; ``io`` to ``IOOptions()``; ``init``: the
-    model is on the meta device, materialised by the engine (sharded construction).
+    model is on the meta device, materialised by the engine (sharded construction);
+    ``base``: a LoRA run's base step directory (``adapter_ckpt.frozen_source``), whose files
+    stage 3 with ``offload_param.device: nvme`` reads the frozen params from, in place.
     """
     if topology is None:
         eps = sorted({t.ep_size for p in model.parameters() if (t := expert_tag(p))} or {1})
@@ -372,4 +385,4 @@ def initialize(model: nn.Module, config: Config, *, topology: Topology | None = 
     if device is None:
         device = torch.device(f"cuda:{torch.cuda.current_device()}"
                               if torch.cuda.is_available() else "cpu")
-    return Engine(model, config, topology, torch.device(device), io, init)
+    return Engine(model, config, topology, torch.device(device), io, init, base)

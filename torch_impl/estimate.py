@@ -62,6 +62,20 @@ class Estimate:
     transients: tuple[Transient, ...] = ()  # one step's, by phase (``moezero.transients``)
     runtime_bytes: int | None = None  # the process itself on the host (RUNTIME_BYTES)
     trained_numel: int | None = None  # of model_numel, the trained (None: all of it)
+    frozen: tuple[tuple[str, int], ...] = ()  # (tier, bytes) of this rank's frozen weights
+    base_dtype: str | None = None  # the base checkpoint's weights (``bf16``, ``fp32``, ...)
+    in_place: bool = False  # the frozen shards on NVMe are the base's own files, not swap
+
+    @property
+    def frozen_numel(self) -> int:
+        """Params of the model that are frozen (the base under LoRA), every expert once."""
+        return self.model_numel - (self.model_numel if self.trained_numel is None
+                                   else self.trained_numel)
+
+    def base_disk_bytes(self) -> int:
+        """Bytes of the frozen params in the base checkpoint (all ranks'): its dtype's size
+        each (``import-hf --dtype``, bf16 when not known), headers aside."""
+        return self.frozen_numel * ITEMSIZE[self.base_dtype or "bf16"]
 
     def get(self, category: str, tier: str) -> int:
         return sum(b for c, t, b in self.bytes if c == category and t == tier)
@@ -178,11 +192,14 @@ def _master_copy_bytes(shard: int, pl: _Placement) -> Counter:
     return out
 
 
-def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda") -> Estimate:
+def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda",
+             base_dtype: str | None = None) -> Estimate:
     """Per-rank bytes of ``cfg`` trained on ``world_size`` ranks (``rank``'s share), on a
     ``device`` of kind 'cuda' or 'cpu' (precision ``auto`` resolves by it). Frozen params
-    (``train.freeze``, the base under ``peft``) count as weights only. Allocates nothing the
-    size of the model."""
+    (``train.freeze``, the base under ``peft``) count as weights only, in the compute dtype on
+    the tier of their ZeRO stage and ``offload_param`` (``Estimate.frozen``); ``base_dtype``
+    (the base checkpoint's, e.g. a bf16 import's) sizes the base on disk. Allocates nothing
+    the size of the model."""
     zero, ep = cfg.zero_optimization, cfg.moe.ep_size
     dtype = cfg.precision.resolve(cuda=device == "cuda", bf16_supported=device == "cuda")
     topology = Topology(rank, world_size, (ep,))
@@ -196,8 +213,18 @@ def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda
                     zero.offload_param.device, param_reads_master=not frozen and
                     params_read_master(zero, fp32=dtype == "fp32"))
     total: Counter = Counter()
+    frozen_total: Counter = Counter()
     for part in parts:
-        total += _frozen_bytes(part, pl) if part.group in frozen else _group_bytes(part, pl)
+        if part.group in frozen:
+            frozen_total += _frozen_bytes(part, pl)
+        else:
+            total += _group_bytes(part, pl)
+    in_place = _reads_in_place(cfg, base_dtype)
+    if in_place:  # the base's own files (offload.base_params), in its dtype: no swap file
+        frozen_total = Counter({("params", "nvme"): ITEMSIZE[base_dtype] * sum(
+            _real(p, rank) for p in parts if p.group in frozen)})
+    else:
+        total += frozen_total
     units = _units(model, plan, parts, pl.itemsize) if zero.stage == 3 else {}
     unit, unit_bytes = max(((n, b) for n, b in units.items()), key=lambda nb: nb[1],
                            default=("", 0))
@@ -208,7 +235,23 @@ def estimate(cfg: Config, world_size: int, *, rank: int = 0, device: str = "cuda
                     sum(s.numel for s in specs), sum(p.numel for p in trained),
                     tuple((c, t, b) for (c, t), b in sorted(total.items()) if b),
                     unit, unit_bytes, activations, transients(cfg, shape, activations),
-                    RUNTIME_BYTES.get(device), sum(s.numel for s in specs if not s.frozen))
+                    RUNTIME_BYTES.get(device), sum(s.numel for s in specs if not s.frozen),
+                    tuple((t, b) for (_, t), b in sorted(frozen_total.items()) if b), base_dtype,
+                    in_place)
+
+
+def _reads_in_place(cfg: Config, base_dtype: str | None) -> bool:
+    """A LoRA run from a known base at stage 3 with params on NVMe reads its frozen params
+    from the base checkpoint's files (``moezero.train.frozen_base``)."""
+    zero = cfg.zero_optimization
+    return base_dtype is not None and cfg.peft.uses_lora and zero.stage == 3 \
+        and zero.offload_param.device == "nvme"
+
+
+def _real(part: Partition, rank: int) -> int:
+    """Real (unpadded) elements of ``rank``'s shard of ``part``."""
+    lo, hi = part.rank_range(part.dp_rank(rank))
+    return max(0, min(hi, part.numel) - min(lo, part.numel))
 
 
 def _step_shape(plan, parts: list[Partition], pl: _Placement, units: dict[str, int],
@@ -247,9 +290,22 @@ def format_table(est: Estimate) -> str:
     if est.stage == 3:
         lines.append(f"largest gather unit: {est.gather_unit} {gib(est.gather_unit_bytes).strip()} "
                      f"GiB (two are live with prefetch)")
+    lines += _frozen_lines(est, gib)
     lines.append(f"activations (one micro-batch): "
                  f"{gib(est.activation_bytes).strip()} GiB on the compute device")
     return "\n".join(lines + _peak_lines(est, gib))
+
+
+def _frozen_lines(est: Estimate, gib) -> list[str]:
+    """The frozen base: this rank's weights by tier, the base checkpoint on disk."""
+    if not est.frozen_numel:
+        return []
+    held = ", ".join(f"{gib(b).strip()} GiB on {t}" for t, b in est.frozen)
+    dtype = est.base_dtype or "bf16, assumed"
+    how = (f"reads {held} in place from the base's files ({dtype}, no swap file)"
+           if est.in_place else f"holds {held or 'none'} ({est.dtype})")
+    return [f"frozen base: {est.frozen_numel:,} params; this rank {how}; the base checkpoint "
+            f"{gib(est.base_disk_bytes()).strip()} GiB on disk ({dtype})"]
 
 
 def _trained(est: Estimate) -> str:

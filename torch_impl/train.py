@@ -97,16 +97,27 @@ def sharded_model(cfg: Config, topology: Topology) -> tuple[Decoder, KeyedInit]:
     return model, config_init(cfg)
 
 
-def setup(cfg: Config, device: torch.device,
-          io: IOOptions | None = None) -> tuple[Engine, DataStream]:
-    """Topology, model, engine (with ``io``) and this rank's data stream (collective: every
-    rank calls it)."""
+def setup(cfg: Config, device: torch.device, io: IOOptions | None = None,
+          base: Path | None = None) -> tuple[Engine, DataStream]:
+    """Topology, model, engine (with ``io``; ``base``: ``frozen_base``) and this rank's data
+    stream (collective: every rank calls it)."""
     topology = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
     torch.manual_seed(cfg.train.seed)
     model, init = sharded_model(cfg, topology)
-    engine = initialize(model, cfg, topology=topology, device=device, io=io, init=init)
+    engine = initialize(model, cfg, topology=topology, device=device, io=io, init=init,
+                        base=base)
     batches = build_batches(cfg, dp_rank=topology.rank, dp_size=topology.world_size)
     return engine, batches
+
+
+def frozen_base(cfg: Config, root: Path) -> Path | None:
+    """The base step directory a LoRA run at stage 3 with ``offload_param.device: nvme`` reads
+    its frozen params from in place (docs/finetune.md), else None."""
+    zero = cfg.zero_optimization
+    if not (cfg.peft.uses_lora and cfg.checkpoint.load and zero.stage == 3
+            and zero.offload_param.device == "nvme"):
+        return None
+    return adapter_ckpt.frozen_source(resolve_load(cfg.checkpoint.load, root))
 
 
 def preflight(cfg: Config, run_dir: str | Path) -> Path | None:
@@ -146,9 +157,10 @@ def _check_base_outside(base: Path, root: Path) -> None:
                               "own --out (or checkpoint.dir)")
 
 
-def model_numel(cfg: Config) -> int:
-    """Elements of the global model (every expert once), from shapes on the meta device."""
-    shapes = model_shapes(config_decoder(cfg, where="meta", adapters=False))
+def model_numel(cfg: Config, *, adapters: bool = False) -> int:
+    """Elements of the global model (every expert once; the LoRA adapters too with
+    ``adapters``), from shapes on the meta device."""
+    shapes = model_shapes(config_decoder(cfg, where="meta", adapters=adapters))
     return sum(math.prod(shape) for shape in shapes.values())
 
 
@@ -181,8 +193,8 @@ def train(cfg: Config, run_dir: str | Path, device: torch.device | None = None,
     step, saves and raises ``Preempted`` (docs/reliability.md)."""
     run_dir = Path(run_dir)
     device = device or torch.device("cpu")
-    engine, batches = setup(cfg, device, io)
     root = cfg.checkpoint.resolve_dir(run_dir)
+    engine, batches = setup(cfg, device, io, base=frozen_base(cfg, root))
     try:
         resumed = resume(cfg, engine, batches, root)
     except BaseException:

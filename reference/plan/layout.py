@@ -7,7 +7,9 @@ file's data is therefore the group's unpadded flat buffer (one buffer per state)
 rank's ZeRO partition is one contiguous byte range per state (``rank_ranges``). Buffers
 (checkpointed, never optimized: ``moezero.plan.model_buffers``) are in no group; they lie whole in
 one more file, ``buffers.safetensors``, when the model has any. A frozen group
-(``GroupPlan.frozen``) has its model file only: its weights, no moments.
+(``GroupPlan.frozen``) has its model file only: its weights, no moments. A weights-only
+layout may hold the model files in ``BF16`` or ``F16`` (``dtype``: an import in the source's
+dtype); readers upcast them exactly.
 
 Keys: a member that is a whole parameter is stored under its name (``fqn``,
 ``fqn.exp_avg``, ``fqn.exp_avg_sq``) with its shape. A member the group cap cut is stored
@@ -22,14 +24,13 @@ The manifest's pure half (``Manifest``, ``manifest_to_json``/``manifest_from_jso
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
+from moezero.plan.encoding import ITEMSIZE, WEIGHT_DTYPES, check_dtype, safetensors_header
 from moezero.plan.grouping import GroupPlan, locate_params
 from moezero.plan.model_buffers import BUFFERS_FILE
 from moezero.plan.partition import Partition
@@ -37,8 +38,6 @@ from moezero.plan.rules import MASTER, MOMENTS, STATES
 from moezero.plan.specs import ParamSpec, Slice, natural_key
 
 FORMAT_VERSION = 1
-ITEMSIZE = 4  # every tensor is fp32 ("F32")
-HEADER_ALIGN = 8
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_NAME = "manifest.json"
 
@@ -56,11 +55,12 @@ class TensorEntry(NamedTuple):
     stop: int
     shape: tuple[int, ...]
     begin: int
+    itemsize: int = ITEMSIZE
 
     @property
     def end(self) -> int:
         """Byte offset one past the tensor's last byte (relative to the data start)."""
-        return self.begin + (self.stop - self.start) * ITEMSIZE
+        return self.begin + (self.stop - self.start) * self.itemsize
 
 
 class ByteRange(NamedTuple):
@@ -103,6 +103,12 @@ class FileLayout:
     group: str
     tensors: tuple[TensorEntry, ...]
     header: bytes = field(repr=False)
+    dtype: str = "F32"  # safetensors tag of every tensor of the file
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of the file's tensors."""
+        return WEIGHT_DTYPES[self.dtype]
 
     @property
     def data_start(self) -> int:
@@ -131,6 +137,7 @@ class Layout:
     optim_files: tuple[FileLayout, ...]
     buffers: tuple[tuple[str, tuple[int, ...]], ...] = ()
     buffer_file: FileLayout | None = None
+    dtype: str = "F32"  # of the model files (weights only may be "BF16" or "F16")
 
     @property
     def files(self) -> tuple[FileLayout, ...]:
@@ -140,7 +147,7 @@ class Layout:
 
     @property
     def weights_only(self) -> bool:
-        """True for a layout of fp32 master weights without optimizer state (no optim files),
+        """True for a layout of master weights without optimizer state (no optim files),
         e.g. a model imported from Hugging Face; a loader starts the Adam moments at zero."""
         return bool(self.model_files) and not self.optim_files
 
@@ -224,31 +231,36 @@ def shapes_of(specs: Iterable[ParamSpec]) -> dict[str, tuple[int, ...]]:
 
 def plan_layout(groups: Sequence[GroupPlan], shapes: Mapping[str, Sequence[int]], *,
                 step: int, weights_only: bool = False,
-                buffers: Mapping[str, Sequence[int]] | None = None) -> Layout:
+                buffers: Mapping[str, Sequence[int]] | None = None,
+                dtype: str = "F32") -> Layout:
     """The checkpoint layout of a plan at ``step``.
 
     Args:
         groups: The plan from ``plan_groups`` (every parameter's elements exactly once).
         shapes: Full shape of every parameter in ``groups`` (``shapes_of(specs)``).
         step: Optimizer step, recorded in each header's metadata.
-        weights_only: Model files only (fp32 masters), no optim files.
+        weights_only: Model files only (the masters), no optim files.
         buffers: Full shape of every buffer (``moezero.plan.model_buffers``): stored whole, in
             natural FQN order, in ``buffers.safetensors``; none: no such file.
+        dtype: The safetensors tag of the model files' tensors: ``F32``, or for a weights-only
+            layout ``BF16``/``F16`` (a frozen base kept in its source dtype, docs/hf.md);
+            optimizer state and buffers are always ``F32``. Readers upcast exactly.
 
     Raises:
         ValueError: (one line) if shapes and groups disagree, a buffer is also a parameter,
-            or an FQN contains ``@``.
+            an FQN contains ``@``, or the dtype is unknown or not F32 with optimizer state.
     """
     shapes = {fqn: tuple(int(d) for d in shape) for fqn, shape in shapes.items()}
     _check_coverage(groups, shapes)
+    check_dtype(dtype, weights_only)
     num = len(groups)
-    model = tuple(_file("model", g, num, shapes, step) for g in groups)
+    model = tuple(_file("model", g, num, shapes, step, dtype) for g in groups)
     optim = () if weights_only else tuple(_file("optim", g, num, shapes, step)
                                           for g in groups if not g.frozen)
     order = [m.fqn for g in groups for m in g.members if m.start == 0]
     kept = _buffer_shapes(buffers or {}, shapes)
     return Layout(step, tuple(groups), tuple((f, shapes[f]) for f in order), model, optim,
-                  kept, _buffer_file(kept, step) if kept else None)
+                  kept, _buffer_file(kept, step) if kept else None, dtype)
 
 
 def _buffer_shapes(buffers: Mapping[str, Sequence[int]], params: Mapping) -> tuple:
@@ -294,42 +306,34 @@ def file_name(kind: str, index: int, num_groups: int) -> str:
     return f"{kind}-{index + 1:05d}-of-{num_groups:05d}.safetensors"
 
 
-def _file(kind: str, group: GroupPlan, num_groups: int, shapes: dict, step: int) -> FileLayout:
+def _file(kind: str, group: GroupPlan, num_groups: int, shapes: dict, step: int,
+          dtype: str = "F32") -> FileLayout:
     states = (MASTER,) if kind == "model" else MOMENTS
     tensors, cursor = [], 0
     for state in states:
         for member in group.members:
-            tensors.append(_entry(member, state, shapes[member.fqn], cursor))
+            tensors.append(_entry(member, state, shapes[member.fqn], cursor,
+                                  WEIGHT_DTYPES[dtype]))
             cursor = tensors[-1].end
     metadata = {"format": "pt", "moezero.format_version": str(FORMAT_VERSION),
                 "moezero.kind": kind, "moezero.group": group.name, "moezero.step": str(step)}
     return FileLayout(file_name(kind, group.index, num_groups), kind, group.name,
-                      tuple(tensors), _header(metadata, tensors))
+                      tuple(tensors), _header(metadata, tensors, dtype), dtype)
 
 
-def _entry(member: Slice, state: str, shape: tuple[int, ...], begin: int) -> TensorEntry:
+def _entry(member: Slice, state: str, shape: tuple[int, ...], begin: int,
+           itemsize: int = ITEMSIZE) -> TensorEntry:
     name = member.fqn if state == MASTER else f"{member.fqn}.{state}"
     if member.numel == math.prod(shape):
-        return TensorEntry(name, member.fqn, state, 0, member.stop, shape, begin)
+        return TensorEntry(name, member.fqn, state, 0, member.stop, shape, begin, itemsize)
     return TensorEntry(fragment_key(name, member.start, member.stop), member.fqn, state,
-                       member.start, member.stop, (member.numel,), begin)
+                       member.start, member.stop, (member.numel,), begin, itemsize)
 
 
-def _header(metadata: dict[str, str], tensors: Sequence[TensorEntry]) -> bytes:
-    return safetensors_header(metadata, ((t.key, "F32", t.shape, t.begin, t.end)
+def _header(metadata: dict[str, str], tensors: Sequence[TensorEntry],
+            dtype: str = "F32") -> bytes:
+    return safetensors_header(metadata, ((t.key, dtype, t.shape, t.begin, t.end)
                                          for t in tensors))
-
-
-def safetensors_header(metadata: dict[str, str],
-                       tensors: Iterable[tuple[str, str, Sequence[int], int, int]]) -> bytes:
-    """The safetensors prefix of (key, dtype tag, shape, begin, end) entries, offsets from the
-    data section: u64 LE length, compact JSON, spaces to a multiple of 8."""
-    obj: dict[str, Any] = {"__metadata__": metadata}
-    for key, dtype, shape, begin, end in tensors:
-        obj[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
-    text = json.dumps(obj, separators=(",", ":")).encode("ascii")
-    text += b" " * (-len(text) % HEADER_ALIGN)
-    return struct.pack("<Q", len(text)) + text
 
 
 def rank_ranges(layout: Layout, partition: Partition, dp_rank: int) -> RankRanges:
@@ -342,12 +346,13 @@ def rank_ranges(layout: Layout, partition: Partition, dp_rank: int) -> RankRange
     index = _matching_group(layout, partition)
     lo, hi = partition.rank_range(dp_rank)
     lo, hi = min(lo, partition.numel), min(hi, partition.numel)
-    model, length = layout.model_files[index], (hi - lo) * ITEMSIZE
-    master = ByteRange(model.name, model.data_start + lo * ITEMSIZE, length)
+    model = layout.model_files[index]
+    master = ByteRange(model.name, model.data_start + lo * model.itemsize,
+                       (hi - lo) * model.itemsize)
     optim = layout.optim_file(index)
     if optim is None:  # weights only, or a frozen group
         return RankRanges(master, None, None, hi - lo)
-    avg = optim.data_start + lo * ITEMSIZE
+    avg, length = optim.data_start + lo * ITEMSIZE, (hi - lo) * ITEMSIZE
     return RankRanges(master, ByteRange(optim.name, avg, length),
                       ByteRange(optim.name, avg + partition.numel * ITEMSIZE, length), hi - lo)
 

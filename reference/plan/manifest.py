@@ -63,7 +63,7 @@ def manifest_to_json(manifest: Manifest) -> dict:
     """The manifest as a JSON object (the layout as groups, shapes and file sizes)."""
     layout = manifest.layout
     obj = {"format": "moezero-checkpoint", "format_version": FORMAT_VERSION,
-           "step": layout.step, "dtype": "F32", "config": manifest.config,
+           "step": layout.step, "dtype": layout.dtype, "config": manifest.config,
            "topology": manifest.topology,
            "groups": [group_to_json(g) for g in layout.groups],
            "shapes": {fqn: list(shape) for fqn, shape in layout.shapes},
@@ -91,7 +91,7 @@ def manifest_from_json(obj: Any) -> Manifest:
     try:
         layout = plan_layout([group_from_json(g) for g in obj["groups"]], obj["shapes"],
                              step=int(obj["step"]), weights_only=obj.get("weights_only") is True,
-                             buffers=obj.get("buffers") or {})
+                             buffers=obj.get("buffers") or {}, dtype=obj.get("dtype", "F32"))
         files = [(f["name"], f["kind"], f["group"], f["size"]) for f in obj["files"]]
         checksums = tuple(RangeRecord(str(f), int(o), int(n), int(c))
                           for f, o, n, c in obj["checksums"])

@@ -22,6 +22,7 @@ from moezero.plan.layout import (
     INDEX_NAME,
     ITEMSIZE,
     MANIFEST_NAME,
+    FileLayout,
     index_json,
     rank_ranges,
     same_group,
@@ -101,8 +102,8 @@ def read_param(ckpt_dir: str | os.PathLike, manifest: Manifest, fqn: str, start:
     for f, t in pieces:
         lo, hi = max(start, t.start), min(stop, t.stop)
         if lo < hi:
-            offset = f.data_start + t.begin + (lo - t.start) * ITEMSIZE
-            _read(reader, ckpt_dir, f.name, out[lo - start:hi - start], offset)
+            offset = f.data_start + t.begin + (lo - t.start) * f.itemsize
+            _read(reader, ckpt_dir, f, out[lo - start:hi - start], offset)
     return out
 
 
@@ -123,7 +124,8 @@ def read_range(ckpt_dir: str | os.PathLike, manifest: Manifest, partition: Parti
     out = _output(out, hi - lo)
     real = max(lo, min(hi, ranges.numel))
     if real > lo:
-        _read(reader, ckpt_dir, where.file, out[:real - lo], where.offset + lo * ITEMSIZE)
+        f = manifest.layout.file(where.file)
+        _read(reader, ckpt_dir, f, out[:real - lo], where.offset + lo * f.itemsize)
     out[real - lo:] = 0
     return out
 
@@ -170,13 +172,25 @@ def read_tensors(ckpt_dir: str | os.PathLike, manifest: Manifest,
             for fqn, shape in manifest.layout.shapes + buffers}
 
 
-def _read(reader, ckpt_dir, name: str, out: np.ndarray, offset: int) -> None:
-    """``out`` from file ``name`` at ``offset``: through ``reader`` when given, else a plain
-    ``pread``."""
+def _read(reader, ckpt_dir, f: FileLayout, out: np.ndarray, offset: int) -> None:
+    """``out`` (float32) from file ``f`` at ``offset``: through ``reader`` when given, else a
+    plain ``pread``; a BF16 or F16 file's elements are read raw, then upcast exactly."""
+    raw = out if f.itemsize == ITEMSIZE else np.empty(out.size, np.uint16)
     if reader is None:
-        pread_into(Path(ckpt_dir) / name, out, offset)
+        pread_into(Path(ckpt_dir) / f.name, raw, offset)
     else:
-        reader.read_into(name, out, offset)
+        reader.read_into(f.name, raw, offset)
+    if raw is not out:
+        upcast_into(raw, f.dtype, out)
+
+
+def upcast_into(raw: np.ndarray, dtype: str, out: np.ndarray) -> None:
+    """The float32 values of ``raw`` (uint16 bit patterns of ``dtype`` ``BF16`` or ``F16``)
+    into ``out``: exact (bf16 is the top half of an fp32; fp16 widens without rounding)."""
+    if dtype == "BF16":
+        np.left_shift(raw.astype(np.uint32), 16, out=out.view(np.uint32))
+    else:
+        out[:] = raw.view(np.float16)
 
 
 def _output(out: np.ndarray | None, numel: int) -> np.ndarray:

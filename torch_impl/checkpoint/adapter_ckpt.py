@@ -19,6 +19,7 @@ from pathlib import Path
 
 from moezero.plan.grouping import GroupPlan, frozen_params, trained_groups
 from moezero.plan.layout import MANIFEST_NAME
+from moezero.plan.reading import read_manifest
 from moezero.plan.store import CheckpointError
 
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
@@ -43,6 +44,21 @@ def check(base: dict, where: Path) -> Path:
         raise CheckpointError(f"{where}: its base checkpoint {path} changed since the save "
                               f"(manifest sha256 {found[:16]}, saved {base['sha256'][:16]})")
     return path
+
+
+def check_same(read_in_place: Path | None, source: Path) -> None:
+    """CheckpointError (one line) when the run reads its frozen params in place from another
+    base than ``source``, the one this load takes them from."""
+    if read_in_place is not None and Path(read_in_place).resolve() != Path(source).resolve():
+        raise CheckpointError(f"{source}: the frozen params of this run are read in place from "
+                              f"{read_in_place}, another base; load a checkpoint of that base")
+
+
+def frozen_source(ckpt: Path) -> Path:
+    """The step directory holding the frozen params of a LoRA run loading ``ckpt``: the base
+    named by an adapter checkpoint (checked unchanged), else ``ckpt`` itself."""
+    manifest = read_manifest(ckpt)
+    return check(manifest.base, ckpt) if manifest.base else Path(ckpt)
 
 
 def _digest(step_dir: Path) -> str:

@@ -147,13 +147,13 @@ def _spans(numel: int, chunk: int):
 
 
 def _fill_files(reader: PlainReader, target: StateShard, saved) -> None:
-    """A swap-file target: file to file where the checkpoint holds the group unchanged (any
-    world size: the rank's range is then one byte range per state), else read and written
+    """A swap-file target: file to file where the checkpoint holds the group unchanged, in fp32
+    (any world size: the rank's range is then one byte range per state), else read and written
     span by span through a host buffer of ``reader.chunk`` bytes. Padding and the states the
     checkpoint lacks become zeros."""
     part, size = target.partition, target.partition.shard_numel * ITEMSIZE
     manifest = reader.manifest
-    if same_group(manifest.layout, part):
+    if same_group(manifest.layout, part) and manifest.layout.dtype == "F32":  # bytes as stored
         ranges = rank_ranges(manifest.layout, part, target.dp_rank)
         for s, path in target.files.items():
             where_s, done = getattr(ranges, s), 0

@@ -26,8 +26,9 @@ import torch
 from moezero.plan import store
 from moezero.plan.bytes_io import CHUNK, byte_view
 from moezero.plan.checked import CheckedReader
+from moezero.plan.encoding import WEIGHT_DTYPES, safetensors_header
 from moezero.plan.files import pwrite_all
-from moezero.plan.layout import FORMAT_VERSION, safetensors_header
+from moezero.plan.layout import FORMAT_VERSION
 
 __all__ = ["describe", "export", "into_empty", "refuse_non_empty", "verify", "write_weights"]
 
@@ -73,10 +74,12 @@ def describe(ckpt: Path) -> str:
     files = [ckpt / f.name for f in layout.files]
     on_disk = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file())
     headers = sum(f.data_start for f in layout.files)
-    per = 4 if layout.weights_only else 12  # master (+ exp_avg + exp_avg_sq)
-    frozen = sum(g.numel for g in layout.groups if g.frozen)  # weights only (4 B)
-    what = "fp32 weights only (no optimizer state)" if layout.weights_only else "fp32 state"
-    state = per * numel - (per - 4) * frozen
+    item = WEIGHT_DTYPES[layout.dtype]  # a weights-only import may keep bf16/fp16
+    per = item if layout.weights_only else 12  # master (+ exp_avg + exp_avg_sq)
+    frozen = sum(g.numel for g in layout.groups if g.frozen)  # weights only
+    kind = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}[layout.dtype]
+    what = f"{kind} weights only (no optimizer state)" if layout.weights_only else "fp32 state"
+    state = per * (numel - frozen) + item * frozen
     lines = [f"checkpoint {ckpt}  step {m.step}  format version {FORMAT_VERSION}",
              f"saved by: world size {topo.get('world_size', '?')}, ep {topo.get('ep_sizes', '?')}, "
              f"ZeRO stage {topo.get('zero_stage', '?')}, {topo.get('dtype', '?')} compute"
@@ -85,14 +88,14 @@ def describe(ckpt: Path) -> str:
              f"{len(layout.groups)} groups, {len(layout.shapes)} parameters ({numel:,} elements), "
              f"{sum(len(f.tensors) for f in layout.files)} tensors in {len(files)} safetensors files",
              f"bytes on disk {on_disk:,}: {what} {state:,} ({per} B x {numel - frozen:,}"
-             + (f" + 4 B x {frozen:,} frozen" if frozen else "")
+             + (f" + {item} B x {frozen:,} frozen" if frozen else "")
              + f"), headers {headers:,}, JSON {on_disk - state - headers:,}",
              f"{'group':<44} {'members':>7} {'elements':>12} {'bytes':>14}"]
     if m.base:
         lines.insert(2, f"adapters only: the frozen weights are in the base checkpoint "
                         f"{m.base['path']} (manifest sha256 {m.base['sha256'][:16]})")
     for g in layout.groups:
-        size = (4 if g.frozen else per) * g.numel
+        size = (item if g.frozen else per) * g.numel
         lines.append(f"{g.name:<44} {len(g.members):>7} {g.numel:>12,} {size:>14,}")
     return "\n".join(lines)
 
@@ -148,7 +151,7 @@ def write_weights(ckpt: Path, m, out: Path, items: list[tuple[str, str, tuple]],
 
 
 def _write_safetensors(path: Path, source: tuple, tensors, kinds: dict, meta: dict) -> None:
-    """One safetensors file: the header computed up front (``plan.layout.safetensors_header``),
+    """One safetensors file: the header computed up front (``plan.encoding.safetensors_header``),
     then each tensor read from ``source`` (checkpoint, manifest, reader), cast to its
     ``kinds[fqn]`` (torch dtype, safetensors tag) and written ``CHUNK`` bytes of fp32 at a
     time with pwrite at its offset, under ``<name>.partial`` renamed when complete."""

@@ -110,15 +110,18 @@ class AsyncIO:
         chunk_bytes: Bytes per system call (a multiple of ``ALIGN``).
         fsync: ``write`` futures complete only after ``os.fsync`` of the file.
         direct: Use O_DIRECT where the filesystem allows it.
+        readonly: Open files read-only and refuse writes (files this job did not create, such
+            as a base checkpoint read in place: ``moezero.offload.base_params``).
     """
 
     def __init__(self, workers: int = 4, *, chunk_bytes: int = CHUNK, fsync: bool = False,
-                 direct: bool = True):
+                 direct: bool = True, readonly: bool = False):
         if workers < 1 or chunk_bytes < ALIGN or chunk_bytes % ALIGN:
             raise ValueError(f"AsyncIO: need workers >= 1 and chunk_bytes a positive multiple "
                              f"of {ALIGN}, got {workers} and {chunk_bytes}")
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="moezero-aio")
         self._chunk, self._fsync = chunk_bytes, fsync
+        self._access = os.O_RDONLY if readonly else os.O_RDWR
         self._direct = direct and hasattr(os, "O_DIRECT")
         self._lock = threading.RLock()
         self._files: dict[str, _File] = {}
@@ -173,6 +176,8 @@ class AsyncIO:
     def _dispatch(self, op: str, path, tensor: torch.Tensor, offset: int) -> Future:
         if self._closed:
             raise RuntimeError("AsyncIO is closed")
+        if op == "write" and self._access == os.O_RDONLY:
+            raise ValueError(f"{path}: this I/O engine is read-only")
         if not isinstance(offset, int) or offset < 0:
             raise ValueError(f"{path}: offset must be a non-negative int, got {offset!r}")
         path = os.path.abspath(path)
@@ -220,7 +225,7 @@ class AsyncIO:
         with self._lock:
             f = self._files.get(path)
             if f is None:
-                flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+                flags = self._access | os.O_CLOEXEC | (os.O_CREAT if create else 0)
                 fd = os.open(path, flags, 0o600)
                 dfd = self._open_direct(path)
                 f = self._files[path] = _File(fd, dfd, os.path.dirname(path), dfd is not None)
@@ -232,7 +237,7 @@ class AsyncIO:
         if not self._direct or self._direct_dirs.get(folder) is False:
             return None
         try:
-            dfd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT)
+            dfd = os.open(path, self._access | os.O_CLOEXEC | os.O_DIRECT)
         except OSError as err:
             self._refuse(folder, err)
             return None

@@ -5,7 +5,8 @@ holds under a lock), holding exactly the
 rank's padded partition of that group: ``master``/``exp_avg``/``exp_avg_sq`` in fp32; at
 stage 3 with ``offload_optimizer.device: nvme`` the reduced ``grad`` in the compute dtype (not
 checkpointed; ``moezero.zero.gradtier``); at stage 3 with ``offload_param.device: nvme``,
-``param`` in the compute dtype. The checkpoint
+``param`` in the compute dtype, except the frozen slots a LoRA run reads from its base
+checkpoint's own files (``sources``: ``moezero.offload.base_params``). The checkpoint
 layout stores the same contiguous ranges, so a save or load copies file to file
 (``moezero.checkpoint``, which receives the swap files' paths as the optimizer's shards).
 ``SwapState.stepping`` pipelines the offloaded step over windows of groups (``ZeroOptions.
@@ -29,6 +30,7 @@ import torch
 
 from moezero.memory.pinned import PinnedPool
 from moezero.offload.aio import AsyncIO, aligned_empty, aligned_size, wait
+from moezero.offload.base_params import BaseFiles, plan_sources
 from moezero.offload.options import IOOptions
 from moezero.offload.readahead import ReadAhead
 from moezero.offload.swapdir import OPTIMIZER_KEY, PARAM_KEY, SwapDir
@@ -61,19 +63,21 @@ class SwapState:
         self.early: dict[tuple, tuple[list[dict], list[Future]]] = {}  # ``read_early``
         self.unwritten: dict[object, _Gate] = {}  # ``gate``: being rewritten
         self.offered: dict[object, dict[str, torch.Tensor]] = {}  # ``offer``: handed over
+        self.sources = BaseFiles()  # slots read in place from a base: no file, never written
 
     def nbytes(self) -> int:
         """Bytes of this rank's swap files (each rounded up to the alignment)."""
         if self.alias is not None:
             return 0
         size = self.dtype.itemsize
-        return sum(aligned_size(s.shard * size) for s in self.slots) * len(self.states)
+        return sum(aligned_size(s.shard * size) for s in self.slots
+                   if s not in self.sources) * len(self.states)
 
     def allocate(self) -> None:
         """Create (or reuse, same size) every swap file; contents are written by the caller."""
         if self.alias is not None:
             return
-        for slot in self.slots:
+        for slot in [s for s in self.slots if s not in self.sources]:
             for state in self.states:
                 self.folder.allocate(slot.group.name, state, slot.shard * self.dtype.itemsize)
 
@@ -95,13 +99,15 @@ class SwapState:
 
     def read(self, slot, bufs: dict[str, torch.Tensor]) -> list[Future]:
         self.traffic["read"] += sum(b.nbytes for b in bufs.values())
+        if slot in self.sources:  # the base checkpoint's bytes, in place
+            return [self.sources.read(slot, bufs["param"])]
         return [self.io.read(self.path(slot, s), bufs[s]) for s in bufs]
 
     def write(self, slot, bufs: dict[str, torch.Tensor]) -> list[Future]:
         """Start writing ``bufs``; nothing with an alias (its owner writes those bytes). A read
         ahead of this slot, here or in an alias reading these files, would return stale bytes:
         it is forgotten first."""
-        if self.alias is not None:
+        if self.alias is not None or slot in self.sources:
             return []
         for swap in (self, *self.readers):
             swap.ahead.forget(slot)
@@ -190,8 +196,9 @@ class SwapState:
     def put(self, slot, values: dict[str, torch.Tensor | float]) -> None:
         """Write each state's value (a tensor, cast to the file's dtype, or a fill number) to
         ``slot``'s files now, through aligned buffers freed afterwards (with an alias: nothing,
-        the owner of those files writes them)."""
-        if self.alias is not None:
+        the owner of those files writes them; nor for a slot read in place, whose values are
+        its base's)."""
+        if self.alias is not None or slot in self.sources:
             return
         bufs = self.buffers(slot)
         for state, value in values.items():
@@ -291,6 +298,7 @@ class SwapState:
         self.drop_early()
         self.offered.clear()
         self.io.close()
+        self.sources.close()
         if self.pool is not None:
             self.pool.close()
         if remove:
@@ -299,7 +307,7 @@ class SwapState:
 
 def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
           options: IOOptions | None = None, *, pin: bool | None = None,
-          frozen: Sequence = ()) -> tuple:
+          frozen: Sequence = (), base=None) -> tuple:
     """(optimizer, param, grad: a SwapState or None each) for the configured tiers: each
     folder held by this job (``SwapDir.acquire``), checked for space (nothing is written to
     it before that passes), cleared of a dead job's other swap files, then allocated. The
@@ -308,7 +316,8 @@ def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
     folder the params are read from the master files (``params_read_master``).
     ``pin``: pin the host buffers (default: where CUDA is available). ``frozen``: the frozen
     groups' slots (``train.freeze``): param files only (stage 3), so then the params never
-    read the master's files."""
+    read the master's files; with ``base`` (a LoRA run's base step directory) those its
+    files hold are read from there instead (``base_params.plan_sources``)."""
     optim = param = grad = io = None
     pin = torch.cuda.is_available() if pin is None else pin
     options = options or IOOptions()
@@ -331,6 +340,8 @@ def build(cfg_zero, slots: Sequence, rank: int, dtype: torch.dtype, meter,
                           key=PARAM_KEY, meter=meter, pin=pin, alias=alias)
         if param.alias is not None:
             optim.readers.append(param)  # the step's master writes forget its reads ahead
+        if base is not None:
+            param.sources = plan_sources(base, frozen, options)
     _prepare([s for s in (optim, param, grad) if s is not None], folders.values())
     return optim, param, grad
 
@@ -365,21 +376,24 @@ def _prepare(stores: list[SwapState], folders) -> None:
         raise
 
 
-def check_paths(cfg_zero, *, numel: int, share: float, param_bytes: int) -> None:
+def check_paths(cfg_zero, *, numel: int, share: float, param_bytes: int, frozen: int = 0,
+                in_place: bool = False) -> None:
     """Before any rank starts: each NVMe folder exists, is a writable directory and has room
     for what this node's ranks will swap there: their ``share`` of the model's ``numel``
     elements at 12 B (fp32 master + moments; at stage 3 plus ``param_bytes`` of reduced
     gradient) and, at stage 3, ``param_bytes`` of param shard (alignment aside; each rank
-    checks its exact size again). One-line ``ConfigError`` naming the key and path; writes
+    checks its exact size again). ``frozen`` elements have no optimizer state (nor, with
+    ``in_place``, a param file). One-line ``ConfigError`` naming the key and path; writes
     nothing."""
     need: dict[str, list] = {}
     grad_bytes = param_bytes if cfg_zero.stage == 3 else 0
-    tiers = [(cfg_zero.offload_optimizer, OPTIMIZER_KEY, 12 + grad_bytes)]
+    tiers = [(cfg_zero.offload_optimizer, OPTIMIZER_KEY, 12 + grad_bytes, numel - frozen)]
     if cfg_zero.stage == 3:
-        tiers.append((cfg_zero.offload_param, PARAM_KEY, param_bytes))
-    for tier, key, per_elem in tiers:
+        tiers.append((cfg_zero.offload_param, PARAM_KEY, param_bytes,
+                      numel - (frozen if in_place else 0)))
+    for tier, key, per_elem, count in tiers:
         if tier.device == "nvme":
             entry = need.setdefault(os.path.abspath(tier.nvme_path), [key, 0])
-            entry[1] += int(per_elem * numel * share)
+            entry[1] += int(per_elem * count * share)
     for path, (key, nbytes) in need.items():
         SwapDir(path, 0).check(nbytes, key)

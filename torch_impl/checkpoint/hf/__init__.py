@@ -3,7 +3,7 @@
 
 ``import_hf(src, out)`` reads a local model directory (``config.json``, safetensors shards,
 optionally ``model.safetensors.index.json``); its ``model_type`` picks the family. It writes a
-*weights-only* moezero checkpoint: the plan's layout with fp32 masters keyed by moezero FQNs
+*weights-only* moezero checkpoint: the plan's layout, weights in the source dtype keyed by FQNs
 (global expert ids), no optimizer files, step 0, committed atomically, and ``config.yaml``.
 ``export_hf(ckpt, out)`` writes any moezero checkpoint as ``config.json`` + safetensors +
 index that the family's ``*ForCausalLM.from_pretrained`` loads. Only JSON and safetensors are

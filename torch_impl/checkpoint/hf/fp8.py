@@ -22,12 +22,15 @@ SCALE_SUFFIX = "_scale_inv"
 
 
 def block_size(cfg: dict, where: str) -> tuple[int, int] | None:
-    """The (rows, cols) block of an FP8 checkpoint's ``quantization_config``, None without one;
-    one-line CheckpointError on a quantization moezero does not read."""
+    """The (rows, cols) block of an FP8 checkpoint's ``quantization_config``, None without one
+    (or for gpt-oss's MXFP4, which its family reads); one-line CheckpointError on a
+    quantization moezero does not read."""
     quant = cfg.get("quantization_config")
     if not quant:
         return None
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method == "mxfp4" and cfg.get("model_type") == "gpt_oss":
+        return None  # gpt-oss's MXFP4 experts: the family's own reader (checkpoint/hf/mxfp4.py)
     if method != "fp8":
         raise refuse(where, "quantization_config.quant_method", method,
                      "moezero reads FP8 block-scaled weights (fp8) here")

@@ -3,11 +3,11 @@ checkpoint (docs/hf.md, "Import").
 
 The family comes from ``config.json``'s ``model_type``. Everything is checked (the config, and
 every tensor's name and shape, from the safetensors headers) before anything is written; then
-each tensor is read as a slice of its file, cast to fp32 and written to its place in the plan's
-layout (``plan_layout(..., weights_only=True)``) under ``out/step_00000000/``, committed
+each tensor is read as a slice of its file, cast to the import's dtype (``--dtype``, by default
+the source's: ``checkpoint.hf.dtypes``) and written to its place in the plan's layout
+(``plan_layout(..., weights_only=True, dtype=...)``) under ``out/step_00000000/``, committed
 atomically with ``out/latest``, plus ``out/config.yaml``. Streamed: whole rows of about 8 MiB
-of fp32 at a time, each a lazy slice of its file (``HFTensors.read_rows``), never a whole
-tensor.
+at a time, each a lazy slice of its file (``HFTensors.read_rows``), never a whole tensor.
 Grouped-query K/V projections keep their shapes.
 """
 
@@ -19,10 +19,11 @@ import re
 import zlib
 from pathlib import Path
 
+import torch
 from pydantic import ValidationError
 
 from moezero.checkpoint import tokenizer as hf_tokenizer
-from moezero.checkpoint.hf import fp8
+from moezero.checkpoint.hf import dtypes, fp8
 from moezero.checkpoint.hf.arch import Arch
 from moezero.checkpoint.hf.families import family_of_config
 from moezero.checkpoint.hf.family import Family
@@ -36,7 +37,7 @@ from moezero.model.specs import config_user_group, param_specs
 from moezero.plan import plan_groups, plan_layout, store
 from moezero.plan.bytes_io import CHUNK, byte_view
 from moezero.plan.files import pwrite_all, read_json
-from moezero.plan.layout import ITEMSIZE, RangeRecord
+from moezero.plan.layout import RangeRecord
 from moezero.plan.model_buffer_io import write_buffers
 from moezero.plan.store import CheckpointError
 
@@ -72,8 +73,9 @@ def import_config(arch: Arch, out: Path, where: str, tokenizer: dict | None = No
         raise CheckpointError(f"{where}: maps to {loc}: {err['msg']}") from None
 
 
-def import_hf(src: str | Path, out: str | Path) -> Path:
-    """Write the Hugging Face model in ``src`` as a weights-only moezero checkpoint in ``out``.
+def import_hf(src: str | Path, out: str | Path, dtype: str | None = None) -> Path:
+    """Write the Hugging Face model in ``src`` as a weights-only moezero checkpoint in ``out``,
+    its weights in ``dtype`` (``fp32``, ``bf16`` or ``fp16``; None: the source's dtype).
 
     Returns:
         The committed step directory ``out/step_00000000``.
@@ -86,7 +88,8 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     refuse_non_empty(out)
     cfg = import_config(arch, out, str(src / HF_CONFIG), hf_tokenizer.describe_import(src, out))
     tensors = HFTensors(src, fp8.block_size(raw, str(src / HF_CONFIG)))
-    layout = _layout(cfg)
+    dtype = dtypes.resolve(dtype, set(tensors.files.values()))
+    layout = _layout(cfg, dtype=dtypes.IMPORT_DTYPES[dtype][0])
     sources = {fqn: _source(tensors, fqn, shape, arch, family, src)
                for fqn, shape in layout.shapes + layout.buffers}
     dropped = family.dropped(raw) if family.dropped else None
@@ -114,10 +117,10 @@ def _write(layout, tensors: HFTensors, sources: dict, out: Path, meta: dict) -> 
         try:
             for t in f.tensors:
                 shape = layout.shape(t.fqn)
-                crc = _write_fragment(fd, f.data_start + t.begin, tensors, sources[t.fqn],
-                                      shape, (t.start, t.stop))
-                records.append(RangeRecord(f.name, f.data_start + t.begin,
-                                           (t.stop - t.start) * ITEMSIZE, crc))
+                crc = _write_fragment(fd, (f.data_start + t.begin, f.dtype), tensors,
+                                      sources[t.fqn], shape, (t.start, t.stop))
+                records.append(RangeRecord(f.name, f.data_start + t.begin, t.end - t.begin,
+                                           crc))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -128,12 +131,15 @@ def _write(layout, tensors: HFTensors, sources: dict, out: Path, meta: dict) -> 
     return store.commit(partial)
 
 
-def _write_fragment(fd: int, offset: int, tensors: HFTensors, source: tuple,
+def _write_fragment(fd: int, where: tuple[int, str], tensors: HFTensors, source: tuple,
                     shape: tuple[int, ...], span: tuple[int, int]) -> int:
-    """Flat elements ``span`` of the source tensor as fp32 at ``offset``, whole rows of about
-    ``CHUNK`` bytes at a time; the crc32 of the bytes written."""
+    """Flat elements ``span`` of the source tensor at ``where`` (offset, safetensors dtype tag),
+    whole rows of about ``CHUNK`` bytes at a time; the crc32 of the bytes written."""
+    offset, tag = where
+    dtype = next(d for t, d in dtypes.IMPORT_DTYPES.values() if t == tag)
+    itemsize = dtype.itemsize
     row = math.prod(shape[1:])
-    step = max(1, CHUNK // (ITEMSIZE * row)) * row
+    step = max(1, CHUNK // (4 * row)) * row  # rows of about CHUNK bytes of fp32 read
     crc, (start, stop) = 0, span
     whole = source.build(tensors).reshape(-1) if isinstance(source, Derived) else None
     for lo in range(start, stop, step):
@@ -141,8 +147,9 @@ def _write_fragment(fd: int, offset: int, tensors: HFTensors, source: tuple,
         first = lo // row
         block = whole[first * row:-(-hi // row) * row] if whole is not None else \
             tensors.read_rows(*source, slice(first, -(-hi // row))).reshape(-1)
-        data = byte_view(block[lo - first * row:hi - first * row].contiguous().numpy())
-        pwrite_all(fd, data, offset + (lo - start) * ITEMSIZE)
+        part = block[lo - first * row:hi - first * row].to(dtype).contiguous()
+        data = byte_view(part.view(torch.uint8).numpy())
+        pwrite_all(fd, data, offset + (lo - start) * itemsize)
         crc = zlib.crc32(data, crc)
     return crc
 
@@ -165,16 +172,16 @@ def _source(tensors: HFTensors, fqn: str, shape: tuple[int, ...], arch: Arch, fa
     return key, index
 
 
-def _layout(cfg: Config, *, step: int = 0, weights_only: bool = True):
+def _layout(cfg: Config, *, step: int = 0, weights_only: bool = True, dtype: str = "F32"):
     """The plan's layout of the default recipe's groups for the imported architecture (by
-    default weights only), so a run with the default grouping reads each group contiguously;
-    the model's buffers (the expert biases) in their own file."""
+    default weights only, in ``dtype``), so a run with the default grouping reads each group
+    contiguously; the model's buffers (the expert biases, fp32) in their own file."""
     model = config_decoder(cfg, where="meta", adapters=False)
     specs, _ = param_specs(model, config_user_group(cfg))
     groups = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
                          split_by_expert=cfg.moe.split_groups_by_expert)
     return plan_layout(groups, {s.fqn: s.shape for s in specs}, step=step,
-                       weights_only=weights_only, buffers=buffer_shapes(model))
+                       weights_only=weights_only, buffers=buffer_shapes(model), dtype=dtype)
 
 
 def _check_all_used(tensors: HFTensors, used: set[str], arch: Arch, src: Path,

@@ -1,0 +1,85 @@
+"""One rank of the ``bigbase`` series: ``torchrun ... -m benchmarks.bigbase_rank SPEC RESULT``.
+
+The path ``moezero train`` takes (config with ``--set`` overrides, the architecture adopted
+from the base, ``setup`` with the base read in place where it applies, the base loaded), then
+``steps`` optimizer steps on the prepared chat data, each with its wall time and the bytes this
+process read (``/proc/self/io``: ``read_bytes`` from storage, ``rchar`` through read calls);
+then, with ``save``, one checkpoint (adapters only) and a resume from it in a fresh engine
+that takes one more step. Peak RSS and anonymous memory per rank.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import AnonPeak, anon_rss, peak_rss, rank_main, tree_bytes
+from benchmarks.finetune_rank import _config as _adopted_config
+
+
+def io_bytes() -> dict[str, int]:
+    """This process's ``read_bytes`` and ``rchar`` so far (Linux ``/proc/self/io``)."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return {"read_bytes": int(fields["read_bytes"]), "rchar": int(fields["rchar"])}
+
+
+def _config(overrides: list[str]):
+    """The row's config: adopted from its base, or (the compute row, no base) as given."""
+    from moezero.config import load_config
+    from moezero.data.build import check_data
+
+    cfg = load_config(None, overrides)
+    return _adopted_config(overrides) if cfg.checkpoint.load else check_data(cfg)
+
+
+def _engine(overrides: list[str]):
+    from moezero.train import frozen_base, resume, setup
+
+    cfg = _config(overrides)
+    engine, batches = setup(cfg, torch.device("cpu"), base=frozen_base(cfg, Path(".")))
+    resume(cfg, engine, batches, Path("."))
+    return engine, batches
+
+
+def _steps(engine, batches, count: int) -> list[dict]:
+    from moezero.model.packing import Batch
+
+    out = []
+    for _ in range(count):
+        batch = Batch.of(batches.next_batch())
+        before, start = io_bytes(), time.perf_counter()
+        loss = engine.train_step([batch])["loss"]
+        elapsed, after = time.perf_counter() - start, io_bytes()
+        out.append({"step_s": elapsed, "loss": loss,
+                    **{k: after[k] - before[k] for k in after}})
+    return out
+
+
+def run_rank(spec: dict) -> dict:
+    anon_start, sampler = anon_rss(), AnonPeak()
+    try:
+        engine, batches = _engine(spec["overrides"])
+        record = {"steps": _steps(engine, batches, spec["steps"])}
+        if spec.get("save"):
+            engine.save_checkpoint(spec["ckpt_dir"], state={"data": batches.state_dict()})
+            engine.wait_checkpoint()
+            engine.close()
+            step = max(p for p in Path(spec["ckpt_dir"]).iterdir() if p.name.startswith("step_"))
+            record["checkpoint_bytes"], record["checkpoint_files"] = tree_bytes(step)
+            engine, batches = _engine([*spec["overrides"], f"checkpoint.load={step}"])
+            record["resumed"] = _steps(engine, batches, 1)
+        engine.close()
+    finally:
+        anon_peak = sampler.stop()
+    return {**record, "anon_start": anon_start, "anon_peak": anon_peak, "peak_rss": peak_rss()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return rank_main(run_rank, argv, threads=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
