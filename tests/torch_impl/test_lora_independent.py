@@ -20,8 +20,6 @@ last bit, the trained tensors 2.7e-6 of their largest value apart.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -110,8 +108,8 @@ def _plain_loop(model, named: dict) -> list[float]:
 
 
 def test_lora_with_unfrozen_norms_matches_a_plain_transformers_adamw_loop(tmp_path):
-    from moezero.checkpoint.hf.families import family_for
     from moezero.checkpoint.hf.arch import arch_of
+    from moezero.checkpoint.hf.families import family_for
     from moezero.plan import store
 
     save_hf(hf_model("mixtral"), tmp_path / "hf")
