@@ -56,9 +56,11 @@ class Checkpointer:
 
     def adopt(self, path: str | os.PathLike) -> None:
         """This run resumes the checkpoint at ``path``: the complete steps of its root are
-        the resumed run's, which retention may delete (``keep_last``); nothing else is."""
-        root = store.find_checkpoint(path).parent
-        self.owned.update(p.resolve() for p in store.complete_steps(root))
+        the resumed run's, which retention may delete (``keep_last``); nothing else is.
+        Rank 0 alone applies retention, so only it lists them."""
+        if self.rank == 0:
+            root = store.find_checkpoint(path).parent
+            self.owned.update(p.resolve() for p in store.complete_steps(root))
 
     def save(self, root: str | os.PathLike, *, step: int, layout: Layout,
              shards: Iterable[StateShard], state: dict, meta: dict,

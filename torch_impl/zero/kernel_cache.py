@@ -144,6 +144,8 @@ def build(name: str, source: Path, cflags: list[str], held) -> Path:
 def _stop_group(child: subprocess.Popen, torch_lock: Path) -> None:
     """Kill what is left of the child's process group (its compilers, when the child died or
     the builder leaves early) and remove the ``lock`` file of a child that did not finish."""
+    if child.returncode == 0:  # finished: ninja waited for its compilers
+        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(child.pid, signal.SIGKILL)
     if child.wait() < 0:  # killed: torch's lock is its, and stale
