@@ -52,15 +52,24 @@ def test_losses_and_grad_norms_every_step(trained):
         assert_rel(m["grad_norm"], r["grad_norm"], FP32.train_loss_rel, f"frozen: norm, step {i}")
 
 
-def test_params_after_training_and_frozen_ones_unchanged(trained):
-    initial, _, _, mine, ref, _ = trained
-    ref = {k: v for k, v in ref.items() if k in mine}
-    assert_close_by_fqn(mine, ref, FP32.train_param_rel, f"frozen: params after {STEPS} steps")
+def test_frozen_params_are_bit_identical_on_both_sides(trained):
+    """Checked exactly and on its own (issue 38, a thin catch: weight decay reaching the
+    reference's frozen params was first seen as a grad norm 1.35e-4 off against 1e-4). The
+    decay a frozen param would take, lr·wd summed over the steps, is at least 1e-3 of its
+    value: a signal far above this check's tolerance of zero."""
+    initial, mine_metrics, _, mine, ref, _ = trained
+    assert sum(m["lr"] for m in mine_metrics) * 0.1 >= 1e-3  # wd 0.1
     frozen = [k for k in initial if any(fnmatchcase(k, p) for p in FREEZE)]
     assert len(frozen) > 4
     for fqn in frozen:
         assert np.array_equal(mine[fqn], initial[fqn]), fqn
         assert np.array_equal(ref[fqn], initial[fqn]), fqn
+
+
+def test_params_after_training(trained):
+    _, _, _, mine, ref, _ = trained
+    ref = {k: v for k, v in ref.items() if k in mine}
+    assert_close_by_fqn(mine, ref, FP32.train_param_rel, f"frozen: params after {STEPS} steps")
 
 
 def test_the_reference_reads_the_torch_checkpoint_with_frozen_params(trained):

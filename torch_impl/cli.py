@@ -253,13 +253,13 @@ def _train(args: argparse.Namespace, io: IOOptions | None = None) -> int:
                     share=local / world, device=device)
     check_activation_memory(cfg, device=device.type, memory_bytes=memory_of(device.type),
                             local_ranks=local)
-    preflight(cfg, run_dir)
+    resumes = preflight(cfg, run_dir)
     if cfg.train.deterministic:  # before any rank starts: cuBLAS reads it once per process
         from moezero.model.determinism import CUBLAS_WORKSPACE
 
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     check_run(run_dir, cfg.checkpoint.resolve_dir(run_dir), checkpoint_size(cfg),
-              keep_last=cfg.checkpoint.keep_last,
+              keep_last=cfg.checkpoint.keep_last, resumes=resumes,
               lock=int(os.environ.get("RANK", "0")) == 0)  # torchrun: rank 0 holds the lock
     return launch_training(cfg, run_dir, args.nproc, io)
 

@@ -40,6 +40,10 @@ def checkpoint_parser(sub) -> None:
             cmd.add_argument("--merge-lora", action="store_true",
                              help="with --format hf: fold a LoRA checkpoint's adapters into "
                                   "full weights")
+            cmd.add_argument("--base", metavar="PATH",
+                             help="with --format peft or --merge-lora: where the LoRA run's "
+                                  "base checkpoint is now, if it moved (its step directory or "
+                                  "root; checked to be the same base)")
             cmd.add_argument("--out", required=True, metavar="PATH",
                              help="output directory (created)")
 
@@ -99,17 +103,20 @@ def _export(ckpt: Path, args: argparse.Namespace) -> list[Path]:
     """``checkpoint export``'s files in ``args.out`` (``args.format`` resolved for the line)."""
     from moezero.checkpoint import tools as checkpoint_tools
 
+    base = None if args.base is None else Path(args.base)
     if args.format == "peft":
         from moezero.checkpoint.hf.peft_export import export_peft
 
-        return export_peft(ckpt, Path(args.out), args.dtype)
+        return export_peft(ckpt, Path(args.out), args.dtype, base)
     if args.format.startswith("hf"):
         from moezero.checkpoint.hf import export_hf
         from moezero.checkpoint.hf.peft_export import export_merged
 
         model_type = args.format.removeprefix("hf").lstrip("-") or None
-        export = export_merged if args.merge_lora else export_hf
-        files = export(ckpt, Path(args.out), args.dtype, model_type=model_type)
+        if args.merge_lora:
+            files = export_merged(ckpt, Path(args.out), args.dtype, model_type, base)
+        else:
+            files = export_hf(ckpt, Path(args.out), args.dtype, model_type=model_type)
         args.format = "hf-" + json.loads(files[0].read_text())["model_type"]
         return files
     return checkpoint_tools.export(ckpt, Path(args.out), args.dtype)
@@ -127,6 +134,9 @@ def checkpoint(args: argparse.Namespace) -> int:
         if args.merge_lora and not args.format.startswith("hf"):
             raise CheckpointError(f"--merge-lora writes Hugging Face weights: it needs --format "
                                   f"hf or hf-<model_type>, not --format {args.format}")
+        if args.base is not None and not (args.merge_lora or args.format == "peft"):
+            raise CheckpointError("--base is read by --format peft and --merge-lora (a LoRA "
+                                  f"run's base), not by --format {args.format}")
         try:
             files = checkpoint_tools.into_empty(Path(args.out), lambda: _export(ckpt, args))
         except OSError as exc:

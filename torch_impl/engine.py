@@ -294,6 +294,9 @@ class Engine:
                                            buffers=buffer_targets(self.model))
         self.optimizer.after_load()
         self.load_state_dict(state)
+        where = store.find_checkpoint(path).resolve()
+        if self.base is None or self.base["path"] != str(where):  # resumed, not a new base
+            self.checkpointer.adopt(where)
         return state.get("client", {})
 
     def _load_lora(self, path, buffers: dict) -> dict:

@@ -27,6 +27,7 @@ from pathlib import Path
 from moezero.config import ConfigError
 from moezero.distributed.agree import broadcast_json
 from moezero.distributed.failures import RankFailure, describe
+from moezero.plan.store import CheckpointError, complete_steps
 
 __all__ = ["LOCK_NAME", "RootLock", "RunLock", "agree_run_dir", "check_run", "checkpoint_bytes", "probe_writable"]
 
@@ -107,12 +108,14 @@ def _held(root: Path) -> int:
 
 
 def check_run(run_dir: Path, ckpt_root: Path, ckpt_bytes: int, *, lock: bool = True,
-              keep_last: int = 1) -> None:
+              keep_last: int = 1, resumes: Path | None = None) -> None:
     """Before any rank starts: the run directory and checkpoint root are writable, the root
     has room for ``keep_last + 1`` checkpoints of ``ckpt_bytes`` (less those it holds), and
-    (with ``lock``) no live run holds the run directory or the root. One-line ConfigError;
-    leaves the filesystem as it found it. ``lock`` False: a torchrun worker other than rank 0
-    (rank 0 may already hold the lock of this very run)."""
+    (with ``lock``) no live run holds the run directory or the root, and the root holds no
+    other run's checkpoints (``check_root_owner``; ``resumes``: the step directory the run
+    resumes from). One-line ConfigError; leaves the filesystem as it found it. ``lock``
+    False: a torchrun worker other than rank 0 (rank 0 may already hold the lock of this very
+    run, and be saving in its root)."""
     probe_writable(run_dir, "--out")
     probe_writable(ckpt_root, "checkpoint.dir")
     _check_free(ckpt_root, ckpt_bytes, keep_last, "checkpoint.dir")
@@ -120,6 +123,22 @@ def check_run(run_dir: Path, ckpt_root: Path, ckpt_bytes: int, *, lock: bool = T
         RunLock(run_dir).acquire().release()
     if lock and Path(ckpt_root).is_dir():
         RootLock(ckpt_root).acquire().release()
+        check_root_owner(ckpt_root, resumes)
+
+
+def check_root_owner(root: Path, resumes: Path | None) -> None:
+    """A run writes into (and prunes) only a checkpoint root it creates or resumes from: a
+    root holding complete checkpoints is refused unless ``resumes`` (the step directory the
+    run loads) lies in it. One-line CheckpointError naming the root and its newest one."""
+    if resumes is not None and Path(resumes).resolve().parent == Path(root).resolve():
+        return
+    held = complete_steps(root)
+    if held:
+        raise CheckpointError(f"checkpoint.dir: {root} holds the checkpoints of another run "
+                          f"({held[0].name}): a run writes only into a checkpoint root it "
+                          "creates or resumes from; resume that run with --set "
+                          "checkpoint.load=latest, or give this run its own --out (or "
+                          "checkpoint.dir)")
 
 
 def agree_run_dir(proposed: str | os.PathLike, *, rank: int, device,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 
 from moezero.plan.files import CheckpointError, check_file, fsync_dir, fsync_file
@@ -106,12 +107,15 @@ def find_latest(root: str | os.PathLike) -> Path | None:
 
 
 def apply_retention(root: str | os.PathLike, keep_last: int, *,
-                    committed: Path | None = None) -> list[Path]:
+                    committed: Path | None = None,
+                    owned: Collection[Path] | None = None) -> list[Path]:
     """Delete complete checkpoints beyond the newest ``keep_last`` (never ``latest``'s target),
     and ``.partial``/``.stale`` directories older than the newest complete one.
 
     ``committed``: a step directory the caller has just committed, known complete (its
-    manifest is not read again).
+    manifest is not read again). ``owned``: when given, the only complete checkpoints that
+    count and may be deleted (a run deletes only the steps it wrote or resumed from; another
+    run's are left alone).
 
     Returns:
         The directories removed.
@@ -120,6 +124,9 @@ def apply_retention(root: str | os.PathLike, keep_last: int, *,
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     root = Path(root)
     complete = [p for p in _step_dirs(root) if p == committed or _is_complete(p)]
+    if owned is not None:
+        mine = {Path(p).resolve() for p in owned}
+        complete = [p for p in complete if p.resolve() in mine]
     keep = set(complete[:keep_last]) | {_latest_target(root)}
     doomed = [p for p in complete if p not in keep]
     if complete:
@@ -129,6 +136,11 @@ def apply_retention(root: str | os.PathLike, keep_last: int, *,
         (path / MANIFEST_NAME).unlink(missing_ok=True)  # incomplete first, in case of a crash
         shutil.rmtree(path)
     return doomed
+
+
+def complete_steps(root: str | os.PathLike) -> list[Path]:
+    """The complete step directories of ``root``, newest first."""
+    return [p for p in _step_dirs(Path(root)) if _is_complete(p)]
 
 
 def _latest_target(root: Path) -> Path | None:

@@ -61,6 +61,7 @@ from moezero.plan.stepdirs import (
     apply_retention,
     begin_save,
     commit,
+    complete_steps,
     find_checkpoint,
     find_latest,
     step_dir_name,
@@ -68,7 +69,7 @@ from moezero.plan.stepdirs import (
 
 __all__ = [
     "CHUNK", "PARTIAL", "STALE", "CheckpointError", "apply_retention", "begin_save",
-    "check_shapes", "commit", "copy_range", "find_checkpoint", "find_latest", "fsync_dir",
+    "check_shapes", "commit", "complete_steps", "copy_range", "find_checkpoint", "find_latest", "fsync_dir",
     "fsync_file", "read_manifest", "read_param", "read_range", "read_shard", "read_tensors",
     "step_dir_name", "verify", "write_headers", "write_manifest", "write_partition",
     "write_range",

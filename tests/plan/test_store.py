@@ -452,6 +452,19 @@ def test_retention_keeps_the_newest_and_latest(tmp_path):
         apply_retention(tmp_path, keep_last=0)
 
 
+def test_retention_deletes_only_the_steps_a_run_owns(tmp_path):
+    """``owned``: another run's complete steps neither count nor go (issue 38 #5's rule)."""
+    for step in (1, 2, 3, 4, 5):
+        small_save(tmp_path, step)
+    (tmp_path / "latest").write_text("step_00000005")
+    owned = [tmp_path / f"step_0000000{s}" for s in (3, 4, 5)]
+    removed = apply_retention(tmp_path, keep_last=1, owned=owned)
+    assert sorted(p.name for p in removed) == ["step_00000003", "step_00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest", "step_00000001", "step_00000002", "step_00000005"]
+    assert apply_retention(tmp_path, keep_last=1, owned=[]) == []
+
+
 def test_retention_trusts_the_directory_just_committed(tmp_path, monkeypatch):
     """``committed`` is not re-read (the saver has just checked it); the others are."""
     old, new = small_save(tmp_path, 1), small_save(tmp_path, 2)

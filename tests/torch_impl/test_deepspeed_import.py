@@ -124,8 +124,9 @@ def continue_one_step(ckpt: str, overrides: list[str], tokens: torch.Tensor,
                     t.zero_()
     rows = tokens.shape[0] // engine.topology.world_size
     mine = tokens[engine.topology.rank * rows:(engine.topology.rank + 1) * rows]
-    loss = engine.train_step([mine])["loss"]
-    return {"start": start, "loss": loss,
+    metrics = engine.train_step([mine])
+    loss = metrics["loss"]
+    return {"start": start, "loss": loss, "lrs": [metrics["lr"], engine.current_lr()],
             "params": {k: p.detach().float().clone()
                        for k, p in engine.full_parameters().items()}}
 
@@ -283,6 +284,41 @@ def test_a_run_stopped_mid_warmup_continues_at_deepspeeds_lr(tmp_path):
     for m in metrics:
         want = deepspeed_warmup_lr(m["step"] - 2, **params)
         assert abs(m["lr"] - want) <= 1e-12 * want, (m["step"], m["lr"], want)
+
+
+WARMUP_CASE = "mixtral_z2_w2_warmup"
+
+
+def test_a_deepspeed_warmup_lr_run_continues_at_deepspeeds_own_lr(tmp_path):
+    """issue 38 #3 against the real DeepSpeed: a ``WarmupLR`` run (log warmup 1e-5 -> 1e-3 over
+    10 steps) saved after 2 steps, still warming up, imported with ``moezero import-deepspeed``.
+    moezero's step 3 runs at the lr DeepSpeed's engine used for its step 3 and its step 4 at
+    the one DeepSpeed would use (both recorded by the fixture from ``engine.get_lr()``, not
+    computed from a formula), in the engine and in ``moezero train``; step 3 lands on
+    DeepSpeed's loss and parameters."""
+    from moezero.cli import main
+    from tests.torch_impl.test_cli import moezero
+
+    ref = json.loads((FIXTURES / WARMUP_CASE / "reference.json").read_text())
+    assert main(["import-deepspeed", str(FIXTURES / WARMUP_CASE / "ckpt"),
+                 "--out", str(tmp_path / "imported")]) == 0
+    cfg = load_config(tmp_path / "imported" / "config.yaml")
+    assert cfg.optimizer.lr == ref["scheduler"]["params"]["warmup_max_lr"]
+    result = continue_one_step(str(tmp_path / "imported"), ["moe.ep_size=1"],
+                               batch(WARMUP_CASE))
+    want = ref["lrs"][ref["k"]:ref["k"] + 2]
+    assert want[0] < want[1] < ref["scheduler"]["params"]["warmup_max_lr"]  # mid-warmup
+    for got, lr in zip(result["lrs"], want, strict=True):
+        assert abs(got - lr) <= 1e-12 * lr, (result["lrs"], want)
+    check_continuation(WARMUP_CASE, [result])
+    res = moezero("train", "--nproc", "1", "--config", str(tmp_path / "imported" / "config.yaml"),
+                  "--set", "train.steps=4", "--set", "train.seq_len=12",
+                  "--out", str(tmp_path / "run"), timeout=240)
+    assert res.returncode == 0, res.stderr
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [m["step"] for m in metrics] == [3, 4]
+    for m, lr in zip(metrics, want, strict=True):  # moezero train: DeepSpeed's lrs too
+        assert abs(m["lr"] - lr) <= 1e-12 * lr, (m["step"], m["lr"], lr)
 
 
 # ---------------------------------------------------------------------------- refusals

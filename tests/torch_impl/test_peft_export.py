@@ -12,6 +12,7 @@ exports run in this process (``main``), and the runs are shared: about 55 s in a
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -243,3 +244,43 @@ def test_export_of_a_changed_byte_is_one_line(mixtral_run, tmp_path, capsys, whi
     (tmp_path / "o" / "x").write_text("x")
     line = one_line(capsys, str(adapters), *argv, "--out", str(tmp_path / "o"))
     assert "exists and is not an empty directory" in line
+
+
+@pytest.mark.parametrize("argv,made", [(("--format", "peft"), "adapter_model.safetensors"),
+                                       (("--merge-lora", "--format", "hf"), "model.safetensors")])
+def test_export_base_takes_a_moved_base_and_refuses_another(mixtral_run, tmp_path, capsys,
+                                                            argv, made):
+    """issue 38 #13: a LoRA run and its base moved together: ``--base PATH`` (the step
+    directory or its root) exports what the unmoved run exported; another checkpoint as the
+    base, or ``--base`` where no base is read, is one line."""
+    base, adapters = mixtral_run
+    export(str(adapters), *argv, "--out", str(tmp_path / "before"))
+    moved = tmp_path / "moved"
+    shutil.copytree(base.parent, moved / "base")
+    shutil.copytree(adapters.parent, moved / "run")
+    new_adapters = moved / "run" / adapters.name
+    parked = base.with_name(base.name + ".moved")
+    base.rename(parked)  # the recorded path is gone
+    try:
+        line = one_line(capsys, str(new_adapters), *argv, "--out", str(tmp_path / "o"))
+        assert f"its base checkpoint {base.resolve()} cannot be read" in line, line
+        assert "--base PATH" in line, line
+        for where in (moved / "base" / base.name, moved / "base"):
+            out = tmp_path / f"after-{where.name}"
+            export(str(new_adapters), *argv, "--base", str(where), "--out", str(out))
+            got, want = load_file(out / made), load_file(tmp_path / "before" / made)
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[k], want[k]) for k in want)
+            config = "adapter_config.json" if "peft" in argv else "config.json"
+            assert (out / config).read_text() == (tmp_path / "before" / config).read_text()
+        line = one_line(capsys, str(new_adapters), *argv, "--base", str(new_adapters),
+                        "--out", str(tmp_path / "o"))
+        assert (f"--base {new_adapters}: not the base of {new_adapters} (manifest sha256 "
+                in line and "the LoRA run's base" in line), line
+    finally:
+        parked.rename(base)
+    assert not (tmp_path / "o").exists()
+    for fmt in (("--format", "hf"), ("--format", "moezero")):
+        line = one_line(capsys, str(base), *fmt, "--base", str(base),
+                        "--out", str(tmp_path / "o"))
+        assert "--base is read by --format peft and --merge-lora" in line, line

@@ -296,3 +296,60 @@ def test_two_runs_on_one_checkpoint_dir_are_refused(tmp_path):
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(timeout=60)
+
+
+def test_a_run_into_another_runs_checkpoint_root_is_refused(tmp_path, capsys):
+    """issue 38 #5, the general rule: a run writes into (and prunes) only a checkpoint root it
+    creates or resumes from. A fresh run in another run's --out, a run resuming a checkpoint
+    of another root there, and a run given that root as its checkpoint.dir are refused in
+    one line before any rank starts; the root is untouched. Resuming from the root runs."""
+    out = tmp_path / "run"
+    assert moezero("train", *ONE, "--set", "train.steps=2", "--out", str(out)).returncode == 0
+    root = out / "checkpoints"
+    before = _listing(root)
+    shutil.copytree(root, tmp_path / "copy")
+    for argv in (["--out", str(out)],
+                 ["--set", f"checkpoint.load={tmp_path / 'copy'}", "--out", str(out)],
+                 ["--set", f"checkpoint.dir={root}", "--out", str(tmp_path / "other")]):
+        code = main(["train", *ONE, "--set", "train.steps=3", *argv])
+        line = _one_line(capsys.readouterr().err)
+        assert code == 2, line
+        assert line.startswith(f"moezero: error: checkpoint.dir: {root} holds the checkpoints "
+                               "of another run (step_00000002): "), line
+        assert "--set checkpoint.load=latest" in line, line
+        assert _listing(root) == before
+    from moezero.config import load_config
+    from moezero.train import preflight
+
+    cfg = load_config(None, [*_sets(ONE), "checkpoint.load=latest"])
+    assert preflight(cfg, out) == root / "step_00000002"  # resuming it is that run
+    from moezero import rundir
+
+    rundir.check_run(out, root, 1, resumes=root / "step_00000002")
+
+
+def _sets(argv: list[str]) -> list[str]:
+    """The ``--set`` values of a command line."""
+    return [v for k, v in zip(argv[::2], argv[1::2], strict=True) if k == "--set"]
+
+
+def test_keep_last_never_removes_a_step_the_run_did_not_write(tmp_path):
+    """keep_last removes only the steps this run saved or resumed from: a complete checkpoint
+    of another run found in the root (planted past the CLI's check) survives every save."""
+    from moezero.config import load_config
+    from moezero.train import launch_training
+
+    first = tmp_path / "first"
+    assert moezero("train", *ONE, "--set", "train.steps=2", "--set", "checkpoint.every=1",
+                   "--set", "checkpoint.keep_last=2", "--out", str(first)).returncode == 0
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(first / "checkpoints" / "step_00000001", root / "step_00000001")
+    foreign = _listing(root)
+    sets = [*_sets(ONE), "train.steps=4", "checkpoint.every=1",
+            "checkpoint.keep_last=1", f"checkpoint.dir={root}",
+            f"checkpoint.load={first / 'checkpoints' / 'step_00000002'}"]
+    assert launch_training(load_config(None, sets), tmp_path / "second", 1) == 0
+    steps = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+    assert steps == ["step_00000001", "step_00000004"], steps
+    assert {k: v for k, v in _listing(root).items() if k.startswith("step_00000001")} == foreign

@@ -31,15 +31,22 @@ def record(step_dir: str | os.PathLike) -> dict:
     return {"path": str(path), "sha256": _digest(path)}
 
 
-def check(base: dict, where: Path) -> Path:
+def check(base: dict, where: Path, moved: Path | None = None) -> Path:
     """The base step directory of adapter checkpoint ``where``; CheckpointError (one line)
-    when it is missing or its manifest changed since the save."""
+    when it is missing or its manifest changed since the save.
+
+    ``moved`` (``checkpoint export --base``): where the base is now, a step directory or the
+    checkpoint root holding the recorded step's name; it must be the same base (its manifest's
+    sha256 is the recorded one, so every checksum it lists is too)."""
+    if moved is not None:
+        return _moved(base, where, moved)
     path = Path(base["path"])
     try:
         found = _digest(path)
     except OSError as exc:
         raise CheckpointError(f"{where}: its base checkpoint {path} cannot be read "
-                              f"({exc.strerror or exc})") from None
+                              f"({exc.strerror or exc}); if it moved, give its new place "
+                              "with --base PATH (checkpoint export)") from None
     if found != base["sha256"]:
         raise CheckpointError(f"{where}: its base checkpoint {path} changed since the save "
                               f"(manifest sha256 {found[:16]}, saved {base['sha256'][:16]})")
@@ -59,6 +66,21 @@ def frozen_source(ckpt: Path) -> Path:
     named by an adapter checkpoint (checked unchanged), else ``ckpt`` itself."""
     manifest = read_manifest(ckpt)
     return check(manifest.base, ckpt) if manifest.base else Path(ckpt)
+
+
+def _moved(base: dict, where: Path, moved: Path) -> Path:
+    """The step directory at ``moved`` checked to be the base ``base`` recorded."""
+    path = moved if (moved / MANIFEST_NAME).is_file() else moved / Path(base["path"]).name
+    try:
+        found = _digest(path)
+    except OSError as exc:
+        raise CheckpointError(f"--base {moved}: no base checkpoint of {where} there "
+                              f"({exc.strerror or exc}: {path / MANIFEST_NAME})") from None
+    if found != base["sha256"]:
+        raise CheckpointError(f"--base {moved}: not the base of {where} (manifest sha256 "
+                              f"{found[:16]}, the LoRA run's base {base['sha256'][:16]}, "
+                              f"saved at {base['path']})")
+    return path.resolve()
 
 
 def _digest(step_dir: Path) -> str:

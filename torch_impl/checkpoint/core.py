@@ -18,6 +18,7 @@ Reference counterpart: ``moezero.plan.store`` (the byte mover) and
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Iterable
@@ -51,6 +52,15 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._result: Path | None = None
         self._error: BaseException | None = None
+        self.owned: set[Path] = set()  # the steps this run wrote or resumed from (``adopt``)
+
+    def adopt(self, path: str | os.PathLike) -> None:
+        """This run resumes the checkpoint at ``path``: the complete steps of its root are
+        the resumed run's, which retention may delete (``keep_last``); nothing else is.
+        Rank 0 alone applies retention, so only it lists them."""
+        if self.rank == 0:
+            root = store.find_checkpoint(path).parent
+            self.owned.update(p.resolve() for p in store.complete_steps(root))
 
     def save(self, root: str | os.PathLike, *, step: int, layout: Layout,
              shards: Iterable[StateShard], state: dict, meta: dict,
@@ -82,6 +92,8 @@ class Checkpointer:
             background = False  # the next step rewrites the swap files that the save copies
         job = saving.make_job(root, step, layout, shards, state, meta, buffers or {},
                                copy=background)
+        self.owned.add((Path(root) / store.step_dir_name(step)).resolve())
+        job = dataclasses.replace(job, owned=frozenset(self.owned))
         self.wait()
         if not background:
             return saving.write(self.group, job, self.options, self.refused)

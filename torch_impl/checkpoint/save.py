@@ -66,6 +66,7 @@ class SaveJob:
     rank_state: dict  # this rank's entries of RANK_KEYS
     meta: dict  # {"config": ..., "topology": ...} (rank 0's is written)
     buffers: dict  # {fqn: fp32 array} of the checkpointed buffers (rank 0 writes them)
+    owned: frozenset[Path] | None = None  # the steps retention may delete (None: any)
 
 
 def _host(t: torch.Tensor, copy: bool) -> np.ndarray:
@@ -178,4 +179,4 @@ def _finish(disk: ckpt_write.SaveWriter, job: SaveJob, partial: Path, headers: l
     disk.manifest(partial, job.layout, checksums=records, config=job.meta["config"],
                   topology=job.meta["topology"], state=state, base=job.meta.get("base"))
     final = disk.commit(partial, job.layout)  # every rank flushed
-    store.apply_retention(job.root, options.keep_last, committed=final)
+    store.apply_retention(job.root, options.keep_last, committed=final, owned=job.owned)

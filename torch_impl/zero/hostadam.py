@@ -43,7 +43,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import platform
 from pathlib import Path
 
@@ -69,11 +68,11 @@ def load_compiled(source: Path = SOURCE) -> tuple[object | None, str]:
         built = kernel_cache.find(name, source, CFLAGS)
         if built is not None:  # current: no need to import cpp_extension (kernel_cache)
             return kernel_cache.import_library(name, built), ""
-        with kernel_cache.exclusive(name):  # one builder; a killed build's lock cleared
+        with kernel_cache.exclusive(name) as held:  # one builder; a killed build's lock cleared
             built = kernel_cache.find(name, source, CFLAGS)  # built while this one waited?
             if built is not None:
                 return kernel_cache.import_library(name, built), ""
-            return _build(name, source), ""
+            return _build(name, source, held), ""
     except Exception as e:  # any build failure falls back to torch ops
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         why = f"{type(e).__name__}: {lines[-1] if lines else ''}"
@@ -82,25 +81,10 @@ def load_compiled(source: Path = SOURCE) -> tuple[object | None, str]:
         return None, why
 
 
-def _build(name: str, source: Path):
-    """Build (or check with ninja) and import ``source`` as ``name``, and stamp it."""
-    from torch.utils.cpp_extension import load
-    _ninja_on_path()
-    module = load(name=name, sources=[str(source)], extra_cflags=CFLAGS, verbose=False)
-    kernel_cache.record(module.__file__, source, CFLAGS)
-    return module
-
-
-def _ninja_on_path() -> None:
-    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` package moezero depends
-    on puts it in its own folder, which a venv's PATH lacks unless the venv is activated."""
-    try:
-        import ninja
-    except ImportError:
-        return
-    folder = getattr(ninja, "BIN_DIR", None)
-    if folder and folder not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join(filter(None, (folder, os.environ.get("PATH"))))
+def _build(name: str, source: Path, held):
+    """Build (or check with ninja) ``source`` as ``name`` in a child process holding the build
+    lock ``held`` too (``kernel_cache.build``), and import it."""
+    return kernel_cache.import_library(name, kernel_cache.build(name, source, CFLAGS, held))
 
 
 def _cpu_tag() -> str:

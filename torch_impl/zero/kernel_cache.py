@@ -14,6 +14,15 @@ the kernel releases when its holder dies. torch's own ``lock`` file, which ``loa
 for as long as it exists, is left behind by a process killed mid-build (a preemption, an OOM
 kill), and every later run would hang at its first step; found under ``exclusive``, no
 moezero build holds it, so it is stale and removed (with a warning).
+
+``build`` runs ``load`` in a child process of its own session (``python -m
+moezero.zero.kernel_cache``), which holds the OS lock too (the descriptor is passed to it), and
+stamps the library. The compiler and ninja are in the child's process group. A builder killed
+mid-build (SIGKILL: nothing of it runs again) leaves the child to finish the build: the next
+builder waits on the lock the child still holds, then imports the finished build, so no two
+compiles of one kernel ever run side by side (a killed builder's compiler used to go on beside
+the next build, which then warned of a stale lock). A child that dies (an OOM kill) has its
+process group killed and its ``lock`` file removed by the builder, who knows it is stale.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ import importlib.util
 import json
 import logging
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -97,7 +108,8 @@ def import_library(name: str, library: Path):
 @contextlib.contextmanager
 def exclusive(name: str):
     """Hold the build of ``name`` against other moezero processes (blocks while one builds);
-    a torch ``lock`` file found meanwhile is a killed build's and is removed."""
+    a torch ``lock`` file found meanwhile is a killed build's and is removed. Yields the open
+    lock file (``build`` passes it to its child)."""
     folder = build_dir(name)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "moezero.lock", "a") as held:
@@ -107,4 +119,60 @@ def exclusive(name: str):
             log.warning("removing %s: a stale build lock (the process building %s died)",
                         stale, name)
             stale.unlink(missing_ok=True)
-        yield
+        yield held
+
+
+def build(name: str, source: Path, cflags: list[str], held) -> Path:
+    """Build ``source`` as ``name`` in a child of its own session that holds ``held`` (the
+    ``exclusive`` lock) too, and return the stamped library; RuntimeError naming the build's
+    last error line when it fails."""
+    child = subprocess.Popen([sys.executable, "-m", "moezero.zero.kernel_cache", name,
+                              str(source), *cflags], start_new_session=True,
+                             pass_fds=(held.fileno(),), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = child.communicate()
+    finally:  # a builder leaving early (an exception; SIGKILL runs nothing) stops its build
+        _stop_group(child, build_dir(name) / "lock")
+    library = find(name, source, cflags)
+    if child.returncode != 0 or library is None:
+        lines = [ln for ln in (err or "").splitlines() if ln.strip()]
+        raise RuntimeError(lines[-1] if lines else f"the build exited with {child.returncode}")
+    return library
+
+
+def _stop_group(child: subprocess.Popen, torch_lock: Path) -> None:
+    """Kill what is left of the child's process group (its compilers, when the child died or
+    the builder leaves early) and remove the ``lock`` file of a child that did not finish."""
+    if child.returncode == 0:  # finished: ninja waited for its compilers
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signal.SIGKILL)
+    if child.wait() < 0:  # killed: torch's lock is its, and stale
+        torch_lock.unlink(missing_ok=True)
+
+
+def _child(name: str, source: str, cflags: list[str]) -> None:
+    """The build child: torch's ``load`` builds (or checks) the library; the stamp follows."""
+    _ninja_on_path()
+    from torch.utils.cpp_extension import load
+
+    module = load(name=name, sources=[source], extra_cflags=cflags, verbose=False)
+    record(module.__file__, Path(source), cflags)
+
+
+def _ninja_on_path() -> None:
+    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` package moezero depends
+    on puts it in its own folder, which a venv's PATH lacks unless the venv is activated (set
+    in the build child only)."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    folder = getattr(ninja, "BIN_DIR", None)
+    if folder and folder not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(filter(None, (folder, os.environ.get("PATH"))))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -48,14 +48,15 @@ _EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(w[123])\.lora_([AB])
 _FUSED = {"w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"}
 
 
-def _adapter_checkpoint(ckpt: Path, what: str):
+def _adapter_checkpoint(ckpt: Path, what: str, base: Path | None = None):
     """(manifest, base step dir, trained tensors) of an adapter checkpoint; one-line
-    CheckpointError when it holds no adapters or its base is gone or changed."""
+    CheckpointError when it holds no adapters or its base is gone or changed. ``base``: where
+    the base is now, when it moved (``--base``; checked to be the same base)."""
     manifest = store.read_manifest(ckpt)
     if not manifest.base:
         raise CheckpointError(f"{ckpt}: holds no LoRA adapters (not a peft.method: lora "
                               f"checkpoint); {what} needs them (docs/finetune.md)")
-    base_dir = adapter_ckpt.check(manifest.base, ckpt)
+    base_dir = adapter_ckpt.check(manifest.base, ckpt, base)
     trained = {k: torch.from_numpy(v) for k, v in _checked_tensors(ckpt, manifest).items()}
     return manifest, base_dir, trained
 
@@ -76,10 +77,11 @@ def _scale(manifest) -> float:
     return float(peft["alpha"]) / int(peft["r"])
 
 
-def export_peft(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
+def export_peft(ckpt: Path, out: Path, dtype: str = "fp32", base: Path | None = None
+                ) -> list[Path]:
     """``adapter_config.json`` + ``adapter_model.safetensors`` of an adapter checkpoint, for
-    the family that holds its architecture."""
-    manifest, base_dir, trained = _adapter_checkpoint(ckpt, "--format peft")
+    the family that holds its architecture (``base``: its base's new place, if it moved)."""
+    manifest, base_dir, trained = _adapter_checkpoint(ckpt, "--format peft", base)
     others = sorted(f for f in trained if not f.endswith(adapter_ckpt.ADAPTER_SUFFIXES)
                     and not is_buffer(f))
     _refuse_moved_buffers(ckpt, trained, base_dir)
@@ -195,10 +197,11 @@ def _composed(src, weights: dict, shape: tuple) -> torch.Tensor:
 
 
 def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
-                  model_type: str | None = None) -> list[Path]:
+                  model_type: str | None = None, base: Path | None = None) -> list[Path]:
     """The adapter checkpoint's full weights, ``W + alpha/r · B A`` per adapted projection
-    (and its other trained params over the base's), as a Hugging Face model directory."""
-    manifest, base_dir, trained = _adapter_checkpoint(ckpt, "--merge-lora")
+    (and its other trained params over the base's), as a Hugging Face model directory
+    (``base``: its base's new place, if it moved)."""
+    manifest, base_dir, trained = _adapter_checkpoint(ckpt, "--merge-lora", base)
     base_manifest = store.read_manifest(base_dir)
     weights = {k: torch.from_numpy(v)
                for k, v in _checked_tensors(base_dir, base_manifest).items()}
