@@ -57,6 +57,15 @@ class ModelArgs:
     first_k_dense: int = 0  # layers 0..k-1: the dense MLP kind (model/dense.py)
     dense_ffn_dim: int | None = None  # None: ffn_dim
     partial_rotary_factor: float = 1.0  # the share of each head's dims RoPE rotates
+    # Qwen3-Next's hybrid layers (model/gated_delta.py; the attention's output gate).
+    gated_delta_layers: tuple[int, ...] = ()  # layers whose attention kind is gated DeltaNet
+    linear_num_key_heads: int = 4
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    linear_conv_kernel_dim: int = 4
+    gated_delta_chunk: int = 64  # tokens per chunk of the chunked rule (numerics, not arch)
+    attn_output_gate: bool = False  # sigmoid output gate per head dim (q_proj holds it)
 
     @property
     def kv_heads(self) -> int:

@@ -53,4 +53,14 @@ def _common_refusal(arch: Arch):
     if arch.first_k_dense:
         return ("model.first_k_dense", arch.first_k_dense,
                 "the exported families have an MoE layer in every layer")
+    return _hybrid_refusal(arch)
+
+
+def _hybrid_refusal(arch: Arch):
+    """Qwen3-Next's layer options, which only its family holds."""
+    if arch.gated_delta_layers:
+        return ("model.gated_delta_layers", list(arch.gated_delta_layers),
+                "only qwen3_next has gated DeltaNet layers")
+    if arch.attn_output_gate:
+        return ("model.attn_output_gate", True, "only qwen3_next gates the attention output")
     return None
