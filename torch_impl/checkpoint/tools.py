@@ -117,9 +117,11 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
 
 
 def write_weights(ckpt: Path, m, out: Path, items: list[tuple[str, str, tuple]], dtype: str,
-                  *, meta: dict, shard_bytes: int | None = None) -> list[Path]:
+                  *, meta: dict, shard_bytes: int | None = None,
+                  shifts: dict[str, float] | None = None) -> list[Path]:
     """Write ``items`` (key on disk, FQN in the checkpoint, shape) as safetensors shards of at
-    most ``shard_bytes`` (default 4 GiB; one file is ``model.safetensors``) plus the index."""
+    most ``shard_bytes`` (default 4 GiB; one file is ``model.safetensors``) plus the index;
+    ``shifts``: a constant added to every element of those FQNs (a family's gain offset)."""
     torch_dtype, tag = EXPORT_DTYPES[dtype]
     size = torch.tensor([], dtype=torch_dtype).element_size()
     cap = SHARD_BYTES if shard_bytes is None else shard_bytes
@@ -137,7 +139,8 @@ def write_weights(ckpt: Path, m, out: Path, items: list[tuple[str, str, tuple]],
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     reader = CheckedReader(ckpt, m)  # every byte checked against the manifest, as load does
     for name, tensors in zip(names, shards, strict=True):
-        _write_safetensors(out / name, (ckpt, m, reader), tensors, torch_dtype, tag, meta)
+        _write_safetensors(out / name, (ckpt, m, reader), tensors, torch_dtype, tag, meta,
+                           shifts or {})
     weight_map = {key: name for name, tensors in zip(names, shards, strict=True)
                   for key, _, _ in tensors}
     total = sum(math.prod(shape) for _, _, shape in items) * size
@@ -147,7 +150,7 @@ def write_weights(ckpt: Path, m, out: Path, items: list[tuple[str, str, tuple]],
 
 
 def _write_safetensors(path: Path, source: tuple, tensors, torch_dtype, tag: str,
-                       meta: dict) -> None:
+                       meta: dict, shifts: dict[str, float]) -> None:
     """One safetensors file: the header computed up front (``plan.layout.safetensors_header``),
     then each tensor read from ``source`` (checkpoint, manifest, reader), cast and written
     ``CHUNK`` bytes of fp32 at a time with pwrite at its offset, under ``<name>.partial``
@@ -165,7 +168,7 @@ def _write_safetensors(path: Path, source: tuple, tensors, torch_dtype, tag: str
         host = np.empty(CHUNK // 4, np.float32)
         for (_, fqn, shape), entry in zip(tensors, entries, strict=True):
             _write_tensor(fd, len(header) + entry[3], (*source, fqn), math.prod(shape),
-                          host, torch_dtype)
+                          host, torch_dtype, shifts.get(fqn, 0.0))
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -173,13 +176,15 @@ def _write_safetensors(path: Path, source: tuple, tensors, torch_dtype, tag: str
 
 
 def _write_tensor(fd: int, offset: int, source: tuple, numel: int, host: np.ndarray,
-                  torch_dtype: torch.dtype) -> None:
-    """Elements of ``source`` (checkpoint, manifest, reader, FQN) at ``offset`` in
-    ``torch_dtype``, one ``host`` buffer of fp32 at a time."""
+                  torch_dtype: torch.dtype, shift: float = 0.0) -> None:
+    """Elements of ``source`` (checkpoint, manifest, reader, FQN), plus ``shift``, at
+    ``offset`` in ``torch_dtype``, one ``host`` buffer of fp32 at a time."""
     ckpt, m, reader, fqn = source
     for lo in range(0, numel, host.size):
         part = store.read_param(ckpt, m, fqn, lo, min(numel, lo + host.size),
                                 out=host[:min(numel - lo, host.size)], reader=reader)
+        if shift:
+            part = part + np.float32(shift)
         data = torch.from_numpy(part).to(torch_dtype).view(torch.uint8).numpy()
         pwrite_all(fd, byte_view(data), offset)
         offset += data.nbytes

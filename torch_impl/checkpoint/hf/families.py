@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 
-from moezero.checkpoint.hf import mixtral, olmoe, qwen2_moe, qwen3_moe
+from moezero.checkpoint.hf import mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next
 from moezero.checkpoint.hf.arch import Arch, refuse
 from moezero.checkpoint.hf.family import Family
 from moezero.plan.store import CheckpointError
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY)}
+    mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, qwen3_next.FAMILY)}
 
 
 def family_of_config(cfg: dict, where: str) -> Family:
@@ -26,6 +26,8 @@ def family_of_config(cfg: dict, where: str) -> Family:
 def family_for(arch: Arch, model_type: str | None = None) -> Family:
     """The family that holds ``arch`` (``model_type``: that one, or chosen by QK-norm and the
     shared expert); CheckpointError (one line) naming the moezero key it cannot hold."""
+    if model_type is None and (arch.gated_delta_layers or arch.attn_output_gate):
+        model_type = "qwen3_next"
     if model_type is None:
         model_type = {"head": "qwen3_moe", "projection": "olmoe"}.get(
             arch.qk_norm, "qwen2_moe" if arch.shared_ffn_dim else "mixtral")
@@ -33,7 +35,7 @@ def family_for(arch: Arch, model_type: str | None = None) -> Family:
         raise CheckpointError(f"no Hugging Face family {model_type!r} (known: "
                               f"{', '.join(FAMILIES)})")
     family = FAMILIES[model_type]
-    why = _common_refusal(arch) or family.refusal(arch)
+    why = _common_refusal(arch, family) or family.refusal(arch)
     if why:
         key, value, reason = why
         raise CheckpointError(f"{key}={json.dumps(value)} cannot be exported as Hugging Face "
@@ -41,19 +43,19 @@ def family_for(arch: Arch, model_type: str | None = None) -> Family:
     return family
 
 
-def _common_refusal(arch: Arch):
+def _common_refusal(arch: Arch, family: Family):
     if arch.router_scoring != "softmax":
         return ("moe.router_scoring", arch.router_scoring,
                 "the exported families route with a softmax")
     if arch.expert_bias:
         return "moe.expert_bias", True, "the exported families have no expert bias"
-    if arch.partial_rotary_factor != 1:
+    if arch.partial_rotary_factor != 1 and not family.hybrid:
         return ("model.partial_rotary_factor", arch.partial_rotary_factor,
                 "the exported families rotate every dim of a head")
     if arch.first_k_dense:
         return ("model.first_k_dense", arch.first_k_dense,
                 "the exported families have an MoE layer in every layer")
-    return _hybrid_refusal(arch)
+    return None if family.hybrid else _hybrid_refusal(arch)
 
 
 def _hybrid_refusal(arch: Arch):

@@ -28,6 +28,9 @@ class Family:
             moezero cannot represent.
         write: ``Arch -> {key: value}``: the family's own ``config.json`` keys.
         refusal: ``Arch -> (moezero key, value, why) or None``: what the family cannot hold.
+        hybrid: holds gated DeltaNet layers, the attention's output gate and partial rotary
+            (Qwen3-Next); the other families refuse them.
+        unit_offset_norms: its RMSNorms weigh by ``1 + weight`` (``names.gain_shift``).
     """
 
     model_type: str
@@ -37,6 +40,8 @@ class Family:
     read: Callable[[dict, str], Arch]
     write: Callable[[Arch], dict]
     refusal: Callable[[Arch], tuple[str, object, str] | None]
+    hybrid: bool = False
+    unit_offset_norms: bool = False
 
     def config(self, arch: Arch, dtype: str) -> dict:
         """The exported ``config.json``: the keys every family shares, then its own."""

@@ -25,7 +25,7 @@ from moezero.checkpoint import tokenizer as hf_tokenizer
 from moezero.checkpoint.hf.arch import Arch
 from moezero.checkpoint.hf.families import family_of_config
 from moezero.checkpoint.hf.family import Family
-from moezero.checkpoint.hf.names import candidates
+from moezero.checkpoint.hf.names import candidates, gain_shift
 from moezero.checkpoint.hf.reader import HFTensors
 from moezero.checkpoint.tools import refuse_non_empty
 from moezero.config import Config, dump_config
@@ -84,9 +84,9 @@ def import_hf(src: str | Path, out: str | Path) -> Path:
     cfg = import_config(arch, out, str(src / HF_CONFIG), hf_tokenizer.describe_import(src, out))
     tensors = HFTensors(src)
     layout = _layout(cfg)
-    sources = {fqn: _source(tensors, fqn, shape, arch, family, src)
+    sources = {fqn: (*_source(tensors, fqn, shape, arch, family, src), -gain_shift(fqn, family))
                for fqn, shape in layout.shapes}
-    _check_all_used(tensors, {key for key, _ in sources.values()}, arch, src)
+    _check_all_used(tensors, {key for key, _, _ in sources.values()}, arch, src)
     hf_tokenizer.copy_import(src, out)  # every header read and checked: now write
     final = _write(layout, tensors, sources, out, meta={
         "config": cfg.model_dump(by_alias=True, mode="json"),
@@ -121,8 +121,10 @@ def _write(layout, tensors: HFTensors, sources: dict, out: Path, meta: dict) -> 
 
 def _write_fragment(fd: int, offset: int, tensors: HFTensors, source: tuple,
                     shape: tuple[int, ...], span: tuple[int, int]) -> int:
-    """Flat elements ``span`` of the source tensor as fp32 at ``offset``, whole rows of about
-    ``CHUNK`` bytes at a time; the crc32 of the bytes written."""
+    """Flat elements ``span`` of the source tensor (HF key, index, constant added: a family's
+    gain offset) as fp32 at ``offset``, whole rows of about ``CHUNK`` bytes at a time; the
+    crc32 of the bytes written."""
+    *source, shift = source
     row = math.prod(shape[1:])
     step = max(1, CHUNK // (ITEMSIZE * row)) * row
     crc, (start, stop) = 0, span
@@ -130,6 +132,8 @@ def _write_fragment(fd: int, offset: int, tensors: HFTensors, source: tuple,
         hi = min(stop, lo + step)
         first = lo // row
         block = tensors.read_rows(*source, slice(first, -(-hi // row))).reshape(-1)
+        if shift:
+            block = block + shift
         data = byte_view(block[lo - first * row:hi - first * row].contiguous().numpy())
         pwrite_all(fd, data, offset + (lo - start) * ITEMSIZE)
         crc = zlib.crc32(data, crc)

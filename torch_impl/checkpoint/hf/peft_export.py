@@ -31,7 +31,7 @@ from moezero.checkpoint import tokenizer as hf_tokenizer
 from moezero.checkpoint.hf.arch import arch_of
 from moezero.checkpoint.hf.exporter import HF_CONFIG
 from moezero.checkpoint.hf.families import family_for
-from moezero.checkpoint.hf.names import hf_name
+from moezero.checkpoint.hf.names import gain_shift, hf_name
 from moezero.plan import store
 from moezero.plan.checked import CheckedReader
 from moezero.plan.reading import read_tensors
@@ -171,8 +171,8 @@ def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
                     if not k.endswith(adapter_ckpt.ADAPTER_SUFFIXES)})
     arch = arch_of(base_manifest)
     family = family_for(arch, model_type)
-    tensors = {hf_name(fqn, family): weights[fqn].to(DTYPES[dtype]).contiguous()
-               for fqn, _ in base_manifest.layout.shapes}
+    tensors = {hf_name(fqn, family): (weights[fqn] + gain_shift(fqn, family))
+               .to(DTYPES[dtype]).contiguous() for fqn, _ in base_manifest.layout.shapes}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "model.safetensors",
               metadata={"format": "pt", "moezero.step": str(manifest.step)})
