@@ -26,7 +26,7 @@ from moezero.reference.optim import (
     decay_mask,
     init_train_state,
 )
-from parity_tests.models import engine_config, tiny, to_jax, torch_model, train_both
+from parity_tests.models import OPTIONS, engine_config, tiny, to_jax, torch_model, train_both
 from parity_tests.tolerances import FP32, SCHEDULE_REL
 from tests.support.compare import (
     assert_close_by_fqn,
@@ -64,6 +64,7 @@ FAMILIES = {  # every option of models.OPTIONS in one of these
     "deepseek-v3-first-k-dense": tiny(n_layers=3, first_k_dense=1, dense_ffn_dim=40,
                                       router_scoring="sigmoid", expert_bias=True,
                                       bias_update_rate=1e-2),
+    "qwen3-next-like": OPTIONS["qwen3-next-hybrid"],
 }
 CASES.update({name: (cfg, optim()) for name, cfg in FAMILIES.items()})
 SLOW = {"dropless-k1-clip-every"}

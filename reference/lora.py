@@ -15,7 +15,8 @@ import jax.numpy as jnp
 if TYPE_CHECKING:
     from moezero.reference.model import ModelConfig
 
-LORA_PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+LORA_PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3",
+                    "in_proj_qkvz", "in_proj_ba", "out_proj")  # the last three: gated DeltaNet
 
 
 def with_lora(cfg: ModelConfig, owner: str, params: dict, stack: tuple[int, ...] = ()) -> dict:

@@ -11,7 +11,9 @@ from moezero.config.section import Section
 
 LORA_TARGETS = ("attn", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "shared", "shared.w1",
                 "shared.w2", "shared.w3", "experts", "experts.w1", "experts.w2", "experts.w3",
-                "mlp", "mlp.w1", "mlp.w2", "mlp.w3")
+                "mlp", "mlp.w1", "mlp.w2", "mlp.w3",
+                "linear_attn", "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba",
+                "linear_attn.out_proj")
 
 
 class PeftConfig(Section):
@@ -28,7 +30,8 @@ class PeftConfig(Section):
         ["attn"], description="Projections with adapters: attn (wq, wk, wv, wo), shared (the "
                               "shared expert's w1, w2, w3), experts (every routed expert's "
                               "w1, w2, w3, grouped), mlp (the dense MLP's w1, w2, w3: "
-                              "model.first_k_dense), or one of them, e.g. attn.wq.")
+                              "model.first_k_dense), linear_attn (gated DeltaNet's in_proj_qkvz, in_proj_ba, "
+                              "out_proj: model.gated_delta_layers), or one of them, e.g. attn.wq.")
 
     @property
     def uses_lora(self) -> bool:

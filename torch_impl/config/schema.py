@@ -310,6 +310,10 @@ class Config(_Section):
                 and any(t.startswith("mlp") for t in self.peft.targets):
             raise FieldError("peft.targets", "names the dense MLP, but the model has none "
                                              "(model.first_k_dense is 0)")
+        if self.peft.uses_lora and not self.model.gated_delta_layers \
+                and any(t.startswith("linear_attn") for t in self.peft.targets):
+            raise FieldError("peft.targets", "names gated DeltaNet, but the model has none "
+                                             "(model.gated_delta_layers is empty)")
 
     @model_validator(mode="after")
     def _across_sections(self) -> Config:
