@@ -82,6 +82,7 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
                               "only: export with --merge-lora --format hf")
     family = family_for(arch_of(store.read_manifest(base_dir)))
     lora = _lora(trained)
+    _refuse_unread(lora, family.model_type, ckpt)
     experts = {k: v for k, v in lora.items() if _EXPERT.fullmatch(k + ".lora_A")}
     fused = sorted({_FUSED[k.rsplit(".", 1)[1]] for k in experts})
     rank = max(a.shape[0] for a, _ in lora.values())
@@ -106,6 +107,20 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
               **_fused_rank(fused, rank, _scale(manifest)), "base_model_name_or_path": None}
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     return [out / ADAPTER_CONFIG, out / ADAPTER_WEIGHTS]
+
+
+_SHARED_MISREAD = ("qwen3_next",)
+"""Families whose PEFT config conversion (PEFT's transformers-v5 MoE mapping) takes every
+target ending in ``gate_proj``/``up_proj``/``down_proj`` for the routed experts, so a shared
+expert's adapters would be silently dropped on load."""
+
+
+def _refuse_unread(lora: dict, model_type: str, ckpt: Path) -> None:
+    shared = sorted(f for f in lora if ".shared." in f)
+    if shared and model_type in _SHARED_MISREAD:
+        raise CheckpointError(f"{ckpt}: adapts {shared[0]} (a shared expert); PEFT loads "
+                              f"{model_type} adapters of gate/up/down_proj as the routed "
+                              "experts' and would drop it: export with --merge-lora --format hf")
 
 
 def _fused_rank(fused: list[str], rank: int, scale: float) -> dict:
