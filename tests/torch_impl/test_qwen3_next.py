@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from moezero.checkpoint.hf import export_hf, import_hf
+from moezero.checkpoint.hf.arch import arch_of
 from moezero.checkpoint.hf.families import FAMILIES, family_for
 from moezero.checkpoint.hf.names import candidates
-from moezero.checkpoint.hf.arch import arch_of
 from moezero.config import Config
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize

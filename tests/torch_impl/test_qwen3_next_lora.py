@@ -14,15 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.torch_impl.test_cli import moezero
 from moezero.cli import main
 from moezero.config import Config
 from moezero.model.build import config_decoder
 from moezero.plan import store
 from moezero.plan.reading import read_tensors
+from tests.support.hf import save_hf
+from tests.torch_impl.test_cli import moezero
 from tests.torch_impl.test_peft_export import cli, export
 from tests.torch_impl.test_qwen3_next import TOKENS, hf_model
-from tests.support.hf import save_hf
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
