@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 
 def init_gated_delta(cfg: ModelConfig, key, std: float, out_std: float) -> dict:
-    """Fresh params: projections and conv N(0, std²) (``out_proj`` out_std), ``dt_bias`` 1,
-    ``A_log`` 0 (decay rate 1), norm gain 1; LoRA where ``cfg`` targets ``linear_attn``."""
+    """``{"linear_attn": fresh params}``: projections and conv N(0, std²) (``out_proj``
+    out_std), ``dt_bias`` 1, ``A_log`` 0 (decay rate 1), norm gain 1; LoRA where ``cfg``
+    targets ``linear_attn``."""
     d, g, h = cfg.dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads
     k_dim, v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     channels = 2 * g * k_dim + h * v_dim
@@ -38,7 +39,7 @@ def init_gated_delta(cfg: ModelConfig, key, std: float, out_std: float) -> dict:
          "dt_bias": jnp.ones((h,), jnp.float32), "A_log": jnp.zeros((h,), jnp.float32),
          "norm": {"weight": jnp.ones((v_dim,), jnp.float32)},
          "out_proj": {"weight": normal(keys[3], (d, h * v_dim), out_std)}}
-    return with_lora(cfg, "linear_attn", p)
+    return {"linear_attn": with_lora(cfg, "linear_attn", p)}
 
 
 def _split(p: dict, x_BSD: jax.Array, cfg: ModelConfig, scale: float):
@@ -93,6 +94,25 @@ def gated_rmsnorm(o: jax.Array, z: jax.Array, gain_V: jax.Array, eps: float) -> 
     o32 = o.astype(jnp.float32)
     normed = (o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, -1, keepdims=True) + eps)).astype(o.dtype)
     return (gain_V * normed * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
+
+
+def query_rows(q_BSF: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The query rows of ``wq``'s output: with ``cfg.attn_output_gate`` each head holds K
+    query rows then K gate rows (Qwen3-Next); without, all of it."""
+    if not cfg.attn_output_gate:
+        return q_BSF
+    b, s, _ = q_BSF.shape
+    return q_BSF.reshape(b, s, cfg.n_heads, 2, cfg.head_size)[:, :, :, 0].reshape(b, s, -1)
+
+
+def gate_output(wq: dict, x_BSD: jax.Array, out_BSHK: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Softmax attention's output [B, S, H·K], times ``sigmoid`` of each head's gate rows of
+    ``wq`` with ``cfg.attn_output_gate`` (Qwen3-Next's gated attention)."""
+    b, s, h, k = out_BSHK.shape
+    if not cfg.attn_output_gate:
+        return out_BSHK.reshape(b, s, h * k)
+    gate = linear(wq, x_BSD, cfg.lora_scale).reshape(b, s, h, 2, k)[:, :, :, 1]
+    return (out_BSHK * jax.nn.sigmoid(gate)).reshape(b, s, h * k)
 
 
 def gated_delta(p: dict, x_BSD: jax.Array, cfg: ModelConfig,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from moezero.plan.model_buffers import is_buffer
 from moezero.reference.dense import dense_mlp, init_dense
-from moezero.reference.gated_delta import gated_delta, init_gated_delta
+from moezero.reference.gated_delta import gate_output, gated_delta, init_gated_delta, query_rows
 from moezero.reference.lora import linear
 from moezero.reference.lora import with_lora as _with_lora
 from moezero.reference.moe import acc_dtype, expert_load
@@ -67,15 +67,14 @@ class ModelConfig:
     first_k_dense: int = 0  # layers 0..k-1: the dense MLP kind (reference/dense.py)
     dense_ffn_dim: int | None = None  # None: ffn_dim
     partial_rotary_factor: float = 1.0  # RoPE rotates the first int(K * factor) dims of a head
-    # Qwen3-Next's hybrid layers (reference/gated_delta.py; the attention's output gate)
-    gated_delta_layers: tuple[int, ...] = ()
+    gated_delta_layers: tuple[int, ...] = ()  # Qwen3-Next's (reference/gated_delta.py)
     linear_num_key_heads: int = 4
     linear_num_value_heads: int = 4
     linear_key_head_dim: int = 32
     linear_value_head_dim: int = 32
     linear_conv_kernel_dim: int = 4
-    gated_delta_chunk: int = 64  # torch's chunk length; the reference runs the recurrence
-    attn_output_gate: bool = False  # wq holds per head its query rows then its gate rows
+    gated_delta_chunk: int = 64  # torch's chunk length (the reference runs the recurrence)
+    attn_output_gate: bool = False  # wq: per head its query rows, then its gate rows
     # LoRA (torch: the ``peft`` section, ``moezero.model.lora``): rank (0: none), alpha / r,
     # and the targets (attn, shared, experts, mlp, or one projection of them, e.g. attn.wq)
     lora_r: int = 0
@@ -103,11 +102,6 @@ class ModelConfig:
             raise ValueError("shared_gate needs a shared expert (shared_ffn_dim > 0)")
         if not 0 <= self.first_k_dense < self.n_layers:
             raise ValueError(f"first_k_dense={self.first_k_dense} must be in [0, n_layers)")
-
-    def attention_kind(self, layer: int) -> str:
-        """Layer ``layer``'s attention kind: ``gated_delta`` in ``gated_delta_layers``, else
-        ``gqa`` (torch: ``moezero.model.kinds.layer_kinds``)."""
-        return "gated_delta" if layer in self.gated_delta_layers else "gqa"
 
     def mlp_kind(self, layer: int) -> str:
         """Layer ``layer``'s MLP kind: ``dense`` below ``first_k_dense``, else ``moe`` (torch:
@@ -152,8 +146,8 @@ def _init_attention(cfg: ModelConfig, key, std: float, out_std: float) -> dict:
     d, hk, gk, bias = cfg.dim, cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size, \
         cfg.attn_bias != "none"
     k = jax.random.split(key, 4)
-    p = {"wq": _linear(k[0], hk * (2 if cfg.attn_output_gate else 1), d, std, bias), "wk": _linear(k[1], gk, d, std, bias),
-         "wv": _linear(k[2], gk, d, std, bias),
+    p = {"wq": _linear(k[0], hk * (1 + cfg.attn_output_gate), d, std, bias),  # gate rows too
+         "wk": _linear(k[1], gk, d, std, bias), "wv": _linear(k[2], gk, d, std, bias),
          "wo": _linear(k[3], d, hk, out_std, cfg.attn_bias == "all")}
     if cfg.qk_norm != "none":
         per_head = cfg.qk_norm == "head"
@@ -168,8 +162,7 @@ def _init_layer(cfg: ModelConfig, key, index: int) -> dict:
     k = jax.random.split(key, 6)
     mlp = {"mlp": init_dense(cfg, k[2], std, out_std)} if cfg.mlp_kind(index) == "dense" \
         else init_moe_mlp(cfg, k, std, out_std)
-    mixer = {"linear_attn": init_gated_delta(cfg, k[0], std, out_std)} \
-        if cfg.attention_kind(index) == "gated_delta" else \
+    mixer = init_gated_delta(cfg, k[0], std, out_std) if index in cfg.gated_delta_layers else \
         {"attn": _init_attention(cfg, k[0], std, out_std)}
     return {"attn_norm": {"weight": jnp.ones((d,), jnp.float32)}, **mixer,
             "ffn_norm": {"weight": jnp.ones((d,), jnp.float32)}, **mlp}
@@ -234,8 +227,7 @@ def _qk_heads(p: dict, x_BSD: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, j
     """q [B,S,H,K] and k [B,S,G,K], QK-normed where ``cfg.qk_norm`` says, before RoPE."""
     b, s, _ = x_BSD.shape
     q, k = linear(p["wq"], x_BSD, cfg.lora_scale), linear(p["wk"], x_BSD, cfg.lora_scale)
-    if cfg.attn_output_gate:  # the query half of each head's rows
-        q = q.reshape(b, s, cfg.n_heads, 2, cfg.head_size)[:, :, :, 0].reshape(b, s, -1)
+    q = query_rows(q, cfg)  # without the output gate's rows
     if cfg.qk_norm == "projection":  # OLMoE: over all heads at once
         q, k = (rmsnorm(q, p["q_norm"]["weight"], cfg.norm_eps),
                 rmsnorm(k, p["k_norm"]["weight"], cfg.norm_eps))
@@ -266,11 +258,8 @@ def attention(p: dict, x_BSD: jax.Array, cfg: ModelConfig,
     allowed = jnp.tril(jnp.ones((s, s), bool)) if docs is None else docs.allowed_BSS[:, None]
     scores_BHSS = jnp.where(allowed, scores_BHSS, -jnp.inf)
     probs_BHSS = jax.nn.softmax(scores_BHSS, axis=-1).astype(x_BSD.dtype)
-    out = jnp.einsum("bhqs,bshk->bqhk", probs_BHSS, v_BSHK).reshape(b, s, h * k)
-    if cfg.attn_output_gate:  # Qwen3-Next: times sigmoid of each head's gate rows
-        gate = linear(p["wq"], x_BSD, cfg.lora_scale).reshape(b, s, h, 2, k)[:, :, :, 1]
-        out = out * jax.nn.sigmoid(gate.reshape(b, s, h * k))
-    return linear(p["wo"], out, cfg.lora_scale)
+    out_BSHK = jnp.einsum("bhqs,bshk->bqhk", probs_BHSS, v_BSHK)
+    return linear(p["wo"], gate_output(p["wq"], x_BSD, out_BSHK, cfg), cfg.lora_scale)
 
 
 class ForwardOut(NamedTuple):
@@ -301,8 +290,7 @@ def forward_with_stats(params: dict, tokens_BS: jax.Array, cfg: ModelConfig, *,
     for i, layer in enumerate(p["layers"]):
         x_BSD = rmsnorm(h_BSD, layer["attn_norm"]["weight"], cfg.norm_eps)
         h_BSD = h_BSD + (gated_delta(layer["linear_attn"], x_BSD, cfg, docs)
-                         if cfg.attention_kind(i) == "gated_delta" else
-                         attention(layer["attn"], x_BSD, cfg, docs))
+                         if "linear_attn" in layer else attention(layer["attn"], x_BSD, cfg, docs))
         x_TD = rmsnorm(h_BSD, layer["ffn_norm"]["weight"], cfg.norm_eps).reshape(b * s, d)
         if cfg.mlp_kind(i) == "dense":  # no router, no aux loss
             h_BSD = h_BSD + dense_mlp(layer["mlp"], x_TD, cfg.lora_scale).reshape(b, s, d)

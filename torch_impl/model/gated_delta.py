@@ -158,7 +158,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z = qkvz.split([self.k, self.k, r * self.v, r * self.v], dim=-1)
         ba_beta, ba_a = self.in_proj_ba(x_BSD).view(b, s, self.g, 2 * r).split([r, r], dim=-1)
         qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
-        return qkv, z.reshape(b, s, self.h, self.v), ba_beta.reshape(b, s, self.h), ba_a.reshape(b, s, self.h)
+        heads = (b, s, self.h)
+        return qkv, z.reshape(*heads, self.v), ba_beta.reshape(heads), ba_a.reshape(heads)
 
     def forward(self, x_BSD: torch.Tensor, docs: DocumentMask | None = None) -> torch.Tensor:
         b, s, _ = x_BSD.shape

@@ -20,7 +20,7 @@ _NORMS = {"attn_norm.weight": "input_layernorm.weight",
 _IN_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(w[123])\.weight")
 _W = ("w1", "w3", "w2")
-_OFFSET_GAIN = re.compile(r"norm\.weight|layers\.\d+\.(attn_norm|ffn_norm|attn\.q_norm|attn\.k_norm)\.weight")
+_OFFSET_GAIN = re.compile(r"norm\.weight|layers\.\d+\.(attn_norm|ffn_norm|attn\.[qk]_norm)\.weight")
 
 
 def gain_shift(fqn: str, family: Family) -> float:
