@@ -74,6 +74,14 @@ OPTIONS = {
     "sigmoid-groups-scaled": tiny(num_experts=8, top_k=3, router_scoring="sigmoid",
                                   expert_bias=True, n_group=4, topk_group=2,
                                   routed_scaling_factor=2.5, shared_ffn_dim=48),
+    # Qwen3-Next: gated DeltaNet in layers 0 and 2 (chunks of 5: SEQ is no multiple), gated
+    # attention with QK-norm and partial rotary in layer 1, the gated shared expert
+    "qwen3-next-hybrid": tiny(n_layers=3, n_heads=4, n_kv_heads=2, qk_norm="head",
+                              partial_rotary_factor=0.5, attn_output_gate=True,
+                              gated_delta_layers=(0, 2), linear_num_key_heads=2,
+                              linear_num_value_heads=4, linear_key_head_dim=8,
+                              linear_value_head_dim=6, linear_conv_kernel_dim=3,
+                              gated_delta_chunk=5, shared_ffn_dim=24, shared_gate=True),
 }
 
 
@@ -194,6 +202,9 @@ GPT_OSS_KEYS = {  # issue 36's gpt-oss fields, by config section
     "moe": ("router_bias", "expert_mlp_bias", "swiglu_limit", "swiglu_alpha")}
 MLA_KEYS = ("attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
             "v_head_dim", "rope_interleave", "mla_mscale")
+QWEN3_NEXT_KEYS = ("gated_delta_layers", "linear_num_key_heads", "linear_num_value_heads",
+                   "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+                   "gated_delta_chunk", "attn_output_gate")
 
 
 def engine_config(cfg: ModelConfig, opt: OptimConfig, *, precision: str = "fp32",
@@ -207,7 +218,8 @@ def engine_config(cfg: ModelConfig, opt: OptimConfig, *, precision: str = "fp32"
         k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim",
                                      "rope_theta", "norm_eps", "n_kv_heads", "head_dim",
                                      "qk_norm", "attn_bias", "first_k_dense",
-                                     "dense_ffn_dim", *MLA_KEYS)})
+                                     "dense_ffn_dim", "partial_rotary_factor", *MLA_KEYS,
+                                     *QWEN3_NEXT_KEYS)})
     c.moe = c.moe.model_copy(update={
         "num_experts": cfg.num_experts, "top_k": cfg.top_k, "ep_size": ep_size,
         "capacity_factor": cfg.capacity_factor, "aux_loss_coef": cfg.aux_loss_coef,

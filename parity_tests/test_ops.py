@@ -18,10 +18,13 @@ import torch
 
 from moezero.model import decoder as torch_decoder
 from moezero.model import moe as torch_moe
+from moezero.model.packing import document_mask
 from moezero.model.router import Router, RouterOptions
 from moezero.reference import dense as ref_dense
+from moezero.reference import gated_delta as ref_gated_delta
 from moezero.reference import model as ref_model
 from moezero.reference import moe as ref_moe
+from moezero.reference.packing import document_layout
 from parity_tests.models import OPTIONS, TINY, perturb, to_jax, torch_model
 from parity_tests.tolerances import TOLERANCES
 from tests.support.compare import (
@@ -353,3 +356,56 @@ def test_moe_layer_forward_and_backward(top_k, capacity_factor):
     assert_rel(x_t.grad, g_x, tol.grad_rel, "d moe / d x")
     assert_close_by_fqn(torch_fqns(moe, grads=True), jax_fqns(g_params), tol.grad_rel,
                         "moe param grads")
+
+
+# ------------------------------------------------------------------- Qwen3-Next's hybrid layers
+
+HYBRID = OPTIONS["qwen3-next-hybrid"]
+jit_gated_delta = jax.jit(ref_gated_delta.gated_delta, static_argnames="cfg")
+
+
+@jax.jit
+def _gated_delta_grads(params, x, docs):
+    def loss(p, x):
+        return jnp.sum(jnp.square(ref_gated_delta.gated_delta(p, x, HYBRID, docs)))
+    return jax.grad(loss, argnums=(0, 1))(params, x)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_gated_delta_chunked_equals_the_recurrence(packed):
+    """torch's chunked gated delta rule (chunks of 5 over 16 tokens) against the reference's
+    token-by-token recurrence, forward and gradients; packed: three documents in a row, the
+    state and the conv window restarting at each (one starts inside a chunk)."""
+    model = perturb(torch_model(HYBRID, seed=5), seed=5)
+    layer = model.layers[0].linear_attn
+    params = to_jax(model, HYBRID)["layers"][0]["linear_attn"]
+    x_t, x_j = both(rand(6, 2, 16, D), "fp32")
+    x_t.requires_grad_(True)
+    labels = np.repeat([[0, 1, 2]], 2, axis=0).repeat([7, 1, 8], axis=1)
+    docs_t = document_mask(torch.from_numpy(labels)) if packed else None
+    docs_j = document_layout(jnp.asarray(labels)) if packed else None
+    out = layer(x_t, docs_t)
+    assert_max_rel(out, jit_gated_delta(params, x_j, HYBRID, docs_j), TOLERANCES["fp32"].op_rel,
+                   "gated delta")
+    out.square().sum().backward()
+
+    g_p, g_x = _gated_delta_grads(params, x_j, docs_j)
+    assert_max_rel(x_t.grad, g_x, TOLERANCES["fp32"].op_rel, "gated delta input grad")
+    assert_close_by_fqn(torch_fqns(layer, grads=True), jax_fqns(g_p),
+                        TOLERANCES["fp32"].grad_rel, "gated delta weight grads")
+
+
+def test_gated_attention():
+    """The attention's sigmoid output gate (wq holding query and gate rows per head), with
+    QK-norm per head, partial rotary and GQA, forward and input gradient."""
+    model = perturb(torch_model(HYBRID, seed=7), seed=7)
+    attn = model.layers[1].attn
+    params = to_jax(model, HYBRID)["layers"][1]["attn"]
+    x_t, x_j = both(rand(8, 2, 16, D), "fp32")
+    x_t.requires_grad_(True)
+    out = attn(x_t)
+    assert_max_rel(out, jit_attention(params, x_j, HYBRID), TOLERANCES["fp32"].op_rel,
+                   "gated attention")
+    out.square().sum().backward()
+    g_x = jax.jit(jax.grad(lambda x: jnp.sum(jnp.square(ref_model.attention(params, x, HYBRID)))))(x_j)
+    assert_max_rel(x_t.grad, g_x, TOLERANCES["fp32"].op_rel, "gated attention input grad")

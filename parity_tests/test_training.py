@@ -26,7 +26,7 @@ from moezero.reference.optim import (
     decay_mask,
     init_train_state,
 )
-from parity_tests.models import engine_config, tiny, to_jax, torch_model, train_both
+from parity_tests.models import OPTIONS, engine_config, tiny, to_jax, torch_model, train_both
 from parity_tests.tolerances import FP32, SCHEDULE_REL
 from tests.support.compare import (
     assert_close_by_fqn,
@@ -73,6 +73,7 @@ FAMILIES = {  # every option of models.OPTIONS in one of these
     "deepseek-v3-groups": tiny(num_experts=8, top_k=3, router_scoring="sigmoid",
                                expert_bias=True, bias_update_rate=1e-2, n_group=4, topk_group=2,
                                routed_scaling_factor=2.5),
+    "qwen3-next-like": OPTIONS["qwen3-next-hybrid"],
 }
 CASES.update({name: (cfg, optim()) for name, cfg in FAMILIES.items()})
 SLOW = {"dropless-k1-clip-every"}

@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from moezero.reference.model import ModelConfig
 
 LORA_PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "q_proj", "q_a_proj", "q_b_proj",
-                    "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # the last six: reference/mla.py
+                    "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",  # these six: reference/mla.py
+                    "in_proj_qkvz", "in_proj_ba", "out_proj")  # these three: gated DeltaNet
 
 
 def with_lora(cfg: ModelConfig, owner: str, params: dict, stack: tuple[int, ...] = ()) -> dict:

@@ -20,16 +20,16 @@ E experts, V vocab, L layers.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from moezero.plan import rules
 from moezero.plan.model_buffers import is_buffer
+from moezero.reference.config import ModelConfig
 from moezero.reference.dense import dense_mlp, init_dense
+from moezero.reference.gated_delta import gate_output, gated_delta, init_gated_delta, query_rows
 from moezero.reference.lora import linear
 from moezero.reference.lora import with_lora as _with_lora
 from moezero.reference.mla import init_mla, mla_attention
@@ -40,128 +40,6 @@ from moezero.reference.rope import apply_rope, rope_tables, rope_tables_at
 
 __all__ = ["ModelConfig", "apply_rope", "attention", "forward", "init_params", "loss_fn",
            "rmsnorm", "rope_tables", "rope_tables_at"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Model hyperparameters (``model.*`` / ``moe.*`` config keys). Hashable: jit-static."""
-
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    ffn_dim: int = 128
-    num_experts: int = 4
-    top_k: int = 2
-    capacity_factor: float | None = None  # None = dropless
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.001
-    # The options of the Hugging Face families (docs/model.md; torch: ModelArgs, same names).
-    n_kv_heads: int | None = None  # G; None = n_heads
-    head_dim: int | None = None  # K; None = dim / n_heads
-    qk_norm: str = "none"  # "none" | "head" (per head, Qwen3-MoE) | "projection" (OLMoE)
-    attn_bias: str = "none"  # "none" | "qkv" (Qwen2-MoE) | "all"
-    router_scoring: str = "softmax"  # "softmax" | "sigmoid"
-    renormalize: bool = True  # top-k gates renormalised to sum 1
-    expert_bias: bool = False  # aux-loss-free balancing bias (a buffer: never optimized)
-    bias_update_rate: float = 1e-3
-    shared_ffn_dim: int = 0  # 0: no shared expert
-    shared_gate: bool = False
-    first_k_dense: int = 0  # layers 0..k-1: the dense MLP kind (reference/dense.py)
-    dense_ffn_dim: int | None = None  # None: ffn_dim
-    partial_rotary_factor: float = 1.0  # RoPE rotates the first int(K * factor) dims of a head
-    # gpt-oss (issue 36): sinks, sliding windows, YaRN (reference/rope.py), router and expert
-    # biases, the clamped SwiGLU (reference/moe.py)
-    attn_sinks: bool = False
-    sliding_window: int | None = None
-    layer_types: tuple[str, ...] | None = None  # None: all sliding if sliding_window, else full
-    rope_type: str = "default"  # "default" | "yarn"
-    rope_factor: float = 1.0
-    rope_original_max_positions: int | None = None
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_truncate: bool = True
-    rope_attention_factor: float | None = None
-    rope_mscale: float | None = None
-    rope_mscale_all_dim: float | None = None
-    router_bias: bool = False
-    expert_mlp_bias: bool = False
-    swiglu_limit: float | None = None
-    swiglu_alpha: float = 1.702
-    attention: str = "gqa"  # "gqa" | "mla": latent attention (reference/mla.py), the fields below
-    q_lora_rank: int | None = None  # None: a plain q_proj
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    rope_interleave: bool = True
-    mla_mscale: float = 1.0  # softmax scale = mla_mscale² / sqrt(nope + rope dims)
-    n_group: int = 1  # DeepSeek-V3's group-limited routing (reference/moe.py: limit_to_groups)
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0  # factor on the routed gates
-    # LoRA (torch: the ``peft`` section, ``moezero.model.lora``): rank (0: none), alpha / r,
-    # and the targets (attn, shared, experts, mlp, or one projection of them, e.g. attn.wq)
-    lora_r: int = 0
-    lora_scale: float = 1.0
-    lora_targets: tuple[str, ...] = ()
-
-    def wants_lora(self, owner: str, proj: str) -> bool:
-        """Whether projection ``proj`` of ``owner`` (attn, shared, experts, mlp) has adapters."""
-        return bool(self.lora_r) and (owner in self.lora_targets
-                                      or f"{owner}.{proj}" in self.lora_targets)
-
-    def __post_init__(self):
-        if self.head_dim is None and self.dim % self.n_heads or self.head_size % 2:
-            raise ValueError(f"dim={self.dim} must split into n_heads={self.n_heads} even heads")
-        if self.rotary_dim < 2 or self.rotary_dim % 2:
-            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} rotates "
-                             f"{self.rotary_dim} dims: must be even and >= 2")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
-        if self.capacity_factor is not None and self.capacity_factor <= 0:
-            raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0 or None")
-        if self.shared_gate and not self.shared_ffn_dim:
-            raise ValueError("shared_gate needs a shared expert (shared_ffn_dim > 0)")
-        if not 0 <= self.first_k_dense < self.n_layers:
-            raise ValueError(f"first_k_dense={self.first_k_dense} must be in [0, n_layers)")
-        problem = rules.group_problem(num_experts=self.num_experts, top_k=self.top_k,
-                                      n_group=self.n_group, topk_group=self.topk_group)
-        if problem is not None:
-            raise ValueError(f"{problem[0]}: {problem[1]}")
-
-    def mlp_kind(self, layer: int) -> str:
-        """Layer ``layer``'s MLP kind: ``dense`` below ``first_k_dense``, else ``moe`` (torch:
-        ``moezero.model.kinds.layer_kinds``)."""
-        return "dense" if layer < self.first_k_dense else "moe"
-
-    def window(self, layer: int) -> int | None:
-        """Layer ``layer``'s sliding window, or None (torch: ``ModelArgs.window``)."""
-        kind = self.layer_types[layer] if self.layer_types else "sliding_attention"
-        return self.sliding_window if kind == "sliding_attention" else None
-
-    @property
-    def dense_hidden(self) -> int:
-        """The dense MLP's hidden width: ``dense_ffn_dim``, default ``ffn_dim``."""
-        return self.dense_ffn_dim or self.ffn_dim
-
-    @property
-    def head_size(self) -> int:
-        """K: ``head_dim``, default D/H."""
-        return self.head_dim or self.dim // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        """G: ``n_kv_heads``, default H."""
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def rotary_dim(self) -> int:
-        """Dims of each head RoPE rotates: ``int(K * partial_rotary_factor)``."""
-        return int(self.head_size * self.partial_rotary_factor)
 
 
 # ---------------------------------------------------------------------------------------- init
@@ -181,8 +59,8 @@ def _init_attention(cfg: ModelConfig, key, std: float, out_std: float) -> dict:
     d, hk, gk, bias = cfg.dim, cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size, \
         cfg.attn_bias != "none"
     k = jax.random.split(key, 4)
-    p = {"wq": _linear(k[0], hk, d, std, bias), "wk": _linear(k[1], gk, d, std, bias),
-         "wv": _linear(k[2], gk, d, std, bias),
+    p = {"wq": _linear(k[0], hk * (1 + cfg.attn_output_gate), d, std, bias),  # gate rows too
+         "wk": _linear(k[1], gk, d, std, bias), "wv": _linear(k[2], gk, d, std, bias),
          "wo": _linear(k[3], d, hk, out_std, cfg.attn_bias == "all")}
     if cfg.qk_norm != "none":
         per_head = cfg.qk_norm == "head"
@@ -199,8 +77,9 @@ def _init_layer(cfg: ModelConfig, key, index: int) -> dict:
     k = jax.random.split(key, 6)
     mlp = {"mlp": init_dense(cfg, k[2], std, out_std)} if cfg.mlp_kind(index) == "dense" \
         else init_moe_mlp(cfg, k, std, out_std)
-    return {"attn_norm": {"weight": jnp.ones((d,), jnp.float32)},
-            "attn": (init_mla if cfg.attention == "mla" else _init_attention)(cfg, k[0], std, out_std),
+    mixer = init_gated_delta(cfg, k[0], std, out_std) if index in cfg.gated_delta_layers else \
+        {"attn": (init_mla if cfg.attention == "mla" else _init_attention)(cfg, k[0], std, out_std)}
+    return {"attn_norm": {"weight": jnp.ones((d,), jnp.float32)}, **mixer,
             "ffn_norm": {"weight": jnp.ones((d,), jnp.float32)}, **mlp}
 
 
@@ -229,6 +108,7 @@ def _qk_heads(p: dict, x_BSD: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, j
     """q [B,S,H,K] and k [B,S,G,K], QK-normed where ``cfg.qk_norm`` says, before RoPE."""
     b, s, _ = x_BSD.shape
     q, k = linear(p["wq"], x_BSD, cfg.lora_scale), linear(p["wk"], x_BSD, cfg.lora_scale)
+    q = query_rows(q, cfg)  # without the output gate's rows
     if cfg.qk_norm == "projection":  # OLMoE: over all heads at once
         q, k = (rmsnorm(q, p["q_norm"]["weight"], cfg.norm_eps),
                 rmsnorm(k, p["k_norm"]["weight"], cfg.norm_eps))
@@ -269,7 +149,7 @@ def attention(p: dict, x_BSD: jax.Array, cfg: ModelConfig,
         scores_BHSS = jnp.concatenate([scores_BHSS, sink_BHS1], axis=-1)
     probs_BHSS = jax.nn.softmax(scores_BHSS, axis=-1)[..., :s].astype(x_BSD.dtype)
     out_BSHK = jnp.einsum("bhqs,bshk->bqhk", probs_BHSS, v_BSHK)
-    return linear(p["wo"], out_BSHK.reshape(b, s, h * k), cfg.lora_scale)
+    return linear(p["wo"], gate_output(p["wq"], x_BSD, out_BSHK, cfg), cfg.lora_scale)
 
 
 class ForwardOut(NamedTuple):
@@ -299,8 +179,13 @@ def forward_with_stats(params: dict, tokens_BS: jax.Array, cfg: ModelConfig, *,
     aux, z, load = [], [], []
     for i, layer in enumerate(p["layers"]):
         x_BSD = rmsnorm(h_BSD, layer["attn_norm"]["weight"], cfg.norm_eps)
-        h_BSD = h_BSD + (mla_attention(layer["attn"], x_BSD, cfg, docs) if cfg.attention == "mla"
-                         else attention(layer["attn"], x_BSD, cfg, docs, cfg.window(i)))
+        if "linear_attn" in layer:
+            mixed = gated_delta(layer["linear_attn"], x_BSD, cfg, docs)
+        elif cfg.attention == "mla":
+            mixed = mla_attention(layer["attn"], x_BSD, cfg, docs)
+        else:
+            mixed = attention(layer["attn"], x_BSD, cfg, docs, cfg.window(i))
+        h_BSD = h_BSD + mixed
         x_TD = rmsnorm(h_BSD, layer["ffn_norm"]["weight"], cfg.norm_eps).reshape(b * s, d)
         if cfg.mlp_kind(i) == "dense":  # no router, no aux loss
             h_BSD = h_BSD + dense_mlp(layer["mlp"], x_TD, cfg.lora_scale).reshape(b, s, d)

@@ -160,13 +160,16 @@ class PeakMemory:
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs per token: 6 x the parameters a token uses (attention, its top-k
     experts and router or a dense layer's MLP, output head; not the embedding lookup) plus the attention-score term
-    12 x layers x dim x seq_len (PaLM's appendix B accounting, causal mask not discounted)."""
+    12 x layers x dim x seq_len (PaLM's appendix B accounting, causal mask not discounted);
+    gated DeltaNet layers have no score term but their rule's (``_gated_delta_flops``)."""
     d, f, dense = args.dim, args.ffn_dim, args.first_k_dense
     attn, scores = _attention_flops(args)
     per_layer = attn + args.top_k * 3 * d * f + d * args.num_experts
     dense_layer = attn + 3 * d * args.dense_hidden  # model.first_k_dense layers
     active = (args.n_layers - dense) * per_layer + dense * dense_layer + args.vocab_size * d
-    return 6.0 * active + 6.0 * args.n_layers * scores * seq_len
+    linear = len(args.gated_delta_layers)
+    return (6.0 * active + 6.0 * (args.n_layers - linear) * scores * seq_len
+            + linear * _gated_delta_flops(args))
 
 
 def _attention_flops(args: ModelArgs) -> tuple[int, int]:
@@ -180,6 +183,20 @@ def _attention_flops(args: ModelArgs) -> tuple[int, int]:
     queries = d * h * q if rank is None else d * rank + rank * h * q
     latent = d * (c + args.qk_rope_head_dim) + c * h * (args.qk_nope_head_dim + v)
     return queries + latent + h * v * d, h * (q + v)
+
+
+def _gated_delta_flops(args: ModelArgs) -> float:
+    """A gated DeltaNet layer's training FLOPs per token beyond the 4 D² ``flops_per_token``
+    counts for every layer's attention: its own projections and conv instead of those, and
+    the chunked rule (per value head: the chunk's q·k and k·k products and the triangular
+    solves, 2·chunk·(3K + 2V), and the state's reads and update, 6KV), each 6× (forward and
+    backward multiply-adds)."""
+    g, h, d = args.linear_num_key_heads, args.linear_num_value_heads, args.dim
+    kd, vd, c = args.linear_key_head_dim, args.linear_value_head_dim, args.gated_delta_chunk
+    channels = 2 * g * kd + h * vd
+    params = d * (channels + h * vd + 2 * h) + h * vd * d + channels * args.linear_conv_kernel_dim
+    rule = h * (c * (3 * kd + 2 * vd) + 3 * kd * vd)
+    return 6.0 * (params - 4 * d * d + rule)
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:

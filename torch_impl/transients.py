@@ -274,7 +274,8 @@ def _block_bytes(cfg: Config, itemsize: int, layer: int) -> int:
     attention, its D-wide input and four of its SwiGLU's F-wide tensors (counted from the
     tensors autograd saves), with 5 D-wide fp32 tensors and no router's."""
     m, k = cfg.model, cfg.moe.top_k
-    attention = _attention_bytes(cfg, itemsize)
+    attention = _attention_bytes(cfg, itemsize) if layer not in m.gated_delta_layers else \
+        _gated_delta_bytes(m)
     if layer < m.first_k_dense:
         return attention + itemsize * (m.dim + 4 * (m.dense_ffn_dim or m.ffn_dim)) + 4 * 5 * m.dim
     widths = k * m.dim + 2 * k * m.ffn_dim + 3 * cfg.moe.shared_ffn_dim
@@ -294,10 +295,27 @@ def _attention_bytes(cfg: Config, itemsize: int) -> int:
     m = cfg.model
     if m.attention != "mla":
         head = m.head_dim or m.dim // m.n_heads
-        return itemsize * (3 * m.n_heads * head + 2 * (m.n_kv_heads or m.n_heads) * head)
+        return itemsize * ((3 + 2 * m.attn_output_gate) * m.n_heads * head
+                           + 2 * (m.n_kv_heads or m.n_heads) * head)
     c, r, h = m.kv_lora_rank, m.qk_rope_head_dim, m.n_heads
     wide = max(m.qk_nope_head_dim + r, m.v_head_dim)
     latents = [c] + ([m.q_lora_rank] if m.q_lora_rank else [])
     norms = sum((8 + itemsize) * n + 4 for n in latents) + (4 * r if itemsize == 4 else 0)
     values = wide + m.v_head_dim if m.v_head_dim < wide else m.qk_nope_head_dim + m.v_head_dim
     return norms + itemsize * h * (3 * wide + values) + 4 * h
+
+
+def _gated_delta_bytes(m) -> int:
+    """Bytes a gated DeltaNet layer (``model.gated_delta_layers``) keeps per token, counted at
+    fp32 (the rule computes in fp32): its conv's input and W - 1 shifted copies and output
+    (C·(W+1), C = 2GK + HV), the normalised and repeated q and k and their intermediates
+    (4GK + 10HK), v, z and the gated norm's tensors (10HV), the chunked rule's C×C tiles
+    (decay, triangular system, local attention: 4.5 H·chunk per token) and the [K, V] state
+    per head carried into each chunk (HKV/chunk). Fitted to the tensors autograd saves
+    (within 5% over chunk, head and window sizes; tests/torch_impl/test_estimate_peak.py)."""
+    g, h = m.linear_num_key_heads, m.linear_num_value_heads
+    kd, vd, c = m.linear_key_head_dim, m.linear_value_head_dim, m.gated_delta_chunk
+    channels = 2 * g * kd + h * vd
+    floats = channels * (m.linear_conv_kernel_dim + 1) + 4 * g * kd + 10 * h * (kd + vd) \
+        + 9 * h * c / 2 + h * kd * vd / c
+    return int(4 * floats)

@@ -78,6 +78,12 @@ ACTIVATION_CASES = [
     ["model.dim=256", "model.ffn_dim=512", "model.n_heads=4", "model.first_k_dense=3",
      "model.dense_ffn_dim=2048", "precision.dtype=bf16", "activation_checkpointing.enabled=true",
      "activation_checkpointing.every_n_layers=2"],
+    # Qwen3-Next: gated DeltaNet in 3 of 4 layers (its chunk tiles and state), gated attention
+    ["model.dim=256", "model.ffn_dim=256", "model.n_heads=4", "model.head_dim=64",
+     "model.attn_output_gate=true", "model.gated_delta_layers=[0,1,2]",
+     "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
+     "model.linear_key_head_dim=32", "model.linear_value_head_dim=32",
+     "model.gated_delta_chunk=32"],
 ]
 
 

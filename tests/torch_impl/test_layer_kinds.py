@@ -103,7 +103,7 @@ def test_config_refuses_in_one_line(sets, key):
 
 
 def test_hf_names_are_declared_beside_each_kind_without_clashes():
-    assert set(ATTENTION_KINDS) == {"gqa", "mla"} and set(MLP_KINDS) == {"moe", "dense"}
+    assert set(ATTENTION_KINDS) == {"gqa", "mla", "gated_delta"} and set(MLP_KINDS) == {"moe", "dense"}
     names = hf_layer_names("block_sparse_moe")
     assert names["moe.router.weight"] == "block_sparse_moe.gate.weight"
     family = FAMILIES["qwen2_moe"]

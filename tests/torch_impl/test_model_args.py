@@ -53,7 +53,12 @@ def test_model_args_carries_every_key_of_the_config():
                   "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
                   "rope_type": "yarn", "rope_factor": 4.0, "rope_original_max_positions": 64,
                   "rope_beta_fast": 16.0, "rope_beta_slow": 2.0, "rope_truncate": False,
-                  "rope_attention_factor": 1.25, "rope_mscale": 0.5, "rope_mscale_all_dim": 0.25},
+                  "rope_attention_factor": 1.25, "rope_mscale": 0.5, "rope_mscale_all_dim": 0.25,
+
+                  "gated_delta_layers": [0, 2], "linear_num_key_heads": 2,
+                  "linear_num_value_heads": 6, "linear_key_head_dim": 12,
+                  "linear_value_head_dim": 10, "linear_conv_kernel_dim": 3,
+                  "gated_delta_chunk": 16, "attn_output_gate": True},
         "moe": {"num_experts": 6, "top_k": 3, "ep_size": 3, "capacity_factor": 1.5,
                 "expert_group_name": "g", "aux_loss_coef": 0.5, "z_loss_coef": 0.25,
                 "router_scoring": "sigmoid", "renormalize": False, "expert_bias": True,

@@ -41,7 +41,8 @@ def adopt_architecture(cfg: Config, run_dir: str | Path) -> tuple[Config, list[s
         theirs = saved.get(section) if isinstance(saved, dict) else None
         explicit = getattr(cfg, section).model_fields_set
         for key in keys:
-            if not isinstance(theirs, dict) or key not in theirs or theirs[key] == data[section][key]:
+            if not isinstance(theirs, dict) or key not in theirs \
+                    or _same(theirs[key], data[section][key]):
                 continue
             if key not in explicit:
                 data[section][key] = theirs[key]
@@ -60,6 +61,11 @@ def adopt_architecture(cfg: Config, run_dir: str | Path) -> tuple[Config, list[s
     except FieldError as exc:
         raise ConfigError(exc.field, exc.problem, f"architecture of checkpoint {ckpt}") from None
     return cfg, adopted
+
+
+def _same(saved, ours) -> bool:
+    """Whether a manifest's JSON value is the config's (a JSON list holds a tuple field)."""
+    return saved == ours or (isinstance(ours, tuple) and saved == list(ours))
 
 
 def _refuse_change(cfg: Config, key: str, ours, theirs, ckpt: Path) -> None:

@@ -109,6 +109,23 @@ class ModelConfig(_Section):
                                                      "qk_rope_head_dim) (YaRN's mscale_all_dim "
                                                      "factor; 1 without it).")
 
+    # Qwen3-Next's hybrid layers (docs/model.md, "Gated DeltaNet", "Gated attention").
+    gated_delta_layers: tuple[int, ...] = _arch(
+        (), description="Layers whose attention kind is gated DeltaNet (Qwen3-Next's "
+                        "linear_attention layer_types); the others take softmax attention.")
+    linear_num_key_heads: int = _arch(4, ge=1, description="Gated DeltaNet key heads (G).")
+    linear_num_value_heads: int = _arch(4, ge=1, description="Gated DeltaNet value heads (H); "
+                                                             "a multiple of the key heads.")
+    linear_key_head_dim: int = _arch(32, ge=1, description="Gated DeltaNet key head dim.")
+    linear_value_head_dim: int = _arch(32, ge=1, description="Gated DeltaNet value head dim.")
+    linear_conv_kernel_dim: int = _arch(4, ge=1, description="Window of the causal depthwise "
+                                                             "convolution before the rule.")
+    gated_delta_chunk: int = Field(64, ge=1, description="Tokens per chunk of the chunked gated "
+                                                         "delta rule: memory O(S·chunk).")
+    attn_output_gate: bool = _arch(False, description="Softmax attention's output times "
+                                                      "sigmoid(gate), the gate a second half "
+                                                      "of each head's q projection (Qwen3-Next).")
+
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
         if self.head_dim is None and self.dim % self.n_heads:
@@ -151,6 +168,14 @@ class ModelConfig(_Section):
         if self.first_k_dense >= self.n_layers:
             raise FieldError("first_k_dense", f"must be < model.n_layers ({self.n_layers}): at "
                                               f"least one MoE layer, got {self.first_k_dense}")
+        bad = [i for i in self.gated_delta_layers if not 0 <= i < self.n_layers]
+        if bad or len(set(self.gated_delta_layers)) != len(self.gated_delta_layers):
+            raise FieldError("gated_delta_layers", f"must be distinct layers < model.n_layers "
+                                                   f"({self.n_layers}), got {list(self.gated_delta_layers)}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise FieldError("linear_num_value_heads", f"must be a multiple of "
+                                                       f"model.linear_num_key_heads "
+                                                       f"({self.linear_num_key_heads})")
         return self
 
 

@@ -17,7 +17,9 @@ ATTN_PROJECTIONS = {"gqa": ("wq", "wk", "wv", "wo"),
 LORA_TARGETS = ("attn", "attn.wq", "attn.wk", "attn.wv", "attn.wo", "shared", "shared.w1",
                 "shared.w2", "shared.w3", "experts", "experts.w1", "experts.w2", "experts.w3",
                 "mlp", "mlp.w1", "mlp.w2", "mlp.w3",
-                *(f"attn.{p}" for p in ATTN_PROJECTIONS["mla"]))
+                *(f"attn.{p}" for p in ATTN_PROJECTIONS["mla"]),
+                "linear_attn", "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba",
+                "linear_attn.out_proj")
 
 
 def attention_target_problem(targets, attention: str, q_lora_rank: int | None) -> str | None:
@@ -50,7 +52,8 @@ class PeftConfig(Section):
                               "kv_a_proj_with_mqa, kv_b_proj, o_proj), shared (the "
                               "shared expert's w1, w2, w3), experts (every routed expert's "
                               "w1, w2, w3, grouped), mlp (the dense MLP's w1, w2, w3: "
-                              "model.first_k_dense), or one of them, e.g. attn.wq.")
+                              "model.first_k_dense), linear_attn (gated DeltaNet's in_proj_qkvz, in_proj_ba, "
+                              "out_proj: model.gated_delta_layers), or one of them, e.g. attn.wq.")
 
     @property
     def uses_lora(self) -> bool:

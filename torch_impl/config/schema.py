@@ -314,6 +314,10 @@ class Config(_Section):
                                            self.model.q_lora_rank)
         if self.peft.uses_lora and problem:
             raise FieldError("peft.targets", problem)
+        if self.peft.uses_lora and not self.model.gated_delta_layers \
+                and any(t.startswith("linear_attn") for t in self.peft.targets):
+            raise FieldError("peft.targets", "names gated DeltaNet, but the model has none "
+                                             "(model.gated_delta_layers is empty)")
 
     @model_validator(mode="after")
     def _across_sections(self) -> Config:

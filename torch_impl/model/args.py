@@ -88,6 +88,15 @@ class ModelArgs:
     n_group: int = 1  # DeepSeek-V3's group-limited routing: expert groups (1: none)
     topk_group: int = 1  # groups a token's experts are chosen from
     routed_scaling_factor: float = 1.0  # factor on the routed gates
+    # Qwen3-Next's hybrid layers (model/gated_delta.py; the attention's output gate).
+    gated_delta_layers: tuple[int, ...] = ()  # layers whose attention kind is gated DeltaNet
+    linear_num_key_heads: int = 4
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    linear_conv_kernel_dim: int = 4
+    gated_delta_chunk: int = 64  # tokens per chunk of the chunked rule (numerics, not arch)
+    attn_output_gate: bool = False  # sigmoid output gate per head dim (q_proj holds it)
 
     @property
     def kv_heads(self) -> int:

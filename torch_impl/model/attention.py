@@ -83,10 +83,11 @@ class Attention(nn.Module):
         d, h, g, k = args.dim, args.n_heads, args.kv_heads, args.head_size
         self.n_heads, self.n_kv_heads, self.head_dim = h, g, k
         self.theta, self.qk_norm = args.rope_theta, args.qk_norm
-        self.rotary_dim = args.rotary_dim
+        self.rotary_dim, self.output_gate = args.rotary_dim, args.attn_output_gate
         self.window, self.yarn = window, getattr(args, "yarn", None)
         qkv_bias = args.attn_bias != "none"
-        self.wq = nn.Linear(d, h * k, bias=qkv_bias)
+        # With the output gate, wq holds per head its K query rows then its K gate rows.
+        self.wq = nn.Linear(d, h * k * (2 if self.output_gate else 1), bias=qkv_bias)
         self.wk = nn.Linear(d, g * k, bias=qkv_bias)
         self.wv = nn.Linear(d, g * k, bias=qkv_bias)
         self.wo = nn.Linear(h * k, d, bias=args.attn_bias == "all")
@@ -101,6 +102,9 @@ class Attention(nn.Module):
         """Causal attention over the row, or within each document of ``docs``."""
         b, s, _ = x_BSD.shape
         q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
+        if self.output_gate:
+            q, gate = q.view(b, s, self.n_heads, 2, self.head_dim).unbind(3)
+            q = q.reshape(b, s, -1)
         if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
         q_BSHK = q.view(b, s, self.n_heads, self.head_dim)
@@ -119,7 +123,10 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=allowed, is_causal=allowed is None,
                 enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
+        if self.output_gate:  # Qwen3-Next's gated attention
+            out = out * gate.reshape(b, s, -1).sigmoid()
+        return self.wo(out)
 
 
 def _gqa_modules(args, at: Placement) -> dict[str, nn.Module]:

@@ -8,20 +8,21 @@ from __future__ import annotations
 from moezero.model.args import ModelArgs
 from moezero.model.attention import GQA
 from moezero.model.dense import DENSE
+from moezero.model.gated_delta import GATED_DELTA
 from moezero.model.kind import AttentionKind, MlpKind
 from moezero.model.mla import MLA_KIND
 from moezero.model.moe_mlp import MOE
 
-ATTENTION_KINDS: dict[str, AttentionKind] = {k.name: k for k in (GQA, MLA_KIND)}
+ATTENTION_KINDS: dict[str, AttentionKind] = {k.name: k for k in (GQA, MLA_KIND, GATED_DELTA)}
 MLP_KINDS: dict[str, MlpKind] = {k.name: k for k in (MOE, DENSE)}
 
 
 def layer_kinds(args: ModelArgs, layer: int) -> tuple[AttentionKind, MlpKind]:
-    """Layer ``layer``'s (attention kind, MLP kind): ``args.attention`` (grouped-query or
-    latent attention) everywhere; the dense MLP in layers below ``first_k_dense``, the MoE
-    layer above."""
-    return (ATTENTION_KINDS[args.attention],
-            MLP_KINDS["dense" if layer < args.first_k_dense else "moe"])
+    """Layer ``layer``'s (attention kind, MLP kind): gated DeltaNet in ``gated_delta_layers``,
+    ``args.attention`` (grouped-query or latent attention) elsewhere; the dense MLP in layers
+    below ``first_k_dense``, the MoE layer above."""
+    attention = "gated_delta" if layer in args.gated_delta_layers else args.attention
+    return ATTENTION_KINDS[attention], MLP_KINDS["dense" if layer < args.first_k_dense else "moe"]
 
 
 def hf_layer_names(moe_block: str, shared: str = "shared_expert") -> dict[str, str]:

@@ -51,6 +51,14 @@ class Arch:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # Qwen3-Next's hybrid layers (checkpoint/hf/qwen3_next.py; the other families refuse them)
+    gated_delta_layers: tuple[int, ...] = ()
+    linear_num_key_heads: int = 4
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    linear_conv_kernel_dim: int = 4
+    attn_output_gate: bool = False
     capacity_factor: float | None = None  # HF is dropless: exported as such (docs/hf.md)
     # gpt-oss (issue 36; checkpoint/hf/gpt_oss.py)
     attn_sinks: bool = False

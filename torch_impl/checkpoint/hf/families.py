@@ -14,13 +14,15 @@ from moezero.checkpoint.hf import (
     olmoe,
     qwen2_moe,
     qwen3_moe,
+    qwen3_next,
 )
 from moezero.checkpoint.hf.arch import Arch, refuse
 from moezero.checkpoint.hf.family import Family
 from moezero.plan.store import CheckpointError
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, gpt_oss.FAMILY)}
+    mixtral.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, gpt_oss.FAMILY,
+    qwen3_next.FAMILY)}
 FAMILIES.update({f.model_type: f for f in (  # DeepSeek-style routing
     glm4_moe.FAMILY, deepseek_v3.FAMILY)})
 
@@ -41,6 +43,8 @@ def family_for(arch: Arch, model_type: str | None = None) -> Family:
         model_type = "gpt_oss"
     if model_type is None and arch.router_scoring == "sigmoid" and arch.expert_bias:
         model_type = _deepseek_style(arch)
+    if model_type is None and (arch.gated_delta_layers or arch.attn_output_gate):
+        model_type = "qwen3_next"
     if model_type is None:
         model_type = {"head": "qwen3_moe", "projection": "olmoe"}.get(
             arch.qk_norm, "qwen2_moe" if arch.shared_ffn_dim else "mixtral")
@@ -48,9 +52,11 @@ def family_for(arch: Arch, model_type: str | None = None) -> Family:
         raise CheckpointError(f"no Hugging Face family {model_type!r} (known: "
                               f"{', '.join(FAMILIES)})")
     family = FAMILIES[model_type]
-    why = family.refusal(arch) if family is gpt_oss.FAMILY else \
-        _common_refusal(_without(arch, family.holds)) or gpt_oss.foreign_refusal(arch) \
-        or family.refusal(arch)
+    if family is gpt_oss.FAMILY:
+        why = family.refusal(arch) or _layer_refusal(arch, family)
+    else:
+        why = (_common_refusal(_without(arch, family.holds), family)
+               or gpt_oss.foreign_refusal(arch) or family.refusal(arch))
     if why:
         key, value, reason = why
         raise CheckpointError(f"{key}={json.dumps(value)} cannot be exported as Hugging Face "
@@ -71,17 +77,23 @@ def _without(arch: Arch, holds: frozenset[str]) -> Arch:
     return dataclasses.replace(arch, **{k: defaults[k] for k in holds if k in defaults})
 
 
-def _common_refusal(arch: Arch):
-    if arch.n_group != 1 or arch.routed_scaling_factor != 1:
-        key, value = (("moe.n_group", arch.n_group) if arch.n_group != 1 else
-                      ("moe.routed_scaling_factor", arch.routed_scaling_factor))
-        return key, value, "the exported families route over every expert, gates unscaled"
+def _common_refusal(arch: Arch, family: Family):
     if arch.router_scoring != "softmax":
         return ("moe.router_scoring", arch.router_scoring,
                 "the exported families route with a softmax")
     if arch.expert_bias:
         return "moe.expert_bias", True, "the exported families have no expert bias"
-    if arch.partial_rotary_factor != 1:
+    return _layer_refusal(arch, family)
+
+
+def _layer_refusal(arch: Arch, family: Family):
+    """What only some families hold: group-limited routing and scaled gates, partial rotary,
+    dense first layers, latent attention, Qwen3-Next's hybrid layers."""
+    if arch.n_group != 1 or arch.routed_scaling_factor != 1:
+        key, value = (("moe.n_group", arch.n_group) if arch.n_group != 1 else
+                      ("moe.routed_scaling_factor", arch.routed_scaling_factor))
+        return key, value, "the exported families route over every expert, gates unscaled"
+    if arch.partial_rotary_factor != 1 and not family.hybrid:
         return ("model.partial_rotary_factor", arch.partial_rotary_factor,
                 "the exported families rotate every dim of a head")
     if arch.first_k_dense:
@@ -90,4 +102,14 @@ def _common_refusal(arch: Arch):
     if arch.attention != "gqa":
         return ("model.attention", arch.attention,
                 "the exported families have grouped-query attention")
+    return None if family.hybrid else _hybrid_refusal(arch)
+
+
+def _hybrid_refusal(arch: Arch):
+    """Qwen3-Next's layer options, which only its family holds."""
+    if arch.gated_delta_layers:
+        return ("model.gated_delta_layers", list(arch.gated_delta_layers),
+                "only qwen3_next has gated DeltaNet layers")
+    if arch.attn_output_gate:
+        return ("model.attn_output_gate", True, "only qwen3_next gates the attention output")
     return None

@@ -45,6 +45,9 @@ class Family:
             ``target_parameters`` (``<module>.weight``) instead of ``target_modules``: PEFT
             (0.21, transformers 5) retargets a module target with such an ending to the fused
             experts for the families converted like Qwen2-MoE (GLM-4.5, DeepSeek-V3).
+        hybrid: holds gated DeltaNet layers, the attention's output gate and partial rotary
+            (Qwen3-Next); the other families refuse them.
+        unit_offset_norms: its RMSNorms weigh by ``1 + weight`` (``names.gain_shift``).
     """
 
     model_type: str
@@ -60,6 +63,8 @@ class Family:
     holds: frozenset[str] = frozenset()
     dropped: Callable[[dict], tuple[re.Pattern, str] | None] | None = None
     peft_as_parameters: tuple[str, ...] = ()
+    hybrid: bool = False
+    unit_offset_norms: bool = False
 
     def config(self, arch: Arch, dtype: str) -> dict:
         """The exported ``config.json``: the keys every family shares, then its own."""

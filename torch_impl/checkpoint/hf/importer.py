@@ -27,7 +27,7 @@ from moezero.checkpoint.hf import dtypes, fp8
 from moezero.checkpoint.hf.arch import Arch
 from moezero.checkpoint.hf.families import family_of_config
 from moezero.checkpoint.hf.family import Family
-from moezero.checkpoint.hf.names import candidates
+from moezero.checkpoint.hf.names import candidates, gain_shift
 from moezero.checkpoint.hf.reader import Derived, HFTensors
 from moezero.checkpoint.model_buffers import buffer_shapes
 from moezero.checkpoint.tools import refuse_non_empty
@@ -88,7 +88,9 @@ def import_hf(src: str | Path, out: str | Path, dtype: str | None = None) -> Pat
     refuse_non_empty(out)
     cfg = import_config(arch, out, str(src / HF_CONFIG), hf_tokenizer.describe_import(src, out))
     tensors = HFTensors(src, fp8.block_size(raw, str(src / HF_CONFIG)))
-    dtype = dtypes.resolve(dtype, set(tensors.files.values()))
+    # Qwen3-Next's gains are stored as 1 + w (names.gain_shift): bf16 would round them
+    dtype = "fp32" if dtype is None and family.unit_offset_norms else \
+        dtypes.resolve(dtype, set(tensors.files.values()))
     layout = _layout(cfg, dtype=dtypes.IMPORT_DTYPES[dtype][0])
     sources = {fqn: _source(tensors, fqn, shape, arch, family, src)
                for fqn, shape in layout.shapes + layout.buffers}
@@ -96,9 +98,10 @@ def import_hf(src: str | Path, out: str | Path, dtype: str | None = None) -> Pat
     used = {key for s in sources.values() for key in (s.keys if isinstance(s, Derived) else s[:1])}
     used |= {fp8.scale_key(key) for key in used if tensors.scaled(key)}
     _check_all_used(tensors, used, arch, src, dropped[0] if dropped else None)
+    shifts = {fqn: -gain_shift(fqn, family) for fqn in sources}  # Qwen3-Next's 1 + w gains
     hf_tokenizer.copy_import(src, out)  # every header read and checked: now write
     source = {"format": f"hf-{family.model_type}", "path": str(src.resolve()), "config": raw}
-    final = _write(layout, tensors, sources, out, meta={
+    final = _write(layout, tensors, (sources, shifts), out, meta={
         "config": cfg.model_dump(by_alias=True, mode="json"),
         "topology": {"world_size": 1, "ep_sizes": [cfg.moe.ep_size], "zero_stage": None,
                      "dtype": str(raw.get("dtype") or raw.get("torch_dtype") or "?"),
@@ -108,8 +111,11 @@ def import_hf(src: str | Path, out: str | Path, dtype: str | None = None) -> Pat
     return final
 
 
-def _write(layout, tensors: HFTensors, sources: dict, out: Path, meta: dict) -> Path:
-    """The plan's crash-safe save at W = 1: headers, one range per tensor, manifest, commit."""
+def _write(layout, tensors: HFTensors, sources: tuple[dict, dict], out: Path,
+           meta: dict) -> Path:
+    """The plan's crash-safe save at W = 1: headers, one range per tensor, manifest, commit.
+    ``sources``: (each FQN's source, each FQN's constant added)."""
+    sources, shifts = sources
     partial = store.begin_save(out, 0)
     records = store.write_headers(layout, partial)
     for f in layout.model_files:
@@ -118,7 +124,7 @@ def _write(layout, tensors: HFTensors, sources: dict, out: Path, meta: dict) -> 
             for t in f.tensors:
                 shape = layout.shape(t.fqn)
                 crc = _write_fragment(fd, (f.data_start + t.begin, f.dtype), tensors,
-                                      sources[t.fqn], shape, (t.start, t.stop))
+                                      sources[t.fqn], shape, (t.start, t.stop), shifts[t.fqn])
                 records.append(RangeRecord(f.name, f.data_start + t.begin, t.end - t.begin,
                                            crc))
             os.fsync(fd)
@@ -132,9 +138,10 @@ def _write(layout, tensors: HFTensors, sources: dict, out: Path, meta: dict) -> 
 
 
 def _write_fragment(fd: int, where: tuple[int, str], tensors: HFTensors, source: tuple,
-                    shape: tuple[int, ...], span: tuple[int, int]) -> int:
+                    shape: tuple[int, ...], span: tuple[int, int], shift: float = 0.0) -> int:
     """Flat elements ``span`` of the source tensor at ``where`` (offset, safetensors dtype tag),
-    whole rows of about ``CHUNK`` bytes at a time; the crc32 of the bytes written."""
+    plus ``shift`` (a family's gain offset), whole rows of about ``CHUNK`` bytes at a time;
+    the crc32 of the bytes written."""
     offset, tag = where
     dtype = next(d for t, d in dtypes.IMPORT_DTYPES.values() if t == tag)
     itemsize = dtype.itemsize
@@ -147,6 +154,8 @@ def _write_fragment(fd: int, where: tuple[int, str], tensors: HFTensors, source:
         first = lo // row
         block = whole[first * row:-(-hi // row) * row] if whole is not None else \
             tensors.read_rows(*source, slice(first, -(-hi // row))).reshape(-1)
+        if shift:
+            block = block + shift
         part = block[lo - first * row:hi - first * row].to(dtype).contiguous()
         data = byte_view(part.view(torch.uint8).numpy())
         pwrite_all(fd, data, offset + (lo - start) * itemsize)

@@ -20,6 +20,13 @@ _NORMS = {"attn_norm.weight": "input_layernorm.weight",
 _IN_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(w[123])\.weight")
 _W = ("w1", "w3", "w2")
+_OFFSET_GAIN = re.compile(r"norm\.weight|layers\.\d+\.(attn_norm|ffn_norm|attn\.[qk]_norm)\.weight")
+
+
+def gain_shift(fqn: str, family: Family) -> float:
+    """What export adds to ``fqn``'s values (import subtracts it): -1 for the RMSNorm gains of a
+    family whose norms weigh by ``1 + weight`` (Qwen3-Next), else 0."""
+    return -1.0 if family.unit_offset_norms and _OFFSET_GAIN.fullmatch(fqn) else 0.0
 
 
 def hf_name(fqn: str, family: Family) -> str:

@@ -35,7 +35,7 @@ from moezero.checkpoint import tokenizer as hf_tokenizer
 from moezero.checkpoint.hf.arch import arch_of
 from moezero.checkpoint.hf.exporter import HF_CONFIG
 from moezero.checkpoint.hf.families import family_for
-from moezero.checkpoint.hf.names import hf_name
+from moezero.checkpoint.hf.names import gain_shift, hf_name
 from moezero.plan import store
 from moezero.plan.checked import CheckedReader
 from moezero.plan.model_buffers import is_buffer
@@ -91,6 +91,7 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32", base: Path | None = 
                               "only: export with --merge-lora --format hf")
     family = family_for(arch_of(store.read_manifest(base_dir)))
     lora = _lora(trained)
+    _refuse_unread(lora, family.model_type, ckpt)
     experts = {k: v for k, v in lora.items() if _EXPERT.fullmatch(k + ".lora_A")}
     if experts and family.export_items:  # gpt-oss: x @ W experts, gate/up interleaved
         raise CheckpointError(f"{ckpt}: routed-expert adapters of {family.model_type} have no "
@@ -139,6 +140,20 @@ def _refuse_moved_buffers(ckpt: Path, trained: dict, base_dir: Path) -> None:
                                   "(moe.bias_update_rate > 0) and a PEFT adapter cannot hold "
                                   "it: export with --merge-lora --format hf, or train with "
                                   "moe.bias_update_rate=0")
+
+
+_SHARED_MISREAD = ("qwen3_next",)
+"""Families whose PEFT config conversion (PEFT's transformers-v5 MoE mapping) takes every
+target ending in ``gate_proj``/``up_proj``/``down_proj`` for the routed experts, so a shared
+expert's adapters would be silently dropped on load."""
+
+
+def _refuse_unread(lora: dict, model_type: str, ckpt: Path) -> None:
+    shared = sorted(f for f in lora if ".shared." in f)
+    if shared and model_type in _SHARED_MISREAD:
+        raise CheckpointError(f"{ckpt}: adapts {shared[0]} (a shared expert); PEFT loads "
+                              f"{model_type} adapters of gate/up/down_proj as the routed "
+                              "experts' and would drop it: export with --merge-lora --format hf")
 
 
 def _fused_rank(fused: list[str], rank: int, scale: float) -> dict:
@@ -215,7 +230,8 @@ def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
     shapes = base_manifest.layout.shapes + base_manifest.layout.buffers
     items = family.export_items(shapes, arch) if family.export_items else \
         [(hf_name(fqn, family), fqn, shape) for fqn, shape in shapes]
-    tensors = {key: _composed(src, weights, shape).to(  # biases (buffers) stay fp32
+    tensors = {key: (_composed(src, weights, shape)  # biases (buffers) stay fp32
+                     + (gain_shift(src, family) if isinstance(src, str) else 0.0)).to(
         torch.float32 if isinstance(src, str) and is_buffer(src) else DTYPES[dtype]).contiguous()
                for key, src, shape in items}
     out.mkdir(parents=True, exist_ok=True)
