@@ -64,10 +64,12 @@ OPTIONS = {
                                rope_original_max_positions=4, rope_mscale=0.8,
                                rope_mscale_all_dim=0.5),
     # multi-head latent attention (model/mla.py): a query latent, interleaved RoPE dims,
-    # biases, YaRN's softmax factor; a plain q_proj with half-split RoPE dims
+    # biases, YaRN (frequencies, cos/sin factor, softmax factor); a plain q_proj with half-split RoPE dims
     "mla-q-lora-interleave-bias": tiny(attention="mla", q_lora_rank=12, kv_lora_rank=8,
                                        qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=10,
-                                       attn_bias="all", mla_mscale=1.2),
+                                       attn_bias="all", mla_mscale=1.2, rope_type="yarn",
+                                       rope_factor=4.0, rope_original_max_positions=4,
+                                       rope_mscale=0.8, rope_mscale_all_dim=0.6),
     "mla-plain-q-halves": tiny(attention="mla", kv_lora_rank=8, qk_nope_head_dim=6,
                                qk_rope_head_dim=4, v_head_dim=5, rope_interleave=False),
     # DeepSeek-V3's routing: sigmoid + expert bias, group-limited top-k, scaled gates

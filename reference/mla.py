@@ -69,8 +69,8 @@ def _rotate(x_BSHR: jax.Array, cfg: ModelConfig, docs: DocumentLayout | None) ->
     if cfg.rope_interleave:
         x_BSHR = jnp.concatenate([x_BSHR[..., 0::2], x_BSHR[..., 1::2]], -1)
     s, r = x_BSHR.shape[1], x_BSHR.shape[-1]
-    cos, sin = rope_tables(s, r, cfg.rope_theta) if docs is None else \
-        rope_tables_at(docs.positions_BS, r, cfg.rope_theta)
+    cos, sin = rope_tables(s, r, cfg.rope_theta, cfg) if docs is None else \
+        rope_tables_at(docs.positions_BS, r, cfg.rope_theta, cfg)  # with YaRN where set
     return apply_rope(x_BSHR, cos, sin)
 
 

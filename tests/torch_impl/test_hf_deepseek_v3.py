@@ -203,13 +203,25 @@ def test_deepseek_v3_fp8_import(tmp_path):
     check_fp8_import(folder, expected, transformers.DeepseekV3ForCausalLM, tmp_path)
 
 
-def test_deepseek_v3_yarn_is_refused_in_one_line(tmp_path, capsys):
-    model = deepseek_model(q_lora_rank=16)
-    model.save_pretrained(tmp_path / "hf")
-    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
-                              "original_max_position_embeddings": 64}
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
-    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "rope_parameters=" in err[0], err
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+        "original_max_position_embeddings": 4, "mscale": 0.8, "mscale_all_dim": 0.6}
+"""DeepSeek-V3's YaRN (both mscales, the ramp inside the 4 rotary dims at these lengths)."""
+
+
+@pytest.mark.parametrize("changes", [{"q_lora_rank": 16, "rope_parameters": YARN}],
+                         ids=["yarn"])
+def test_deepseek_v3_yarn_imports_and_exports_exactly(tmp_path, changes):
+    """YaRN's frequencies and cos/sin factor on the rotary dims and mscale_all_dim's softmax
+    factor (model.mla_mscale), as transformers computes them; written back as it was."""
+    theirs = deepseek_model(**changes)
+    theirs.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    with torch.no_grad():
+        source = theirs(TOKENS).logits
+    assert_logits_close(moezero_logits(tmp_path / "ckpt"), source, "deepseek_v3 yarn import")
+    export_hf(store.find_checkpoint(tmp_path / "ckpt"), tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"]
+    assert {k: written[k] for k in YARN} == YARN, written
+    back = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert_logits_close(back(TOKENS).logits, source, "deepseek_v3 yarn export")

@@ -65,6 +65,7 @@ class MLA(nn.Module):
         self.nope, self.rot, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
         self.rank, qk = args.kv_lora_rank, self.nope + self.rot
         self.scale = qk ** -0.5 * args.mla_mscale ** 2
+        self.yarn = args.yarn  # YaRN frequencies and cos/sin factor (DeepSeek-V3, Kimi-K2)
         self.lora_projections = mla_projections(args.q_lora_rank)
         if args.q_lora_rank is None:
             self.q_proj = nn.Linear(d, h * qk, bias=False)
@@ -84,7 +85,8 @@ class MLA(nn.Module):
 
     def _rope(self, x_BSHR: torch.Tensor, docs: DocumentMask | None) -> torch.Tensor:
         x_BSHR = deinterleave(x_BSHR) if self.interleave else x_BSHR
-        return rope(x_BSHR, self.theta, None if docs is None else docs.positions_BS)
+        return rope(x_BSHR, self.theta, None if docs is None else docs.positions_BS,
+                    yarn=self.yarn)
 
     def forward(self, x_BSD: torch.Tensor, docs: DocumentMask | None = None) -> torch.Tensor:
         """Causal attention over the row, or within each document of ``docs``."""

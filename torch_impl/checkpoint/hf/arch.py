@@ -133,7 +133,8 @@ def check_common(cfg: dict, where: str) -> None:
         raise refuse(where, "mlp_bias", cfg["mlp_bias"], "moezero's experts have no bias")
     for key in ("kv_lora_rank", "q_lora_rank"):
         if cfg.get(key) is not None:
-            raise refuse(where, key, cfg[key], "multi-head latent attention (MLA) is not built")
+            raise refuse(where, key, cfg[key], "multi-head latent attention is DeepSeek-V3's "
+                         "(model_type deepseek_v3)")
 
 
 def heads(cfg: dict, where: str, n_heads: int, dim: int) -> tuple[int, int]:

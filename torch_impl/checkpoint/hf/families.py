@@ -56,7 +56,7 @@ def family_for(arch: Arch, model_type: str | None = None) -> Family:
         why = family.refusal(arch) or _layer_refusal(arch, family)
     else:
         why = (_common_refusal(_without(arch, family.holds), family)
-               or gpt_oss.foreign_refusal(arch) or family.refusal(arch))
+               or gpt_oss.foreign_refusal(_without(arch, family.holds)) or family.refusal(arch))
     if why:
         key, value, reason = why
         raise CheckpointError(f"{key}={json.dumps(value)} cannot be exported as Hugging Face "
@@ -67,7 +67,7 @@ def family_for(arch: Arch, model_type: str | None = None) -> Family:
 def _deepseek_style(arch: Arch) -> str:
     """A sigmoid router with an expert bias is DeepSeek-V3's noaux_tc: its own family with
     latent attention, else GLM-4.5 (grouped-query attention)."""
-    return "deepseek_v3" if getattr(arch, "attention", "gqa") == "mla" else "glm4_moe"
+    return "deepseek_v3" if arch.attention == "mla" else "glm4_moe"
 
 
 def _without(arch: Arch, holds: frozenset[str]) -> Arch:
