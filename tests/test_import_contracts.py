@@ -4,8 +4,8 @@
 import does not break would pass there forever. So this test lays the package out as it is
 installed (``torch_impl/`` as ``moezero``, ``reference/plan/`` as ``moezero.plan``,
 ``reference/`` as ``moezero.reference``: setup.py's mapping) in a temporary folder, checks that
-import-linter keeps every contract on the copy, then plants one forbidden import in a copy and
-sees the contract that forbids it broken.
+import-linter keeps every contract on the copy, then plants the forbidden imports in one copy and
+sees each contract that forbids one broken, naming it.
 """
 
 from __future__ import annotations
@@ -61,24 +61,45 @@ def test_the_installed_layout_keeps_every_contract(copy):
     assert " 0 broken" in done.stdout
 
 
-@pytest.mark.parametrize("module, planted, contracts", [
+# (module, planted import, the import line a broken contract reports, the contracts it breaks)
+PLANTS = [
     ("checkpoint/options.py", "import moezero.zero.groups",
+     "moezero.checkpoint.options -> moezero.zero.groups",
      ("checkpoint never imports zero", "torch-side subpackages point one way")),
     ("offload/options.py", "import moezero.zero.shards",  # checkpoint imports offload
+     "moezero.offload.options -> moezero.zero.shards",
      ("checkpoint never imports zero", "torch-side subpackages point one way")),
-    ("telemetry.py", "import moezero.engine",
+    ("telemetry.py", "import moezero.engine", "moezero.telemetry -> moezero.engine",
      ("telemetry observes the model and the process, never the engine",
       "torch-side subpackages point one way")),
-])
-def test_a_planted_import_breaks_its_contracts(copy, tmp_path, module, planted, contracts):
+]
+
+
+def broken_sections(report: str, names: list[str]) -> dict[str, str]:
+    """Each broken contract's section of the report's "Broken contracts" part, by the part of
+    its name given in ``names``."""
+    part = report.split("Broken contracts", 1)[1]
+    starts = sorted((part.index(n), n) for n in names if n in part)
+    ends = [s for s, _ in starts[1:]] + [len(part)]
+    return {n: part[s:e] for (s, n), e in zip(starts, ends, strict=True)}
+
+
+def test_each_planted_import_breaks_its_contracts(copy, tmp_path):
+    """Every import of ``PLANTS`` planted in one copy (one lint run for all, CI time): each
+    contract that forbids one is broken, and its section of the report names that import (so
+    no plant passes on the strength of another)."""
     dest, site = copy
     planted_site = tmp_path / "site"
     shutil.copytree(site, planted_site)
     shutil.copy(dest / "pyproject.toml", tmp_path / "pyproject.toml")
-    path = planted_site / "moezero" / module
-    path.write_text(path.read_text() + f"\n{planted}  # planted by the test\n")
+    for module, planted, _, _ in PLANTS:
+        path = planted_site / "moezero" / module
+        path.write_text(path.read_text() + f"\n{planted}  # planted by the test\n")
     done = lint(tmp_path, planted_site)
     assert done.returncode != 0, done.stdout[-2000:]
     report = " ".join(done.stdout.split())  # long contract names wrap over lines
-    for contract in contracts:
-        assert f"{contract} BROKEN" in report, done.stdout[-3000:]
+    sections = broken_sections(report, sorted({c for *_, cs in PLANTS for c in cs}))
+    for _, _, line, contracts in PLANTS:
+        for contract in contracts:
+            assert f"{contract} BROKEN" in report, done.stdout[-3000:]
+            assert line in sections[contract], (line, contract, done.stdout[-3000:])

@@ -263,11 +263,9 @@ def crash_chain(tmp_path: Path, points: int, seed: int) -> None:
     assert steps == list(range(1, final + 1))  # redone steps replaced, none missing
 
 
-def test_sigkill_during_saves_never_breaks_latest(tmp_path):
-    crash_chain(tmp_path, points=3, seed=1)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # about 15 s per point on 2 busy cores
 def test_sigkill_at_twenty_points_never_breaks_latest(tmp_path):
+    """CI runs this in the slow session; a three-point copy in the default session (four more
+    CLI runs, about a minute of CI) asserted nothing this does not."""
     crash_chain(tmp_path, points=20, seed=2)

@@ -59,12 +59,14 @@ def check(whole: dict, first: dict, resumed: dict) -> None:
         np.testing.assert_array_equal(resumed[k], b, err_msg=k)
 
 
+# Stage 3 (the model materialised shard by shard) is the W = 2 case below, which runs the same
+# meta build and resume at stage 3 with ep 2 (a W = 1 stage 3 cell of its own was three more
+# runs on that path; CI time). W = 1 keeps the replicated stage 0 and LoRA (stage 2).
 @pytest.mark.parametrize("extra", [
     ("moe.ep_size=1", "zero_optimization.stage=0"),
-    ("moe.ep_size=1", "zero_optimization.stage=3"),
     ("moe.ep_size=1", "zero_optimization.stage=2", "peft.method=lora",
      "peft.targets=[attn, experts]"),
-], ids=["stage0", "stage3", "lora"])
+], ids=["stage0", "lora"])
 def test_a_meta_built_run_trains_and_resumes_its_biases_at_w1(tmp_path, extra):
     check(*whole_and_resumed(config(*extra), str(tmp_path)))
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from moezero.cli import main
 from moezero.config import Config, ConfigError
 from moezero.distributed.topology import build_topology
 from moezero.plan.rules import parse_expert_fqn
@@ -207,7 +208,10 @@ def test_a_freeze_pattern_that_matches_nothing_is_refused():
         build_groups(build_model(cfg, topo), cfg, topo)
 
 
-def test_cli_trains_with_frozen_params_and_refuses_a_pattern_matching_nothing(tmp_path):
+def test_cli_trains_with_frozen_params_and_refuses_a_pattern_matching_nothing(tmp_path,
+                                                                             capsys):
+    """The training through the CLI's own processes; inspect and the refusal in this process
+    (``main``: a subprocess each cost a Python and torch start-up, CI time)."""
     out = tmp_path / "run"
     res = moezero("train", *TINY, "--set", "train.steps=2", "--set", "checkpoint.every=2",
                   "--set", 'train.freeze=["*", "!*.experts.*"]', "--out", str(out))
@@ -219,16 +223,19 @@ def test_cli_trains_with_frozen_params_and_refuses_a_pattern_matching_nothing(tm
     manifest = json.loads((root / (root / "latest").read_text() / "manifest.json").read_text())
     assert "embed.weight" in manifest["frozen_params"]
     step_dir = root / (root / "latest").read_text()
-    shown = moezero("checkpoint", "inspect", str(step_dir), timeout=120)
+    capsys.readouterr()
+    assert main(["checkpoint", "inspect", str(step_dir)]) == 0
+    shown = capsys.readouterr().out
     json_bytes = sum(p.stat().st_size for p in step_dir.glob("*.json"))
-    assert " frozen), headers " in shown.stdout, shown.stdout
-    assert f"JSON {json_bytes:,}" in shown.stdout, shown.stdout
-    bad = moezero("train", *TINY, "--set", 'train.freeze=["*.gate.*"]', "--out",
-                  str(tmp_path / "bad"), timeout=120)
-    assert bad.returncode == 2
-    lines = bad.stderr.strip().splitlines()
+    assert " frozen), headers " in shown, shown
+    assert f"JSON {json_bytes:,}" in shown, shown
+    code = main(["train", *TINY, "--set", 'train.freeze=["*.gate.*"]', "--out",
+                 str(tmp_path / "bad")])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and "train.freeze: pattern '*.gate.*' matches no parameter" in lines[0]
-    assert "Traceback" not in bad.stderr
+    assert "Traceback" not in err
 
 
 def test_stage3_keeps_a_unit_gathered_until_its_first_frozen_param_was_used(tmp_path):

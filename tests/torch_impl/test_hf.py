@@ -156,12 +156,14 @@ def test_engine_loads_weights_only_with_fresh_moments(tmp_path, stage):
     assert_logits_equal(our_logits(engine.model.eval()), hf_logits(theirs), f"engine stage {stage}")
 
 
-def test_finetune_imported_model_w2_ep2_stage2_then_export(tmp_path):
-    """import-hf -> train at W=2, ep=2, ZeRO-2 (architecture adopted) -> export -> transformers."""
+def test_finetune_imported_model_w2_ep2_stage2_then_export(tmp_path, capsys):
+    """import-hf -> train at W=2, ep=2, ZeRO-2 (architecture adopted) -> export -> transformers.
+    import-hf and export run in this process (``main``: a subprocess each cost a Python and
+    torch start-up, CI time); the training is the CLI's own W = 2."""
     theirs = hf_model(**FORMS["gqa_tied"])
     save_hf(theirs, tmp_path / "hf")
-    res = moezero("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), timeout=120)
-    assert res.returncode == 0, res.stderr
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0, \
+        capsys.readouterr().err
     res = moezero("train", "--nproc", "2", "--set", f"checkpoint.load={tmp_path / 'ckpt'}",
                   "--set", "moe.ep_size=2", "--set", "zero_optimization.stage=2",
                   "--set", "train.steps=3", "--set", "train.seq_len=12",
@@ -173,11 +175,13 @@ def test_finetune_imported_model_w2_ep2_stage2_then_export(tmp_path):
     # issue 39: a fine-tune starts from its base; it does not resume "at step 0"
     assert f"moezero: starting from base {tmp_path / 'ckpt' / 'step_00000000'} " in res.stdout
     assert "resumed from" not in res.stdout
-    res = moezero("checkpoint", "export", str(tmp_path / "run" / "checkpoints"), "--format",
-                  "hf-mixtral", "--out", str(tmp_path / "out"), timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith("exported step_00000003 as hf-mixtral fp32: "), res.stdout
-    assert res.stdout.count("step_00000003") == 1, res.stdout  # the step named once
+    capsys.readouterr()
+    code = main(["checkpoint", "export", str(tmp_path / "run" / "checkpoints"), "--format",
+                 "hf-mixtral", "--out", str(tmp_path / "out")])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert out.out.startswith("exported step_00000003 as hf-mixtral fp32: "), out.out
+    assert out.out.count("step_00000003") == 1, out.out  # the step named once
     tuned = moezero_model(tmp_path / "run" / "checkpoints")
     imported = moezero_model(tmp_path / "ckpt")
     moved = max((a - b).abs().max().item() for a, b in

@@ -90,11 +90,13 @@ def assert_logits_close(ours, theirs, what: str) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_import_finetune_w2_ep2_stage2_export(tmp_path, family):
+def test_import_finetune_w2_ep2_stage2_export(tmp_path, family, capsys):
+    """import-hf and export run in this process (``main``; a subprocess each cost a Python and
+    torch start-up per family, CI time); the training between them is the CLI's own W = 2."""
     theirs = hf_model(family)
     save_hf(theirs, tmp_path / "hf")
-    res = moezero("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), timeout=120)
-    assert res.returncode == 0, res.stderr
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0, \
+        capsys.readouterr().err
     assert_logits_close(moezero_logits(tmp_path / "ckpt"), hf_logits(theirs), f"{family} import")
 
     res = moezero("train", "--nproc", "2", "--set", f"checkpoint.load={tmp_path / 'ckpt'}",
@@ -104,10 +106,12 @@ def test_import_finetune_w2_ep2_stage2_export(tmp_path, family):
                   "--out", str(tmp_path / "run"), timeout=300)
     assert res.returncode == 0, res.stderr
     assert "step_00000005" in res.stdout, res.stdout
-    res = moezero("checkpoint", "export", str(tmp_path / "run" / "checkpoints"),
-                  "--format", "hf", "--out", str(tmp_path / "out"), timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert f"as hf-{family} fp32" in res.stdout, res.stdout
+    capsys.readouterr()
+    code = main(["checkpoint", "export", str(tmp_path / "run" / "checkpoints"), "--format", "hf",
+                 "--out", str(tmp_path / "out")])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert f"as hf-{family} fp32" in out.out, out.out
 
     back, info = hf_class(family).from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
