@@ -15,7 +15,10 @@ In the current folder it
    1e-5 of moezero's decoder on the same checkpoint,
 4. for Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE: a tiny random model saved with
    ``save_pretrained``, ``import-hf``, ``verify``, ``export --format hf`` and
-   ``from_pretrained`` again: the logits within 1e-5 of the source model's,
+   ``from_pretrained`` again: the logits within 1e-5 of the source model's; the same for
+   gpt-oss, GLM-4.5 and DeepSeek-V3, then each fine-tuned with LoRA on attention, exported with
+   ``--format peft`` and ``--merge-lora``: ``peft`` loads the adapter on the hf export with the
+   merged model's logits (within 1e-5),
 5. the README's "Fine-tune" example, its commands read from README.md (so the README cannot
    drift from what CI runs), as written: ``moezero example tiny-hf .`` (a tiny random
    Qwen3-MoE with a tokenizer and ChatML template, and a chat corpus, made offline), import-hf,
@@ -28,6 +31,7 @@ Prints one line per step; exits non-zero at the first failure with the command's
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import re
@@ -64,6 +68,27 @@ FAMILIES = {  # model_type: (config class, model class, its own config fields)
               dict(intermediate_size=48, num_experts=4, norm_topk_prob=False,
                    pad_token_id=1, eos_token_id=2)),
 }
+LORA_FAMILIES = {  # issue 36's families: import, export, then LoRA -> PEFT export -> peft loads
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(intermediate_size=24, num_local_experts=4, head_dim=8, sliding_window=4,
+                     layer_types=["sliding_attention", "full_attention"],
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 4.0,
+                                      "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "truncate": False})),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8,
+                      n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                      routed_scaling_factor=2.0, norm_topk_prob=True, head_dim=8,
+                      partial_rotary_factor=0.5, attention_bias=True,
+                      num_hidden_layers=3)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(intermediate_size=40, moe_intermediate_size=16, n_routed_experts=8,
+                         n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                         routed_scaling_factor=2.0, norm_topk_prob=True, q_lora_rank=16,
+                         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                         num_key_value_heads=4, num_hidden_layers=3)),
+}
+FAMILIES.update(LORA_FAMILIES)
 
 
 def moezero(*args: str, timeout: float = 300) -> str:
@@ -180,7 +205,8 @@ def hf_model(family: str, **fields):
     import transformers
 
     config_cls, model_cls, own = FAMILIES[family]
-    cfg = getattr(transformers, config_cls)(**{**BASE, **own, **fields})
+    # a deep copy: a config class may edit the rope_parameters dict it is given, in place
+    cfg = getattr(transformers, config_cls)(**copy.deepcopy({**BASE, **own, **fields}))
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(cfg).eval()
     gen = torch.Generator().manual_seed(2)
@@ -203,6 +229,33 @@ def hf_round_trip(work: Path, family: str) -> None:
         back = from_pretrained(out)(TOKENS).logits
     close(moezero_logits(ckpt, TOKENS), theirs, f"{family} import vs transformers")
     close(back, theirs, f"{family} import + export vs transformers")
+
+
+def lora_peft_round_trip(work: Path, family: str) -> None:
+    """An imported family fine-tuned with LoRA on attention, exported with --format peft and
+    --merge-lora: peft loads the adapter on the hf export with the merged model's logits."""
+    import peft
+
+    hf_round_trip(work, family)
+    ckpt, run = work / f"{family}-ckpt", work / f"{family}-lora"
+    moezero("train", "--nproc", "1", "--config", str(ckpt / "config.yaml"),
+            "--set", "moe.ep_size=1", "--set", "peft.method=lora", "--set", "peft.r=4",
+            "--set", "peft.targets=[attn]", "--set", "train.steps=2", "--set",
+            "train.seq_len=12", "--set", "train.micro_batch_size=2", "--set",
+            "optimizer.lr=3e-2", "--set", "moe.bias_update_rate=0",  # PEFT holds no bias
+            "--out", str(run))
+    moezero("checkpoint", "export", str(run / "checkpoints"), "--format", "peft",
+            "--out", str(work / f"{family}-peft"))
+    moezero("checkpoint", "export", str(run / "checkpoints"), "--merge-lora", "--format", "hf",
+            "--out", str(work / f"{family}-merged"))
+    model = peft.PeftModel.from_pretrained(from_pretrained(work / f"{family}-hf"),
+                                           work / f"{family}-peft").eval()
+    with torch.no_grad():
+        merged = from_pretrained(work / f"{family}-merged")(TOKENS).logits
+        close(model(TOKENS).logits, merged, f"{family}: PEFT adapter vs --merge-lora export")
+        with model.disable_adapter():
+            moved = (model(TOKENS).logits - merged).abs().max().item()
+    check(moved > 1e-4, f"{family}: the adapters moved the logits ({moved:.1e})")
 
 
 def readme_example() -> tuple[list[list[str]], str]:
@@ -257,7 +310,10 @@ def main() -> None:
     start = time.monotonic()
     trained_run(work)
     for family in FAMILIES:
-        hf_round_trip(work, family)
+        if family not in LORA_FAMILIES:
+            hf_round_trip(work, family)
+    for family in LORA_FAMILIES:
+        lora_peft_round_trip(work, family)
     finetune_example(work)
     print(f"wheel smoke passed: every subcommand, {time.monotonic() - start:.0f}s")
 
