@@ -135,13 +135,14 @@ def _base_dtype(cfg) -> str | None:
     """The weights' dtype of ``checkpoint.load`` (``bf16`` for a bf16 import), else None."""
     if not cfg.checkpoint.load or cfg.checkpoint.load == "latest":
         return None
+    from moezero.checkpoint.hf.dtypes import BY_TAG
     from moezero.plan import store
 
     try:
         dtype = store.read_manifest(store.find_checkpoint(cfg.checkpoint.load)).layout.dtype
     except (store.CheckpointError, OSError):
         return None
-    return {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}[dtype]
+    return BY_TAG.get(dtype)
 
 
 def _estimate(args: argparse.Namespace) -> int:

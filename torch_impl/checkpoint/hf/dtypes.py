@@ -20,7 +20,7 @@ from moezero.plan.store import CheckpointError
 # --dtype value -> (safetensors tag of the checkpoint, torch dtype written)
 IMPORT_DTYPES = {"fp32": ("F32", torch.float32), "bf16": ("BF16", torch.bfloat16),
                  "fp16": ("F16", torch.float16)}
-_BY_TAG = {tag: name for name, (tag, _) in IMPORT_DTYPES.items()}
+BY_TAG = {tag: name for name, (tag, _) in IMPORT_DTYPES.items()}  # "BF16" -> "bf16"
 _FLOATS = {"F32", "F64", "BF16", "F16"}
 
 
@@ -28,7 +28,7 @@ def source_dtype(files: set[Path]) -> str:
     """The ``--dtype`` that keeps the source exactly: ``bf16`` or ``fp16`` when every float
     tensor of ``files`` has that dtype, else ``fp32``."""
     tags = {t for path in sorted(files) for t in _header_dtypes(path) if t in _FLOATS}
-    return _BY_TAG.get(next(iter(tags)), "fp32") if len(tags) == 1 else "fp32"
+    return BY_TAG.get(next(iter(tags)), "fp32") if len(tags) == 1 else "fp32"
 
 
 def resolve(dtype: str | None, files: set[Path]) -> str:
