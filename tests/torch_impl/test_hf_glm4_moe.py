@@ -163,9 +163,19 @@ def moezero_loop(ckpt: Path, batches) -> tuple[list[float], dict]:
 
 
 def check_training(cls, hf_dir: Path, ckpt: Path, model_type: str, ffn: int) -> None:
-    """10 steps on two batches in turn: every loss within 1e-6 (relative) of transformers' +
-    ``torch.optim.AdamW``'s, every tensor within 1e-5 (``||a − b|| / ||b||``, the suite's
-    relative error) at the end."""
+    """10 steps on two batches in turn: every loss within 1e-6 (relative and absolute) of
+    transformers' + ``torch.optim.AdamW``'s, every tensor within 1e-5 (``||a − b|| / ||b||``,
+    the suite's relative error) at the end.
+
+    Norm-wise, not element by element: where a gradient element is near Adam's eps, Adam turns
+    fp32 rounding of it into a step of a sizeable fraction of lr. DeepSeek-V3 here: the first
+    gradient of w2[2, 3] of layer 2's expert 6 is 8.99e-8 in transformers (sdpa) and 9.44e-8
+    in moezero (its row's largest is 1.9e-2: a cancellation, equal to 2.4e-7 of that), so the
+    first steps ``lr·g/(|g| + eps)`` differ by 4.34e-6, which is the whole final difference
+    there (1.49e-5 of the tensor's largest; norm-wise 2.0e-6). transformers against itself with
+    eager attention instead of sdpa (the same math, another order; first gradients as close as
+    moezero's, 1.1e-6 norm-wise) differs there by 2.87e-6 at the first step and ends 9.9e-6
+    element-wise (norm-wise 1.3e-6) on the same tensor."""
     gen = torch.Generator().manual_seed(3)
     pair = [torch.randint(0, VOCAB, (2, 13), generator=gen) for _ in range(2)]
     batches = pair * (STEPS // 2)  # two batches in turn: the loss on each falls
@@ -175,7 +185,7 @@ def check_training(cls, hf_dir: Path, ckpt: Path, model_type: str, ffn: int) -> 
     print(f"{model_type}: losses {losses[0]:.4f} -> {losses[-1]:.4f}, max abs diff "
           f"{max(abs(a - b) for a, b in zip(losses, their_losses, strict=True)):.2e}")
     for step, (a, b) in enumerate(zip(losses, their_losses, strict=True), start=1):
-        assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: loss {a} vs {b}"
+        assert abs(a - b) <= 1e-6 * min(1.0, abs(b)), f"step {step}: loss {a} vs {b}"
     assert their_losses[-2] < their_losses[0] - 0.1  # it trains
     trained = theirs.state_dict()
     errors = {fqn: rel_err(value, trained[_hf_key(fqn, model_type, ffn)[0]][

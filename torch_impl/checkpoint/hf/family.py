@@ -48,6 +48,9 @@ class Family:
         hybrid: holds gated DeltaNet layers, the attention's output gate and partial rotary
             (Qwen3-Next); the other families refuse them.
         unit_offset_norms: its RMSNorms weigh by ``1 + weight`` (``names.gain_shift``).
+        interleaved_gate_up: its fused ``gate_up_proj`` interleaves gate and up (gpt-oss:
+            gate = ``[..., 0::2]``, up = ``[..., 1::2]``) instead of gate then up; a PEFT
+            export interleaves its gate_up adapter's output rows the same way.
     """
 
     model_type: str
@@ -65,6 +68,7 @@ class Family:
     peft_as_parameters: tuple[str, ...] = ()
     hybrid: bool = False
     unit_offset_norms: bool = False
+    interleaved_gate_up: bool = False
 
     def config(self, arch: Arch, dtype: str) -> dict:
         """The exported ``config.json``: the keys every family shares, then its own."""

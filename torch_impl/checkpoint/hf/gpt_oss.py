@@ -186,4 +186,5 @@ def _expert_items(layer: int, arch: Arch) -> list[tuple]:
 
 
 FAMILY = Family("gpt_oss", "GptOssForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
-                read, write, refusal, source=source, export_items=export_items)
+                read, write, refusal, source=source, export_items=export_items,
+                interleaved_gate_up=True)

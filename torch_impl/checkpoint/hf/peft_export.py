@@ -13,7 +13,10 @@ tensors and keys. Routed experts are transformers 5's fused parameters,
 PEFT ``target_parameters`` ``mlp.experts.gate_up_proj`` [E, 2F, D] and ``mlp.experts.down_proj``
 [E, D, F]: one LoRA per parameter whose ``lora_A`` [E·R, in] stacks the experts' A by rows
 (expert-major) and whose ``lora_B`` [out, R·E] holds expert e's column k at ``k·E + e``.
-gate_up's adapter of expert e is ``[A1; A3]`` with ``B = diag(B1, B3)``, rank 2r: PEFT's
+gate_up's adapter of expert e is ``[A1; A3]`` with ``B = diag(B1, B3)``, rank 2r (gpt-oss's
+parameters are x @ W, [E, D, 2F] and [E, F, D], which PEFT reads as [experts, in, out]
+(transformers marks them ``is_transposed``): the same A and B, with gate_up's B rows
+interleaved gate, up as the parameter's columns, ``Family.interleaved_gate_up``): PEFT's
 ``rank_pattern`` gives that parameter rank 2r and ``alpha_pattern`` ``alpha/r · 2r`` (the same
 scale), and every other adapter keeps rank r and ``lora_alpha`` alpha. When both expert
 parameters are targeted PEFT nests them: gate_up is ``experts.base_layer``, down_proj is
@@ -93,10 +96,6 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32", base: Path | None = 
     lora = _lora(trained)
     _refuse_unread(lora, family.model_type, ckpt)
     experts = {k: v for k, v in lora.items() if _EXPERT.fullmatch(k + ".lora_A")}
-    if experts and family.export_items:  # gpt-oss: x @ W experts, gate/up interleaved
-        raise CheckpointError(f"{ckpt}: routed-expert adapters of {family.model_type} have no "
-                              "PEFT form moezero writes; export them merged: --merge-lora "
-                              "--format hf")
     fused = sorted({_FUSED[k.rsplit(".", 1)[1]] for k in experts})
     rank = max(a.shape[0] for a, _ in lora.values())
     tensors, modules, params = {}, set(), set()
@@ -110,7 +109,7 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32", base: Path | None = 
         else:
             modules.add(module)
         _put(tensors, f"base_model.model.{key}", *_pad(a, b, rank))
-    for layer, param, (a, b) in _fused(experts, rank):
+    for layer, param, (a, b) in _fused(experts, rank, family.interleaved_gate_up):
         nested = "experts.base_layer" if param == "gate_up_proj" and len(fused) == 2 else "experts"
         _put(tensors, f"base_model.model.model.layers.{layer}.mlp.{nested}", a, b)
     out.mkdir(parents=True, exist_ok=True)
@@ -176,23 +175,27 @@ def _pad(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, tor
             torch.cat([b, b.new_zeros(b.shape[0], extra)], dim=1))
 
 
-def _fused(experts: dict, rank: int):
-    """(layer, fused parameter, (A [E·R, in], B [out, R·E])) of every routed-expert LoRA."""
+def _fused(experts: dict, rank: int, interleaved: bool):
+    """(layer, fused parameter, (A [E·R, in], B [out, R·E])) of every routed-expert LoRA
+    (``interleaved``: gate_up's output rows alternate gate, up, as gpt-oss's parameter)."""
     by_layer: dict[tuple[int, str], dict[int, dict[str, tuple]]] = {}
     for fqn, ab in experts.items():
         layer, e, w, _ = _EXPERT.fullmatch(fqn + ".lora_A").groups()
         by_layer.setdefault((int(layer), _FUSED[w]), {}).setdefault(int(e), {})[w] = ab
     for (layer, param), per_expert in sorted(by_layer.items()):
-        pairs = [_expert_pair(per_expert[e], param, rank) for e in sorted(per_expert)]
+        pairs = [_expert_pair(per_expert[e], param, rank, interleaved)
+                 for e in sorted(per_expert)]
         a = torch.cat([p[0] for p in pairs])
         b = torch.stack([p[1] for p in pairs], dim=-1).flatten(1)
         yield layer, param, (a, b)
 
 
-def _expert_pair(ws: dict, param: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _expert_pair(ws: dict, param: str, rank: int, interleaved: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One expert's A [R, in] and B [out, R]: down_proj's own (R = ``rank``), or gate_up's
     ``[A1; A3]`` and ``diag(B1, B3)`` (R = 2 ``rank``; a projection without adapters
-    contributes zeros)."""
+    contributes zeros), B's rows interleaved (gate j at 2j, up j at 2j + 1) when
+    ``interleaved``."""
     if param == "down_proj":
         return _pad(*ws["w2"], rank)
     a_ref, b_ref = next(iter(ws.values()))
@@ -201,6 +204,8 @@ def _expert_pair(ws: dict, param: str, rank: int) -> tuple[torch.Tensor, torch.T
     for i, w in enumerate(("w1", "w3")):
         if w in ws:
             a[i * r:(i + 1) * r], b[i * f:(i + 1) * f, i * r:(i + 1) * r] = ws[w]
+    if interleaved:  # [gate rows; up rows] -> gate 0, up 0, gate 1, up 1, ...
+        b = b.reshape(2, f, 2 * r).transpose(0, 1).reshape(2 * f, 2 * r)
     return _pad(a, b, 2 * rank)
 
 
