@@ -5,7 +5,8 @@ rotary, QK-norm, two shared experts) and Qwen3-Next (a gated DeltaNet then a gat
 layer, chunks of 5 over 12 tokens), each a tiny random transformers 5 model (every tensor and
 correction bias random) imported by ``import_hf``. Three steps from the import at ZeRO stage 0;
 1 with the optimizer on the CPU; 2 with it on NVMe; 3; 3 with params on the CPU; 3 with params
-and optimizer on NVMe (activation checkpointing in two of them) give the losses, final weights
+and optimizer on NVMe (activation checkpointing in two of them, optimizer groups and reduce
+buckets capped below an expert weight in three) give the losses, final weights
 and expert biases of W = 1 at stage 0 on the same global batches.
 
 One spawn of the W = 2 world runs every case of every family in turn, W = 1 runs in the test
@@ -66,13 +67,14 @@ HF = {  # family: (transformers config class, model class, config fields)
         partial_rotary_factor=0.5)),
 }
 MODEL = {"qwen3_next": {"gated_delta_chunk": 5}}  # moezero's options beside the import's
-CASES = {  # name: (ZeRO stage, offload_param device, offload_optimizer device, act. ckpt)
-    "stage0": (0, "none", "none", False),
-    "stage1_optim_cpu": (1, "none", "cpu", False),
-    "stage2_optim_nvme": (2, "none", "nvme", True),
-    "stage3": (3, "none", "none", False),
-    "stage3_params_cpu": (3, "cpu", "none", True),
-    "stage3_params_optim_nvme": (3, "nvme", "nvme", False),
+CAP = 300  # moe.max_group_size and reduce_bucket_size: < an expert weight, so weights are sliced
+CASES = {  # name: (ZeRO stage, offload_param device, offload_optimizer device, act. ckpt, cap)
+    "stage0": (0, "none", "none", False, None),
+    "stage1_optim_cpu": (1, "none", "cpu", False, CAP),
+    "stage2_optim_nvme": (2, "none", "nvme", True, None),
+    "stage3": (3, "none", "none", False, CAP),
+    "stage3_params_cpu": (3, "cpu", "none", True, None),
+    "stage3_params_optim_nvme": (3, "nvme", "nvme", False, CAP),
 }
 
 
@@ -97,10 +99,10 @@ def hf_model(family: str):
 def case_config(ckpt: str, family: str, case: str, *, ep: int, nvme: str | None) -> dict:
     """The import's config with this case's ZeRO stage, offload and checkpointing, fp32,
     warmup off; ``ep`` 1 with stage 0 and nothing else is the W = 1 oracle."""
-    stage, param, optim, recompute = CASES[case]
+    stage, param, optim, recompute, cap = CASES[case]
     data = copy.deepcopy(store.read_manifest(store.find_checkpoint(ckpt)).config)
     data["model"].update(MODEL.get(family, {}))
-    data["moe"]["ep_size"] = ep
+    data["moe"].update(ep_size=ep, max_group_size=cap)
     data["precision"]["dtype"] = "fp32"
     data["optimizer"].update(lr=1e-3, warmup_steps=0)
     data["train"].update(seq_len=SEQ, micro_batch_size=MICRO, steps=STEPS)
@@ -108,6 +110,7 @@ def case_config(ckpt: str, family: str, case: str, *, ep: int, nvme: str | None)
     data["activation_checkpointing"] = {"enabled": recompute, "every_n_layers": 1}
     zero = data["zero_optimization"]
     zero["stage"] = stage
+    zero["reduce_bucket_size"] = cap or zero["reduce_bucket_size"]
     for key, device in (("offload_param", param), ("offload_optimizer", optim)):
         zero[key] = {"device": device, "nvme_path": nvme if device == "nvme" else None}
     return Config.model_validate(data).model_dump(by_alias=True)
