@@ -10,7 +10,7 @@ buckets capped below an expert weight in three) give the losses, final weights
 and expert biases of W = 1 at stage 0 on the same global batches.
 
 One spawn of the W = 2 world runs every case of every family in turn, W = 1 runs in the test
-process (slow: about 45 s of CPU in all, 29 s of it the W = 2 world's two ranks).
+process (slow: about 50 s of CPU with pytest's start, some 30 s of it the W = 2 world's ranks).
 """
 
 from __future__ import annotations
