@@ -16,6 +16,7 @@ layouts from safetensors.
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 from collections.abc import Callable
@@ -95,17 +96,25 @@ def apply(layout, partial: Path, blocks: list[Block], records: list[RangeRecord]
     """Rewrite every block of every state in moezero's order; ``records`` with those written
     by the raw copy inside the rewritten ranges replaced by one per rewritten range."""
     where = _places(layout)
-    done, out = [], []
+    done: dict[str, list[tuple[int, int]]] = {}
+    out = []
     for block in blocks:
         for state in sorted({s for fqn in block.fqns for s in where.get(fqn, {})}):
             places = [where[fqn][state] for fqn in block.fqns]
             raw = torch.cat([_read(partial, p) for p in places]).reshape(block.shape)
             for parts, value in zip(places, block.split(raw), strict=True):
                 out += _write(partial, parts, value.contiguous().reshape(-1))
-                done += [(name, at, at + n * ITEMSIZE) for name, at, _, n in parts]
-    kept = [r for r in records if not any(r.file == name and a <= r.offset < b
-                                          for name, a, b in done)]
-    return kept + out
+                for name, at, _, n in parts:
+                    done.setdefault(name, []).append((at, at + n * ITEMSIZE))
+    spans = {name: sorted(ranges) for name, ranges in done.items()}
+    return [r for r in records if not _inside(r, spans)] + out
+
+
+def _inside(record: RangeRecord, spans: dict[str, list[tuple[int, int]]]) -> bool:
+    """Whether ``record`` starts inside a rewritten byte range (``spans``: sorted, per file)."""
+    ranges = spans.get(record.file, [])
+    i = bisect.bisect_right(ranges, (record.offset, float("inf"))) - 1
+    return i >= 0 and ranges[i][0] <= record.offset < ranges[i][1]
 
 
 def _places(layout) -> dict[str, dict[str, list[tuple[str, int, int, int]]]]:
