@@ -179,7 +179,20 @@ def _no_correction_bias(ckpt, tmp) -> str:
         "layers.1.moe.router.expert_bias needs [8]"
 
 
+def _no_router_bias(ckpt, tmp) -> str:
+    """A gpt-oss run whose model states list no router bias (its optimizer files unchanged)."""
+    path = ckpt / "global_step2" / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=True)
+    state["param_shapes"] = [{("model.layers.1.mlp.router.extra" if k ==
+                               "model.layers.1.mlp.router.bias" else k): v for k, v in g.items()}
+                             for g in state["param_shapes"]]
+    torch.save(state, path)
+    return "no parameter for layers.1.moe.router.bias (looked for " \
+        "model.layers.1.mlp.router.bias or "
+
+
 FAULTS = {"narrower_config": ("gpt_oss_z2_w2", _narrower_config),
+          "no_router_bias": ("gpt_oss_z2_w2", _no_router_bias),
           "no_correction_bias": ("deepseek_v3_z3_w2", _no_correction_bias)}
 
 

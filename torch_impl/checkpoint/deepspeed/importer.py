@@ -227,7 +227,9 @@ def _writes(layout, where: placement.Placement, mapped: dict, arch, family,
     for fqn, shape in layout.shapes:
         found = _source_range(fqn, shape, shapes, mapped, arch, family)
         if found is None:
-            options = " or ".join(dict.fromkeys(k for k, _ in candidates(fqn, arch, family)))
+            raw = relayout.source(fqn, arch, family)
+            options = " or ".join(dict.fromkeys([*(raw[:1] if raw else ()), *(
+                k for k, _ in candidates(fqn, arch, family))]))
             raise CheckpointError(f"{src.model_files[0]}: no parameter for {fqn} (looked for "
                                   f"{options})")
         sources[fqn] = found
