@@ -219,4 +219,5 @@ def deepspeed_check(session: nox.Session) -> None:
     committed ones)."""
     _install(session, "dev")
     env = {"MOEZERO_DS_FIXTURES": session.posargs[0]} if session.posargs else {}
-    session.run("pytest", "tests/torch_impl/test_deepspeed_import.py", env=env)
+    session.run("pytest", "tests/torch_impl/test_deepspeed_import.py",
+                "tests/torch_impl/test_deepspeed_families.py", env=env)

@@ -31,7 +31,7 @@ CASES = ("mixtral_z1_w1", "mixtral_z2_w2", "mixtral_z3_w2", "mixtral_z3_w3", "mi
          "qwen3_moe_z2_w2", "qwen2_moe_z2_w2", "qwen2_moe_z3_w2", "olmoe_z2_w2",
          "native_moe_z2_w2_ep2", "native_moe_z2_w4_ep2", "native_moe_z0_w2_ep2")
 NVME = "mixtral_z3_w2_nvme"  # ~12 MB, not committed: made by nox -s deepspeed_fixtures
-# Not committed either (the committed fixtures stay under ~6 MB); made by the nox session:
+# Not committed either (the committed fixtures stay under ~9 MB); made by the nox session:
 # native MoE at ZeRO-1 (the ZeRO-2 format), a dense-group-only run without ZeRO (its optimizer
 # state in the model-states file). Their tests skip visibly without them.
 EXTRA = (NVME, "native_moe_z1_w2_ep2", "mixtral_z0_w1")

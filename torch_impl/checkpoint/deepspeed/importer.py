@@ -26,6 +26,7 @@ from moezero.checkpoint.deepspeed import (
     patterns,
     placement,
     ranks,
+    relayout,
     settings,
     unsharded,
 )
@@ -37,6 +38,7 @@ from moezero.config import Config, dump_config
 from moezero.plan import store
 from moezero.plan.files import fsync_file
 from moezero.plan.layout import ITEMSIZE, RangeRecord
+from moezero.plan.model_buffer_io import write_buffers
 from moezero.plan.store import CheckpointError
 
 
@@ -89,9 +91,11 @@ def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = No
     layout = _layout(cfg, step=src.global_steps, weights_only=False)
     mapped = patterns.by_fqn(where.shapes, patterns.load(names and Path(names)))
     writes = _writes(layout, where, mapped, arch, family, src)
+    extra = (relayout.relaid([f for f, _ in layout.shapes], arch, family),
+             relayout.buffer_values(layout, src.model_files[0], family))
     created = not out.exists()
     try:
-        step_dir = _write(layout, src, writes, out, meta={
+        step_dir = _write(layout, src, writes, out, extra, meta={
             "config": cfg.model_dump(by_alias=True, mode="json"),
             "topology": {"world_size": 1, "ep_sizes": [cfg.moe.ep_size], "zero_stage": None,
                          "dtype": src.dtype, "writer": "import-deepspeed"},
@@ -140,13 +144,15 @@ def _config(arch, raw: dict, src: Source, first: ranks.RankState, out: Path):
     data = import_config(arch, out, str(out)).model_dump(by_alias=True, mode="json")
     aux = raw.get("router_aux_loss_coef", 0.0) if raw.get("output_router_logits") else 0.0
     data["moe"].update(aux_loss_coef=float(aux), z_loss_coef=0.0)
+    if arch.expert_bias:  # transformers never moves e_score_correction_bias: neither does the run
+        data["moe"]["bias_update_rate"] = 0.0
     data["optimizer"].update(opt)
     data["zero_optimization"].update(settings.zero_section(src.ds_config, src.stage))
     data["moe"]["ep_size"] = max((e for e in _group_eps(first, src) if e), default=1)
     data["precision"].update(settings.precision_section(src.ds_config))
     data["train"].update(settings.train_section(src.ds_config))
     try:
-        return Config.model_validate(data), notes + _padding(raw)
+        return Config.model_validate(data), notes + _padding(raw) + _fixed_bias(arch)
     except ValidationError as exc:
         err = exc.errors()[0]
         raise CheckpointError(f"{where}: maps to {'.'.join(map(str, err['loc']))}: "
@@ -165,11 +171,24 @@ def _padding(raw: dict) -> list[str]:
             "inputs)"]
 
 
+def _fixed_bias(arch) -> list[str]:
+    """The routers' ``e_score_correction_bias``: imported as the expert bias, kept fixed."""
+    return ["expert-bias updates: off (moe.bias_update_rate 0), as transformers keeps "
+            "e_score_correction_bias fixed; set the rate to train it with moezero's "
+            "aux-loss-free rule"] if arch.expert_bias else []
+
+
 def _source_range(fqn: str, shape, shapes: dict, mapped: dict, arch, family
                   ) -> tuple[str, int, int] | None:
     """(DeepSpeed param, element range) holding ``fqn``: the name a pattern maps to it, else
     the first name the Hugging Face mapping offers that DeepSpeed has, its leading-index
     slices turned into one contiguous range."""
+    raw = None if fqn in mapped else relayout.source(fqn, arch, family)
+    if raw is not None and raw[0] in shapes:  # gpt-oss's experts: copied raw, then relaid
+        if tuple(shapes[raw[0]]) != raw[3]:
+            raise CheckpointError(f"DeepSpeed param {raw[0]} {list(shapes[raw[0]])}: "
+                                  f"config.json implies {list(raw[3])}")
+        return raw[:3]
     options = [(mapped[fqn], ())] if fqn in mapped else candidates(fqn, arch, family)
     for key, index in options:
         if key in shapes:
@@ -208,7 +227,9 @@ def _writes(layout, where: placement.Placement, mapped: dict, arch, family,
     for fqn, shape in layout.shapes:
         found = _source_range(fqn, shape, shapes, mapped, arch, family)
         if found is None:
-            options = " or ".join(dict.fromkeys(k for k, _ in candidates(fqn, arch, family)))
+            raw = relayout.source(fqn, arch, family)
+            options = " or ".join(dict.fromkeys([*(raw[:1] if raw else ()), *(
+                k for k, _ in candidates(fqn, arch, family))]))
             raise CheckpointError(f"{src.model_files[0]}: no parameter for {fqn} (looked for "
                                   f"{options})")
         sources[fqn] = found
@@ -218,7 +239,7 @@ def _writes(layout, where: placement.Placement, mapped: dict, arch, family,
                               f"decoder ({len(left)} such params; map it with --names); "
                               "refusing to drop it")
     out = []
-    for f in layout.files:
+    for f in layout.model_files + layout.optim_files:  # buffers: relayout.buffer_values
         for t in f.tensors:
             key, a, _ = sources[t.fqn]
             for p in where.pieces(key, a + t.start, a + t.stop):
@@ -227,14 +248,19 @@ def _writes(layout, where: placement.Placement, mapped: dict, arch, family,
     return out
 
 
-def _write(layout, src: Source, writes: list[Write], out: Path, meta: dict) -> Path:
-    """Headers, then rank by rank its pieces (one optimizer file open at a time), manifest,
-    commit."""
+def _write(layout, src: Source, writes: list[Write], out: Path, extra: tuple,
+           meta: dict) -> Path:
+    """Headers, then rank by rank its pieces (one optimizer file open at a time), the blocks
+    copied raw rewritten in moezero's order and the buffers (``extra``: ``relayout``),
+    manifest, commit."""
+    blocks, buffers = extra
     partial = store.begin_save(out, layout.step)
     records = store.write_headers(layout, partial)
     for rank in range(len(src.optim_files)):  # stage 0: one per expert-parallel rank
         records += _write_rank(_read_rank(src, rank), partial,
                                [w for w in writes if w.rank == rank])
+    records = relayout.apply(layout, partial, blocks, records)
+    records += write_buffers(partial, layout, buffers)
     for f in layout.files:
         fsync_file(partial / f.name)
     store.write_manifest(partial, layout, checksums=records, **meta)
