@@ -48,6 +48,12 @@ class Family:
         hybrid: holds gated DeltaNet layers, the attention's output gate and partial rotary
             (Qwen3-Next); the other families refuse them.
         unit_offset_norms: its RMSNorms weigh by ``1 + weight`` (``names.gain_shift``).
+        carried: the source keys import-hf carries through unchanged and export writes back
+            (Qwen3.5-MoE's vision tower and MTP weights; ``carried.py``), or None.
+        nest_config: ``(exported config, the source's config.json) -> config.json`` of a
+            family that carries (its language model's keys nested in ``text_config``).
+        peft_keys: ``(adapter tensors, target modules, Arch) -> (tensors, modules)``: a PEFT
+            export as the text-only families name it, renamed to the family's own layout.
     """
 
     model_type: str
@@ -65,6 +71,9 @@ class Family:
     peft_as_parameters: tuple[str, ...] = ()
     hybrid: bool = False
     unit_offset_norms: bool = False
+    carried: re.Pattern | None = None
+    nest_config: Callable[[dict, dict], dict] | None = None
+    peft_keys: Callable | None = None
 
     def config(self, arch: Arch, dtype: str) -> dict:
         """The exported ``config.json``: the keys every family shares, then its own."""

@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from moezero.checkpoint import adapter_ckpt
 from moezero.checkpoint import tokenizer as hf_tokenizer
 from moezero.checkpoint.hf.arch import arch_of
+from moezero.checkpoint.hf.carried import attach, checked, hf_section
 from moezero.checkpoint.hf.exporter import HF_CONFIG
 from moezero.checkpoint.hf.families import family_for
 from moezero.checkpoint.hf.names import gain_shift, hf_name
@@ -89,7 +90,9 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32", base: Path | None = 
         raise CheckpointError(f"{ckpt}: trains {others[0]} besides the LoRA adapters "
                               f"({len(others)} such tensors); a PEFT adapter holds adapters "
                               "only: export with --merge-lora --format hf")
-    family = family_for(arch_of(store.read_manifest(base_dir)))
+    base_manifest = store.read_manifest(base_dir)
+    arch = arch_of(base_manifest)
+    family = family_for(arch, hf_section(base_manifest.config).get("model_type"))
     lora = _lora(trained)
     _refuse_unread(lora, family.model_type, ckpt)
     experts = {k: v for k, v in lora.items() if _EXPERT.fullmatch(k + ".lora_A")}
@@ -113,6 +116,8 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32", base: Path | None = 
     for layer, param, (a, b) in _fused(experts, rank):
         nested = "experts.base_layer" if param == "gate_up_proj" and len(fused) == 2 else "experts"
         _put(tensors, f"base_model.model.model.layers.{layer}.mlp.{nested}", a, b)
+    if family.peft_keys:  # the family's own layout (Qwen3.5-MoE)
+        tensors, modules = family.peft_keys(tensors, modules, arch)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()},
               out / ADAPTER_WEIGHTS, metadata={"format": "pt", "moezero.step": str(manifest.step)})
@@ -226,7 +231,8 @@ def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
     weights.update({k: v for k, v in trained.items()
                     if not k.endswith(adapter_ckpt.ADAPTER_SUFFIXES)})
     arch = arch_of(base_manifest)
-    family = family_for(arch, model_type)
+    family = family_for(arch, model_type or hf_section(base_manifest.config).get("model_type"))
+    carried = checked(family, base_manifest.config)
     shapes = base_manifest.layout.shapes + base_manifest.layout.buffers
     items = family.export_items(shapes, arch) if family.export_items else \
         [(hf_name(fqn, family), fqn, shape) for fqn, shape in shapes]
@@ -238,7 +244,7 @@ def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
     save_file(tensors, out / "model.safetensors",
               metadata={"format": "pt", "moezero.step": str(manifest.step)})
     config = {**family.config(arch, dtype), **hf_tokenizer.config_ids(manifest.config)}
+    config, files = attach(family, carried, config, out, [out / "model.safetensors"])
     (out / HF_CONFIG).write_text(json.dumps(config, indent=2))
     tokenizer_files = hf_tokenizer.files_to_export(manifest.config)
-    return [out / HF_CONFIG, out / "model.safetensors",
-            *hf_tokenizer.copy_export(tokenizer_files, out)]
+    return [out / HF_CONFIG, *files, *hf_tokenizer.copy_export(tokenizer_files, out)]
