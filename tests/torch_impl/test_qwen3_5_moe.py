@@ -6,7 +6,8 @@ Imported by ``import_hf``: text-only logits and every gradient within 1e-5 of tr
 fp32 (chunks of 4 over 13 tokens); exported back and loaded by ``from_pretrained`` with no
 missing or unexpected keys, the vision tower and ``mtp.*`` bit-identical, the same logits;
 10 AdamW steps equal transformers + ``torch.optim.AdamW``; a PEFT export of LoRA on the
-attention and the gated DeltaNet loads in ``peft`` with moezero's logits.
+attention and the gated DeltaNet loads in ``peft`` with moezero's logits, and merged
+(``--merge-lora``) loads with the vision tower unchanged.
 """
 
 from __future__ import annotations
@@ -86,14 +87,17 @@ def save_with_mtp(model, path: Path) -> dict[str, torch.Tensor]:
     return mtp
 
 
-@pytest.fixture(scope="module", params=list(MIXES))
-def imported(request, tmp_path_factory):
-    """(transformers model, its import, moezero's decoder, the mtp tensors, the root)."""
-    root = tmp_path_factory.mktemp(request.param)
-    theirs = hf_model(request.param)
-    mtp = save_with_mtp(theirs, root / "hf")
-    import_hf(root / "hf", root / "ckpt")
-    return theirs, root / "ckpt", decoder_of(root / "ckpt"), mtp, root
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{mix: (transformers model, its import, moezero's decoder, the mtp tensors, the root)}."""
+    out = {}
+    for mix in MIXES:
+        root = tmp_path_factory.mktemp(mix)
+        theirs = hf_model(mix)
+        mtp = save_with_mtp(theirs, root / "hf")
+        import_hf(root / "hf", root / "ckpt")
+        out[mix] = theirs, root / "ckpt", decoder_of(root / "ckpt"), mtp, root
+    return out
 
 
 def test_text_rotary_is_the_plain_rotary():
@@ -129,8 +133,9 @@ def hf_grad(params: dict, fqn: str, arch) -> torch.Tensor:
     return params[key if key == "lm_head.weight" else "model.language_model." + key[6:]].grad
 
 
-def test_import_logits_and_gradients_equal_transformers(imported):
-    theirs, ckpt, ours, _, _ = imported
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_import_logits_and_gradients_equal_transformers(models, mix):
+    theirs, ckpt, ours, _, _ = models[mix]
     want, got = theirs(input_ids=TOKENS).logits, ours(TOKENS)[0]
     diff = (got - want).abs().max().item()
     print(f"logits max abs diff {diff:.3e} (max |logit| {want.abs().max():.3f})")
@@ -154,8 +159,9 @@ def test_import_logits_and_gradients_equal_transformers(imported):
     print(f"gradients: worst relative diff {worst:.2e}")
 
 
-def test_export_loads_with_the_vision_tower_bit_identical(imported, tmp_path):
-    theirs, ckpt, _, mtp, root = imported
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_export_loads_with_the_vision_tower_bit_identical(models, mix, tmp_path):
+    theirs, ckpt, _, mtp, root = models[mix]
     export_hf(store.find_checkpoint(ckpt), tmp_path / "out")
     back, info = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(
         tmp_path / "out", output_loading_info=True)
@@ -180,8 +186,8 @@ def test_export_loads_with_the_vision_tower_bit_identical(imported, tmp_path):
     assert diff.abs().max().item() <= TOL
 
 
-def test_a_changed_carried_tower_is_refused_in_one_line(imported, tmp_path):
-    _, ckpt, _, _, root = imported
+def test_a_changed_carried_tower_is_refused_in_one_line(models, tmp_path):
+    _, ckpt, _, _, root = models["full-ends"]
     carried = root / "ckpt" / "hf_carried" / "carried.safetensors"
     saved = carried.read_bytes()
     try:
@@ -193,13 +199,13 @@ def test_a_changed_carried_tower_is_refused_in_one_line(imported, tmp_path):
         carried.write_bytes(saved)
 
 
-def test_ten_steps_equal_transformers_with_adamw(imported):
+def test_ten_steps_equal_transformers_with_adamw(models):
     """moezero's engine (W = 1, stage 0, fp32) and transformers + ``torch.optim.AdamW`` (the
     language model's parameters, no decay on gains and vectors) on the same batches: every
     step's loss within 1e-6."""
     from moezero.distributed.topology import build_topology
     from moezero.engine import initialize
-    theirs, ckpt, _, _, _ = imported
+    theirs, ckpt, _, _, _ = models["linear-ends"]
     cfg = train_config(ckpt)
     engine = initialize(decoder_of(ckpt), cfg, topology=build_topology([1], num_experts=4),
                         device="cpu")
@@ -225,8 +231,8 @@ def test_ten_steps_equal_transformers_with_adamw(imported):
     assert worst <= 1e-6
 
 
-def test_a_text_config_that_is_not_an_object_is_one_line(imported, tmp_path):
-    _, _, _, _, root = imported
+def test_a_text_config_that_is_not_an_object_is_one_line(models, tmp_path):
+    _, _, _, _, root = models["full-ends"]
     config = json.loads((root / "hf" / "config.json").read_text())
     config["text_config"] = None
     (tmp_path / "hf").mkdir()
@@ -234,3 +240,56 @@ def test_a_text_config_that_is_not_an_object_is_one_line(imported, tmp_path):
     with pytest.raises(CheckpointError, match="text_config") as err:
         import_hf(tmp_path / "hf", tmp_path / "ckpt")
     assert "\n" not in str(err.value)
+
+
+def test_peft_export_of_attention_and_deltanet_loads_in_peft(models, tmp_path):
+    """LoRA (r 4) on the gated attention and the gated DeltaNet, 2 steps through the CLI in
+    this process; ``--format peft`` on the ``--format hf`` base loads in ``PeftModel`` with no
+    missing or unexpected adapter keys and moezero's logits within 1e-5; ``--merge-lora``
+    too, with the vision tower."""
+    peft = pytest.importorskip("peft")
+    from moezero.cli import main
+    from tests.torch_impl.test_qwen3_next_lora import lora_logits
+    _, ckpt, _, _, _ = models["linear-ends"]
+    run = tmp_path / "run"
+    assert main(["train", "--nproc", "1", "--config", str(ckpt / "config.yaml"),
+                 "--set", "moe.ep_size=1", "--set", "peft.method=lora", "--set", "peft.r=4",
+                 "--set", "peft.alpha=12", "--set", 'peft.targets=["attn","linear_attn"]',
+                 "--set", "model.gated_delta_chunk=4", "--set", "train.steps=2",
+                 "--set", f"train.seq_len={SEQ}", "--set", "train.micro_batch_size=2",
+                 "--set", "optimizer.lr=3e-2", "--set", "checkpoint.every=2",
+                 "--out", str(run)]) == 0
+    base, adapters = store.find_checkpoint(ckpt), store.find_checkpoint(run / "checkpoints")
+    ours = lora_logits(base, adapters)
+    assert main(["checkpoint", "export", str(base), "--format", "hf",
+                 "--out", str(tmp_path / "hf_base")]) == 0
+    assert main(["checkpoint", "export", str(adapters), "--format", "peft",
+                 "--out", str(tmp_path / "peft")]) == 0
+    hf_base = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(
+        tmp_path / "hf_base").eval()
+    with torch.no_grad():
+        moved = (hf_base(input_ids=TOKENS).logits - ours).abs().max().item()
+    assert moved > 1e-3, f"the adapters changed the logits by only {moved:.2e}"
+    model = peft.PeftModel.from_pretrained(hf_base, tmp_path / "peft").eval()
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert {"linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+            "linear_attn.in_proj_a", "linear_attn.out_proj", "self_attn.q_proj"} \
+        <= set(config["target_modules"])
+    ours_keys = set(load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+    theirs = {k.replace(".default", "") for k in model.state_dict() if ".lora_" in k}
+    assert ours_keys == theirs, ours_keys ^ theirs
+    with torch.no_grad():
+        diff = (model(input_ids=TOKENS).logits - ours).abs().max().item()
+    print(f"peft: logits max abs diff {diff:.3e} (the adapters moved them {moved:.2e})")
+    assert diff <= TOL
+    assert main(["checkpoint", "export", str(adapters), "--merge-lora", "--format", "hf",
+                 "--out", str(tmp_path / "merged")]) == 0
+    merged, info = transformers.Qwen3_5MoeForConditionalGeneration.from_pretrained(
+        tmp_path / "merged", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    with torch.no_grad():
+        diff = (merged.eval()(input_ids=TOKENS).logits - ours).abs().max().item()
+        vision = all(torch.equal(p, hf_base.state_dict()[k])
+                     for k, p in merged.state_dict().items() if k.startswith("model.visual."))
+    print(f"merged: logits max abs diff {diff:.3e}")
+    assert diff <= TOL and vision

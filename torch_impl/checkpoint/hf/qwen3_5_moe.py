@@ -165,7 +165,7 @@ def peft_keys(tensors: dict, modules: set, arch: Arch) -> tuple[dict, set]:
             continue
         full = value if m[2] == "A" else value[torch.argsort(_rows(arch, m[1]))]
         for part, rows in zip(_SPLIT[m[1]], _slices(arch, m[1]), strict=True):
-            out[key.replace(m[1], part)] = full if m[2] == "A" else full[rows].contiguous()
+            out[key.replace(m[1], part)] = full.clone() if m[2] == "A" else full[rows].clone()
     for fused, parts in _SPLIT.items():
         if f"linear_attn.{fused}" in modules:
             modules = (modules - {f"linear_attn.{fused}"}) | {f"linear_attn.{p}" for p in parts}
