@@ -13,8 +13,8 @@ from moezero.checkpoint.hf import (
     mixtral,
     olmoe,
     qwen2_moe,
-    qwen3_moe,
     qwen3_5_moe,
+    qwen3_moe,
     qwen3_next,
 )
 from moezero.checkpoint.hf.arch import Arch, refuse
