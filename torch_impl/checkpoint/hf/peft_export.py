@@ -62,6 +62,13 @@ def _adapter_checkpoint(ckpt: Path, what: str, base: Path | None = None):
     return manifest, base_dir, trained
 
 
+def _family(base_manifest, model_type: str | None = None):
+    """(architecture, family) of a base checkpoint: the family ``model_type`` names, else the
+    one its config records (``hf.model_type``: Qwen3.5-MoE), else the architecture's."""
+    arch = arch_of(base_manifest)
+    return arch, family_for(arch, model_type or hf_section(base_manifest.config).get("model_type"))
+
+
 def _checked_tensors(ckpt: Path, manifest) -> dict:
     """Every tensor of ``ckpt``, each byte checked against its manifest (as load does)."""
     return read_tensors(ckpt, manifest, reader=CheckedReader(ckpt, manifest))
@@ -90,9 +97,7 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32", base: Path | None = 
         raise CheckpointError(f"{ckpt}: trains {others[0]} besides the LoRA adapters "
                               f"({len(others)} such tensors); a PEFT adapter holds adapters "
                               "only: export with --merge-lora --format hf")
-    base_manifest = store.read_manifest(base_dir)
-    arch = arch_of(base_manifest)
-    family = family_for(arch, hf_section(base_manifest.config).get("model_type"))
+    arch, family = _family(store.read_manifest(base_dir))
     lora = _lora(trained)
     _refuse_unread(lora, family.model_type, ckpt)
     experts = {k: v for k, v in lora.items() if _EXPERT.fullmatch(k + ".lora_A")}
@@ -230,8 +235,7 @@ def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
         weights[fqn + ".weight"] = weights[fqn + ".weight"] + scale * (b @ a)
     weights.update({k: v for k, v in trained.items()
                     if not k.endswith(adapter_ckpt.ADAPTER_SUFFIXES)})
-    arch = arch_of(base_manifest)
-    family = family_for(arch, model_type or hf_section(base_manifest.config).get("model_type"))
+    arch, family = _family(base_manifest, model_type)
     carried = checked(family, base_manifest.config)
     shapes = base_manifest.layout.shapes + base_manifest.layout.buffers
     items = family.export_items(shapes, arch) if family.export_items else \
