@@ -17,9 +17,10 @@ from moezero.config.errors import FieldError
 from moezero.plan import store
 
 ADOPTED_KEYS = {**ARCHITECTURE, "tokenizer": ("path", "sha256", "vocab_size", "bos_token_id",
-                                           "eos_token_id", "pad_token_id")}
-"""The architecture keys (``moezero.config.ARCHITECTURE``) and the model's tokenizer: what a
-run resuming a checkpoint takes from it."""
+                                           "eos_token_id", "pad_token_id"),
+                "hf": ("model_type", "carried", "carried_sha256")}
+"""The architecture keys (``moezero.config.ARCHITECTURE``), the model's tokenizer and what its
+Hugging Face export needs: what a run resuming a checkpoint takes from it."""
 
 def adopt_architecture(cfg: Config, run_dir: str | Path) -> tuple[Config, list[str]]:
     """``cfg`` with each ``ADOPTED_KEYS`` key the user did not set (in a file or with ``--set``)

@@ -250,6 +250,20 @@ class TokenizerConfig(_Section):
     pad_token_id: int | None = Field(None, ge=0, description="Padding id.")
 
 
+class HfConfig(_Section):
+    """What import-hf recorded for the export beside the architecture (docs/hf.md,
+    "Qwen3.5-MoE"): the Hugging Face family, and the tensors it carried through untrained."""
+
+    model_type: str | None = Field(None, description="The model_type that export --format hf "
+                                                     "writes; None: the architecture's family.")
+    carried: str | None = Field(None, description="Folder of the source's config.json and the "
+                                                  "tensors moezero does not train "
+                                                  "(carried.safetensors: a vision tower), "
+                                                  "written back unchanged by export.")
+    carried_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
+                                       description="SHA-256 of carried.safetensors.")
+
+
 class DistConfig(_Section):
     """torch.distributed."""
 
@@ -293,6 +307,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer.")
+    hf: HfConfig = Field(default_factory=HfConfig, description="Hugging Face export.")
     dist: DistConfig = Field(default_factory=DistConfig, description="torch.distributed.")
     peft: PeftConfig = Field(default_factory=PeftConfig, description="LoRA fine-tuning.")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig,

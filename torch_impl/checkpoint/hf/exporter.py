@@ -16,6 +16,7 @@ from pathlib import Path
 
 from moezero.checkpoint import tokenizer as hf_tokenizer
 from moezero.checkpoint.hf.arch import arch_of
+from moezero.checkpoint.hf.carried import attach, checked, hf_section
 from moezero.checkpoint.hf.families import family_for
 from moezero.checkpoint.hf.names import gain_shift, hf_name
 from moezero.checkpoint.tools import write_weights
@@ -41,8 +42,9 @@ def export_hf(ckpt: Path, out: Path, dtype: str = "fp32", shard_bytes: int | Non
                               f"{adapters[0] if adapters else '?'}); export them with --format peft, or "
                               "merged with --merge-lora --format hf (docs/finetune.md)")
     arch = arch_of(manifest)
-    family = family_for(arch, model_type)
+    family = family_for(arch, model_type or hf_section(manifest.config).get("model_type"))
     tokenizer_files = hf_tokenizer.files_to_export(manifest.config)
+    carried = checked(family, manifest.config)  # a vision tower written back: Qwen3.5-MoE
     shapes = manifest.layout.shapes + manifest.layout.buffers
     items = family.export_items(shapes, arch) if family.export_items else \
         [(hf_name(fqn, family), fqn, shape) for fqn, shape in shapes]
@@ -52,6 +54,7 @@ def export_hf(ckpt: Path, out: Path, dtype: str = "fp32", shard_bytes: int | Non
                           keep_fp32=frozenset(f for f, _ in manifest.layout.buffers),
                           shifts={f: v for f, v in shifts.items() if v})
     config = {**family.config(arch, dtype), **hf_tokenizer.config_ids(manifest.config)}
+    config, files = attach(family, carried, config, out, files)
     (out / HF_CONFIG).write_text(json.dumps(config, indent=2))
     return [out / HF_CONFIG, *files, *hf_tokenizer.copy_export(tokenizer_files, out)]
 

@@ -13,6 +13,7 @@ from moezero.checkpoint.hf import (
     mixtral,
     olmoe,
     qwen2_moe,
+    qwen3_5_moe,
     qwen3_moe,
     qwen3_next,
 )
@@ -25,6 +26,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     qwen3_next.FAMILY)}
 FAMILIES.update({f.model_type: f for f in (  # DeepSeek-style routing
     glm4_moe.FAMILY, deepseek_v3.FAMILY)})
+FAMILIES[qwen3_5_moe.FAMILY.model_type] = qwen3_5_moe.FAMILY  # Qwen3-Next's decoder, nested
 
 
 def family_of_config(cfg: dict, where: str) -> Family:

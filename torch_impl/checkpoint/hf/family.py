@@ -45,6 +45,12 @@ class Family:
             ``target_parameters`` (``<module>.weight``) instead of ``target_modules``: PEFT
             (0.21, transformers 5) retargets a module target with such an ending to the fused
             experts for the families converted like Qwen2-MoE (GLM-4.5, DeepSeek-V3).
+        carried: the source keys import-hf carries through unchanged and export writes back
+            (Qwen3.5-MoE's vision tower and MTP weights; ``carried.py``), or None.
+        nest_config: ``(exported config, the source's config.json) -> config.json`` of a
+            family that carries (its language model's keys nested in ``text_config``).
+        peft_keys: ``(adapter tensors, target modules, Arch) -> (tensors, modules)``: a PEFT
+            export as the text-only families name it, renamed to the family's own layout.
         hybrid: holds gated DeltaNet layers, the attention's output gate and partial rotary
             (Qwen3-Next); the other families refuse them.
         unit_offset_norms: its RMSNorms weigh by ``1 + weight`` (``names.gain_shift``).
@@ -66,6 +72,9 @@ class Family:
     holds: frozenset[str] = frozenset()
     dropped: Callable[[dict], tuple[re.Pattern, str] | None] | None = None
     peft_as_parameters: tuple[str, ...] = ()
+    carried: re.Pattern | None = None
+    nest_config: Callable[[dict, dict], dict] | None = None
+    peft_keys: Callable | None = None
     hybrid: bool = False
     unit_offset_norms: bool = False
     interleaved_gate_up: bool = False

@@ -23,7 +23,7 @@ import torch
 from pydantic import ValidationError
 
 from moezero.checkpoint import tokenizer as hf_tokenizer
-from moezero.checkpoint.hf import dtypes, fp8
+from moezero.checkpoint.hf import carried, dtypes, fp8
 from moezero.checkpoint.hf.arch import Arch
 from moezero.checkpoint.hf.families import family_of_config
 from moezero.checkpoint.hf.family import Family
@@ -97,9 +97,14 @@ def import_hf(src: str | Path, out: str | Path, dtype: str | None = None) -> Pat
     dropped = family.dropped(raw) if family.dropped else None
     used = {key for s in sources.values() for key in (s.keys if isinstance(s, Derived) else s[:1])}
     used |= {fp8.scale_key(key) for key in used if tensors.scaled(key)}
+    carry = carried.carried_keys(family, tensors.files)  # Qwen3.5-MoE's vision tower, MTP
+    used |= set(carry)
     _check_all_used(tensors, used, arch, src, dropped[0] if dropped else None)
     shifts = {fqn: -gain_shift(fqn, family) for fqn in sources}  # Qwen3-Next's 1 + w gains
     hf_tokenizer.copy_import(src, out)  # every header read and checked: now write
+    if carry:
+        for key, value in carried.copy_import(tensors.files, carry, raw, out).items():
+            setattr(cfg.hf, key, value)
     source = {"format": f"hf-{family.model_type}", "path": str(src.resolve()), "config": raw}
     final = _write(layout, tensors, (sources, shifts), out, meta={
         "config": cfg.model_dump(by_alias=True, mode="json"),

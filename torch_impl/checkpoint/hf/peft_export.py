@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 from moezero.checkpoint import adapter_ckpt
 from moezero.checkpoint import tokenizer as hf_tokenizer
 from moezero.checkpoint.hf.arch import arch_of
+from moezero.checkpoint.hf.carried import attach, checked, hf_section
 from moezero.checkpoint.hf.exporter import HF_CONFIG
 from moezero.checkpoint.hf.families import family_for
 from moezero.checkpoint.hf.names import gain_shift, hf_name
@@ -62,6 +63,13 @@ def _adapter_checkpoint(ckpt: Path, what: str, base: Path | None = None):
     base_dir = adapter_ckpt.check(manifest.base, ckpt, base)
     trained = {k: torch.from_numpy(v) for k, v in _checked_tensors(ckpt, manifest).items()}
     return manifest, base_dir, trained
+
+
+def _family(base_manifest, model_type: str | None = None):
+    """(architecture, family) of a base checkpoint: the family ``model_type`` names, else the
+    one its config records (``hf.model_type``: Qwen3.5-MoE), else the architecture's."""
+    arch = arch_of(base_manifest)
+    return arch, family_for(arch, model_type or hf_section(base_manifest.config).get("model_type"))
 
 
 def _checked_tensors(ckpt: Path, manifest) -> dict:
@@ -92,7 +100,7 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32", base: Path | None = 
         raise CheckpointError(f"{ckpt}: trains {others[0]} besides the LoRA adapters "
                               f"({len(others)} such tensors); a PEFT adapter holds adapters "
                               "only: export with --merge-lora --format hf")
-    family = family_for(arch_of(store.read_manifest(base_dir)))
+    arch, family = _family(store.read_manifest(base_dir))
     lora = _lora(trained)
     _refuse_unread(lora, family.model_type, ckpt)
     experts = {k: v for k, v in lora.items() if _EXPERT.fullmatch(k + ".lora_A")}
@@ -112,6 +120,8 @@ def export_peft(ckpt: Path, out: Path, dtype: str = "fp32", base: Path | None = 
     for layer, param, (a, b) in _fused(experts, rank, family.interleaved_gate_up):
         nested = "experts.base_layer" if param == "gate_up_proj" and len(fused) == 2 else "experts"
         _put(tensors, f"base_model.model.model.layers.{layer}.mlp.{nested}", a, b)
+    if family.peft_keys:  # the family's own layout (Qwen3.5-MoE)
+        tensors, modules = family.peft_keys(tensors, modules, arch)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()},
               out / ADAPTER_WEIGHTS, metadata={"format": "pt", "moezero.step": str(manifest.step)})
@@ -230,8 +240,8 @@ def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
         weights[fqn + ".weight"] = weights[fqn + ".weight"] + scale * (b @ a)
     weights.update({k: v for k, v in trained.items()
                     if not k.endswith(adapter_ckpt.ADAPTER_SUFFIXES)})
-    arch = arch_of(base_manifest)
-    family = family_for(arch, model_type)
+    arch, family = _family(base_manifest, model_type)
+    carried = checked(family, base_manifest.config)
     shapes = base_manifest.layout.shapes + base_manifest.layout.buffers
     items = family.export_items(shapes, arch) if family.export_items else \
         [(hf_name(fqn, family), fqn, shape) for fqn, shape in shapes]
@@ -243,7 +253,7 @@ def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
     save_file(tensors, out / "model.safetensors",
               metadata={"format": "pt", "moezero.step": str(manifest.step)})
     config = {**family.config(arch, dtype), **hf_tokenizer.config_ids(manifest.config)}
+    config, files = attach(family, carried, config, out, [out / "model.safetensors"])
     (out / HF_CONFIG).write_text(json.dumps(config, indent=2))
     tokenizer_files = hf_tokenizer.files_to_export(manifest.config)
-    return [out / HF_CONFIG, out / "model.safetensors",
-            *hf_tokenizer.copy_export(tokenizer_files, out)]
+    return [out / HF_CONFIG, *files, *hf_tokenizer.copy_export(tokenizer_files, out)]
