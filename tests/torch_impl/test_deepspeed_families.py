@@ -209,3 +209,82 @@ def test_what_cannot_be_placed_is_one_line_and_nothing_written(tmp_path, capsys,
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("moezero: error: ") and expected in err[0], err[0]
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ gpt-oss experts per expert
+_PER_EXPERT = {  # fused tensor -> [(per-expert name, its part of expert e's slice)]
+    "gate_up_proj": [("gate_proj.weight", lambda w: w[:, 0::2].t()),
+                     ("up_proj.weight", lambda w: w[:, 1::2].t())],
+    "gate_up_proj_bias": [("gate_proj.bias", lambda w: w[0::2]),
+                          ("up_proj.bias", lambda w: w[1::2])],
+    "down_proj": [("down_proj.weight", lambda w: w.t())],
+    "down_proj_bias": [("down_proj.bias", lambda w: w)]}
+
+
+def _per_expert_params(shapes: dict, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """DeepSpeed's flat group ``flat`` (params of ``shapes`` in order) with gpt-oss's fused
+    experts re-saved as one [out, in] param per expert, as a model of per-expert modules has."""
+    out, at = {}, 0
+    for name, shape in shapes.items():
+        t = flat[at:at + shape.numel()].reshape(shape)
+        at += shape.numel()
+        prefix, _, leaf = name.rpartition(".")
+        if leaf not in _PER_EXPERT:
+            out[name] = t
+            continue
+        for e, w in enumerate(t):
+            out.update({f"{prefix}.{e}.{n}": part(w).contiguous() for n, part in _PER_EXPERT[leaf]})
+    return out
+
+
+def _resave_per_expert(ckpt) -> None:
+    """The gpt-oss fixture's state (masters and moments of its one ZeRO-2 group, W = 2) as a run
+    of a model with per-expert modules would have saved it."""
+    from tests.torch_impl.test_deepspeed_import import _edit_rank
+
+    tag = ckpt / "global_step2"
+    model = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=True)
+    shapes = dict(model["param_shapes"][0])
+    files = [tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]
+    tops = [{} for _ in files]
+    for path, top in zip(files, tops, strict=True):
+        _edit_rank(path, lambda obj, t, top=top: top.update(t=t))
+    get = {"master": lambda t: t["single_partition_of_fp32_groups"],
+           "exp_avg": lambda t: [t["base_optimizer_state"]["state"][0]["exp_avg"]],
+           "exp_avg_sq": lambda t: [t["base_optimizer_state"]["state"][0]["exp_avg_sq"]]}
+    new = {}
+    for state, read in get.items():
+        parts = [read(top["t"])[0] for top in tops]
+        params = _per_expert_params(shapes, torch.cat(parts))
+        flat = torch.cat([t.reshape(-1) for t in params.values()])
+        new[state] = list(torch.cat([flat, torch.zeros(sum(map(len, parts)) - len(flat))])
+                          .split(len(parts[0])))
+    for r, path in enumerate(files):
+        def edit(obj, top, r=r):
+            top["single_partition_of_fp32_groups"] = [new["master"][r].clone()]
+            top["base_optimizer_state"]["state"][0].update(
+                exp_avg=new["exp_avg"][r].clone(), exp_avg_sq=new["exp_avg_sq"][r].clone())
+        _edit_rank(path, edit)
+    model["param_shapes"] = [{k: v.shape for k, v in params.items()}]
+    torch.save(model, tag / "mp_rank_00_model_states.pt")
+
+
+def test_gpt_oss_experts_saved_per_expert_are_copied_not_relaid(tmp_path):
+    """Per-expert [out, in] params (weights by the Hugging Face names, biases by ``--names``)
+    are moezero's order already: the import equals DeepSpeed's state exactly (the fused-layout
+    rewrite once ran on them too)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "gpt_oss_z2_w2" / "ckpt", ckpt)
+    _resave_per_expert(ckpt)
+    names = tmp_path / "names.yaml"
+    names.write_text("".join(f"'model.layers.{{L}}.mlp.experts.{{E}}.{hf}.bias': "
+                             f"'layers.{{L}}.moe.experts.{{E}}.{w}.bias'\n" for hf, w in
+                             (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))))
+    import_deepspeed(ckpt, tmp_path / "out", names=names)
+    step_dir = store.find_checkpoint(tmp_path / "out")
+    manifest = store.read_manifest(step_dir)
+    for state in STATES:
+        want = expected_state("gpt_oss_z2_w2", state)
+        for fqn, _ in manifest.layout.shapes:
+            got = store.read_param(step_dir, manifest, fqn, state=state)
+            assert torch.equal(torch.from_numpy(got), want[fqn].reshape(-1)), (state, fqn)
