@@ -161,8 +161,8 @@ def test_w2_ep2_stage3_continues_the_deepspeed_runs(imported, tmp_path):
 def _narrower_config(ckpt, tmp) -> str:
     config = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**config, "intermediate_size": 8}))
-    return "DeepSpeed param model.layers.0.mlp.experts.gate_up_proj_bias [4, 32]: config.json " \
-        "implies [4, 16]"
+    return f"{ckpt / 'global_step2' / 'mp_rank_00_model_states.pt'}: DeepSpeed param " \
+        "model.layers.0.mlp.experts.gate_up_proj_bias [4, 32]: config.json implies [4, 16]"
 
 
 def _no_correction_bias(ckpt, tmp) -> str:
