@@ -21,10 +21,10 @@ from safetensors.torch import load_file
 from moezero.checkpoint.hf import import_hf
 from moezero.cli import main
 from moezero.config import Config
-from moezero.model.build import config_decoder
 from moezero.plan import store
 from moezero.plan.reading import read_tensors
 from moezero.train import train
+from tests.support.lora import lora_logits
 from tests.torch_impl.test_gpt_oss import SEQ, TOKENS, assert_logits_close, hf_logits, hf_model
 
 transformers = pytest.importorskip("transformers")
@@ -60,17 +60,6 @@ def run(tmp_path_factory):
     return base, adapters, root
 
 
-def moezero_lora_logits(base: Path, adapters: Path) -> torch.Tensor:
-    manifest = store.read_manifest(adapters)
-    cfg = Config.model_validate(manifest.config)
-    cfg.moe.ep_size = 1
-    model = config_decoder(cfg, where="cpu", init=False).eval()
-    state = {**read_tensors(base, store.read_manifest(base)), **read_tensors(adapters, manifest)}
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
-    with torch.no_grad():
-        return model(TOKENS)[0]
-
-
 def peft_model(root: Path):
     base = transformers.GptOssForCausalLM.from_pretrained(root / "hf_base").eval()
     with warnings.catch_warnings():
@@ -96,7 +85,7 @@ def test_expert_adapters_load_in_peft_with_the_merged_exports_logits(run):
     plain = hf_logits(transformers.GptOssForCausalLM.from_pretrained(root / "hf_base").eval())
     assert (plain - want).abs().max() > 1e-3  # the adapters change the logits
     assert_logits_close(hf_logits(model), want, "gpt-oss expert LoRA: peft vs --merge-lora")
-    assert_logits_close(moezero_lora_logits(base, adapters), want,
+    assert_logits_close(lora_logits(base, adapters, TOKENS), want,
                         "gpt-oss expert LoRA: moezero vs --merge-lora")
 
 
@@ -114,8 +103,8 @@ def test_expert_adapters_alone_carry_the_experts_update(run):
     scale = ALPHA / R
     trained = read_tensors(adapters, store.read_manifest(adapters))
     with torch.no_grad():
-        for layer in range(3):
-            experts = hf_base.model.layers[layer].mlp.experts
+        for layer, block in enumerate(hf_base.model.layers):
+            experts = block.mlp.experts
             for e in range(E):
                 q = f"layers.{layer}.moe.experts.{e}."
                 delta = {w: scale * torch.from_numpy(trained[f"{q}{w}.lora_B"])

@@ -20,10 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from moezero.cli import main
-from moezero.config import Config
-from moezero.model.build import config_decoder
 from moezero.plan import store
-from moezero.plan.reading import read_tensors
+from tests.support.lora import lora_logits
 from tests.torch_impl.test_cli import moezero
 from tests.torch_impl.test_hf_families import (
     TOKENS,
@@ -63,18 +61,6 @@ def lora_run(tmp_path: Path, family: str, *sets: str) -> tuple[Path, Path]:
     assert res.returncode == 0, res.stderr
     return (store.find_checkpoint(tmp_path / "base"),
             store.find_checkpoint(tmp_path / "run" / "checkpoints"))
-
-
-def lora_logits(base: Path, adapters: Path) -> torch.Tensor:
-    """moezero's decoder with the LoRA adapters (all experts local)."""
-    manifest = store.read_manifest(adapters)
-    cfg = Config.model_validate(manifest.config)
-    cfg.moe.ep_size = 1
-    model = config_decoder(cfg, where="cpu", init=False).eval()
-    state = {**read_tensors(base, store.read_manifest(base)), **read_tensors(adapters, manifest)}
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
-    with torch.no_grad():
-        return model(TOKENS)[0]
 
 
 def export(*args: str) -> None:
@@ -120,7 +106,7 @@ def test_peft_adapters_and_merged_weights_give_moezeros_logits(tmp_path, family,
     from moezero.cli_checkpoint import PEFT_NOTE
 
     base, adapters = runs(family)
-    ours = lora_logits(base, adapters)
+    ours = lora_logits(base, adapters, TOKENS)
     export(str(base), "--format", "hf", "--out", str(tmp_path / "hf_base"))
     capsys.readouterr()
     export(str(adapters), "--format", "peft", "--out", str(tmp_path / "peft"))
@@ -156,7 +142,7 @@ def test_other_trained_params_are_merged_and_refused_as_peft(tmp_path, capsys):
     """``train.freeze: ["!*norm.weight"]`` trains the norm gains too: the merge takes them
     from the adapter checkpoint; a PEFT adapter cannot hold them (one line)."""
     base, adapters = lora_run(tmp_path, "olmoe", "--set", 'train.freeze=["!*norm.weight"]')
-    ours = lora_logits(base, adapters)
+    ours = lora_logits(base, adapters, TOKENS)
     line = one_line(capsys, str(adapters), "--format", "peft", "--out", str(tmp_path / "o"))
     assert "besides the LoRA adapters" in line and "norm.weight" in line
     assert not (tmp_path / "o").exists()

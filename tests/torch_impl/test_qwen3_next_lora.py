@@ -15,11 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from moezero.cli import main
-from moezero.config import Config
-from moezero.model.build import config_decoder
-from moezero.plan import store
-from moezero.plan.reading import read_tensors
 from tests.support.hf import save_hf
+from tests.support.lora import lora_logits
 from tests.torch_impl.test_cli import moezero
 from tests.torch_impl.test_peft_export import cli, export
 from tests.torch_impl.test_qwen3_next import TOKENS, hf_model
@@ -29,17 +26,6 @@ peft = pytest.importorskip("peft")
 
 TOL = 1e-5
 TARGETS = '["attn","linear_attn","experts"]'
-
-
-def lora_logits(base: Path, adapters: Path) -> torch.Tensor:
-    """moezero's decoder with the LoRA adapters, on this module's tokens."""
-    manifest = store.read_manifest(adapters)
-    cfg = Config.model_validate(manifest.config)
-    model = config_decoder(cfg, where="cpu", init=False).eval()
-    state = {**read_tensors(base, store.read_manifest(base)), **read_tensors(adapters, manifest)}
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
-    with torch.no_grad():
-        return model(TOKENS)[0]
 
 
 def lora_run(tmp_path: Path, targets: str, steps: int) -> tuple[Path, Path]:
@@ -60,7 +46,7 @@ def lora_run(tmp_path: Path, targets: str, steps: int) -> tuple[Path, Path]:
 
 def test_lora_peft_and_merged_exports_give_moezeros_logits(tmp_path, capsys):
     base, adapters = lora_run(tmp_path, TARGETS, 3)
-    ours = lora_logits(base, adapters)
+    ours = lora_logits(base, adapters, TOKENS)
     export(str(base), "--format", "hf", "--out", str(tmp_path / "hf_base"))
     export(str(adapters), "--format", "peft", "--out", str(tmp_path / "peft"))
     hf_base = transformers.Qwen3NextForCausalLM.from_pretrained(tmp_path / "hf_base").eval()
@@ -96,7 +82,7 @@ def test_lora_peft_and_merged_exports_give_moezeros_logits(tmp_path, capsys):
                  "--out", str(tmp_path / "shared_peft")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "shared expert" in err[0] and "--merge-lora" in err[0], err
-    ours = lora_logits(base, adapters)
+    ours = lora_logits(base, adapters, TOKENS)
     export(str(adapters), "--merge-lora", "--format", "hf", "--out", str(tmp_path / "merged2"))
     merged = transformers.Qwen3NextForCausalLM.from_pretrained(tmp_path / "merged2").eval()
     with torch.no_grad():

@@ -90,8 +90,8 @@ def import_deepspeed(ckpt_dir: str | Path, out: str | Path, tag: str | None = No
     cfg, notes = _config(arch, raw, src, first, out)
     layout = _layout(cfg, step=src.global_steps, weights_only=False)
     mapped = patterns.by_fqn(where.shapes, patterns.load(names and Path(names)))
-    writes = _writes(layout, where, mapped, arch, family, src)
-    extra = (relayout.relaid([f for f, _ in layout.shapes], arch, family),
+    writes, raw = _writes(layout, where, mapped, arch, family, src)
+    extra = (relayout.relaid(raw, arch, family),
              relayout.buffer_values(layout, src.model_files[0], family))
     created = not out.exists()
     try:
@@ -178,26 +178,27 @@ def _fixed_bias(arch) -> list[str]:
             "aux-loss-free rule"] if arch.expert_bias else []
 
 
-def _source_range(fqn: str, shape, shapes: dict, mapped: dict, arch, family
-                  ) -> tuple[str, int, int] | None:
-    """(DeepSpeed param, element range) holding ``fqn``: the name a pattern maps to it, else
-    the first name the Hugging Face mapping offers that DeepSpeed has, its leading-index
-    slices turned into one contiguous range."""
+def _source_range(fqn: str, shape, shapes: dict, mapped: dict, arch, family, where: str
+                  ) -> tuple[str, int, int, bool] | None:
+    """(DeepSpeed param, element range, copied raw) holding ``fqn``: the name a pattern maps to
+    it, else the first name the Hugging Face mapping offers that DeepSpeed has, its
+    leading-index slices turned into one contiguous range. Copied raw: gpt-oss's fused
+    experts, whose elements ``relayout`` rewrites in moezero's order after the copy."""
     raw = None if fqn in mapped else relayout.source(fqn, arch, family)
-    if raw is not None and raw[0] in shapes:  # gpt-oss's experts: copied raw, then relaid
+    if raw is not None and raw[0] in shapes:
         if tuple(shapes[raw[0]]) != raw[3]:
-            raise CheckpointError(f"DeepSpeed param {raw[0]} {list(shapes[raw[0]])}: "
+            raise CheckpointError(f"{where}: DeepSpeed param {raw[0]} {list(shapes[raw[0]])}: "
                                   f"config.json implies {list(raw[3])}")
-        return raw[:3]
+        return (*raw[:3], True)
     options = [(mapped[fqn], ())] if fqn in mapped else candidates(fqn, arch, family)
     for key, index in options:
         if key in shapes:
             a, b = _flat_range(shapes[key], index)
             if b - a != _prod(shape):
-                raise CheckpointError(f"DeepSpeed param {key} {list(shapes[key])}: the part "
-                                      f"for {fqn} has {b - a} elements, moezero needs "
-                                      f"{list(shape)}")
-            return key, a, b
+                raise CheckpointError(f"{where}: DeepSpeed param {key} {list(shapes[key])}: "
+                                      f"the part for {fqn} has {b - a} elements, moezero "
+                                      f"needs {list(shape)}")
+            return key, a, b, False
     return None
 
 
@@ -220,12 +221,12 @@ def _prod(shape) -> int:
 
 
 def _writes(layout, where: placement.Placement, mapped: dict, arch, family,
-            src: Source) -> list[Write]:
+            src: Source) -> tuple[list[Write], set[str]]:
     """Every piece to copy, checked: every moezero FQN has a source, every DeepSpeed param
-    is used (lm_head may be the tied embedding)."""
+    is used (lm_head may be the tied embedding); and the FQNs copied raw (``relayout``)."""
     sources, shapes = {}, where.shapes
     for fqn, shape in layout.shapes:
-        found = _source_range(fqn, shape, shapes, mapped, arch, family)
+        found = _source_range(fqn, shape, shapes, mapped, arch, family, str(src.model_files[0]))
         if found is None:
             raw = relayout.source(fqn, arch, family)
             options = " or ".join(dict.fromkeys([*(raw[:1] if raw else ()), *(
@@ -233,7 +234,7 @@ def _writes(layout, where: placement.Placement, mapped: dict, arch, family,
             raise CheckpointError(f"{src.model_files[0]}: no parameter for {fqn} (looked for "
                                   f"{options})")
         sources[fqn] = found
-    left = sorted(set(shapes) - {k for k, _, _ in sources.values()})
+    left = sorted(set(shapes) - {k for k, _, _, _ in sources.values()})
     if left:
         raise CheckpointError(f"{src.model_files[0]}: param {left[0]} has no place in moezero's "
                               f"decoder ({len(left)} such params; map it with --names); "
@@ -241,11 +242,11 @@ def _writes(layout, where: placement.Placement, mapped: dict, arch, family,
     out = []
     for f in layout.model_files + layout.optim_files:  # buffers: relayout.buffer_values
         for t in f.tensors:
-            key, a, _ = sources[t.fqn]
+            key, a, _, _ = sources[t.fqn]
             for p in where.pieces(key, a + t.start, a + t.stop):
                 out.append(Write(p.rank, t.state, p.offset, p.length, f.name,
                                  f.data_start + t.begin + p.start * ITEMSIZE))
-    return out
+    return out, {fqn for fqn, found in sources.items() if found[3]}
 
 
 def _write(layout, src: Source, writes: list[Write], out: Path, extra: tuple,

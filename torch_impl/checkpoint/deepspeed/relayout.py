@@ -9,7 +9,8 @@ same way) and ``down_proj`` [E, F, D]; moezero's experts are [out, in] per exper
 copies each expert's block as it lies (contiguous in DeepSpeed's flat partitions) into the
 places of the moezero tensors it feeds, split in equal halves (``source``), then, once every
 rank's pieces are in, rewrites each block's tensors in moezero's order (``apply``), one block
-of one state at a time: Adam's update is elementwise, so the master and both moments are
+of one state at a time. Only the tensors copied that way are rewritten (``relaid`` is given
+them): per-expert params, or those a ``--names`` pattern maps, are [out, in] already. Adam's update is elementwise, so the master and both moments are
 permuted alike. Counterpart of ``checkpoint/hf/gpt_oss.py`` (``source``), which reads the same
 layouts from safetensors.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +29,11 @@ import torch
 from moezero.checkpoint.deepspeed import pickles
 from moezero.checkpoint.hf.arch import Arch
 from moezero.checkpoint.hf.family import Family
+from moezero.checkpoint.hf.gpt_oss import MOE, fused_weight, split_gate_up
 from moezero.checkpoint.hf.names import hf_name
 from moezero.plan import store
 from moezero.plan.layout import ITEMSIZE, RangeRecord
 from moezero.plan.store import CheckpointError
-
-_GPT_OSS = re.compile(r"layers\.(\d+)\.moe\.(?:experts\.(\d+)\.(w[123])|router)\.(weight|bias)")
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ def source(fqn: str, arch: Arch, family: Family
     """(DeepSpeed param, element range, the param's shape) whose raw elements go to ``fqn``'s
     place, for the tensors of gpt-oss's MoE blocks; None for every other tensor (the names
     table's)."""
-    m = _GPT_OSS.fullmatch(fqn) if family.model_type == "gpt_oss" else None
+    m = MOE.fullmatch(fqn) if family.interleaved_gate_up else None
     if m is None:
         return None
     layer, e, w, kind = m.groups()
@@ -71,23 +70,31 @@ def source(fqn: str, arch: Arch, family: Family
         (n, 2 * f) if bias else (n, d, 2 * f)
 
 
-def relaid(fqns, arch: Arch, family: Family) -> list[Block]:
-    """The blocks to rewrite in moezero's order after the raw copy (gpt-oss only)."""
-    if family.model_type != "gpt_oss":
+def relaid(raw, arch: Arch, family: Family) -> list[Block]:
+    """The blocks to rewrite in moezero's order: those of ``raw``, the FQNs whose elements were
+    copied as DeepSpeed holds them (``source``); w1 and w3 of one expert come in pairs."""
+    if not family.interleaved_gate_up:
         return []
     d, f, out = arch.dim, arch.ffn_dim, []
-    for fqn in fqns:
-        m = _GPT_OSS.fullmatch(fqn)
-        if m is None or m[2] is None or m[3] == "w3" or (m[3], m[4]) == ("w2", "bias"):
+    for fqn in sorted(raw):
+        m = MOE.fullmatch(fqn)
+        if m is None or m[2] is None or (m[3], m[4]) == ("w2", "bias"):
             continue
-        q = f"layers.{m[1]}.moe.experts.{m[2]}."
         if m[3] == "w2":  # down_proj[e]: [F, D] -> [D, F]
-            out.append(Block((fqn,), (f, d), lambda t: (t.t(),)))
-        elif m[4] == "weight":  # gate_up_proj[e]: [D, 2F] -> gate [F, D], up [F, D]
-            out.append(Block((fqn, q + "w3.weight"), (d, 2 * f),
-                             lambda t: (t[:, 0::2].t(), t[:, 1::2].t())))
+            out.append(Block((fqn,), (f, d), lambda t: (fused_weight(t, "w2"),)))
+            continue
+        pair = tuple(f"layers.{m[1]}.moe.experts.{m[2]}.{w}.{m[4]}" for w in ("w1", "w3"))
+        if not set(pair) <= set(raw):
+            other = pair[fqn == pair[0]]
+            raise CheckpointError(f"{fqn} comes from the fused gate_up_proj, {other} from "
+                                  "another param (--names): map both or neither")
+        if m[3] == "w3":
+            continue
+        if m[4] == "weight":  # gate_up_proj[e]: [D, 2F] -> gate [F, D], up [F, D]
+            out.append(Block(pair, (d, 2 * f),
+                             lambda t: (fused_weight(t, "w1"), fused_weight(t, "w3"))))
         else:  # gate_up_proj_bias[e]: [2F] -> gate [F], up [F]
-            out.append(Block((fqn, q + "w3.bias"), (2 * f,), lambda t: (t[0::2], t[1::2])))
+            out.append(Block(pair, (2 * f,), split_gate_up))
     return out
 
 
@@ -131,6 +138,7 @@ def _places(layout) -> dict[str, dict[str, list[tuple[str, int, int, int]]]]:
 
 
 def _read(partial: Path, parts) -> torch.Tensor:
+    """The elements of ``parts`` (in order) as written by the raw copy."""
     chunks = []
     for name, at, _, n in parts:
         fd = os.open(partial / name, os.O_RDONLY | os.O_CLOEXEC)
@@ -138,11 +146,15 @@ def _read(partial: Path, parts) -> torch.Tensor:
             data = os.pread(fd, n * ITEMSIZE, at)
         finally:
             os.close(fd)
+        if len(data) != n * ITEMSIZE:
+            raise CheckpointError(f"{partial / name}: {len(data)} bytes at {at}, expected "
+                                  f"{n * ITEMSIZE} (truncated while importing)")
         chunks.append(torch.from_numpy(np.frombuffer(data, np.float32).copy()))
     return torch.cat(chunks)
 
 
 def _write(partial: Path, parts, flat: torch.Tensor) -> list[RangeRecord]:
+    """``flat`` (one tensor's elements) to its ``parts``, each at its first element."""
     records = []
     for name, at, start, n in parts:
         data = flat[start:start + n].numpy()

@@ -27,7 +27,8 @@ from moezero.checkpoint.hf.reader import Derived
 from moezero.checkpoint.hf.rope import rope_fields, rope_parameters
 from moezero.plan.store import CheckpointError
 
-_MOE = re.compile(r"layers\.(\d+)\.moe\.(?:experts\.(\d+)\.(w[123])|router)\.(weight|bias)")
+MOE = re.compile(r"layers\.(\d+)\.moe\.(?:experts\.(\d+)\.(w[123])|router)\.(weight|bias)")
+"""moezero's router and expert FQNs of a gpt-oss MoE layer: (layer, expert, w, weight|bias)."""
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
@@ -105,7 +106,7 @@ def _expect(tensors, key: str, shape: tuple, where) -> None:
 
 def source(fqn: str, shape: tuple, arch: Arch, tensors, where):
     """Where a router or expert tensor comes from (fused, interleaved, or MXFP4), or None."""
-    m = _MOE.fullmatch(fqn)
+    m = MOE.fullmatch(fqn)
     if m is None:
         return None
     layer, e, w, kind = m.groups()
@@ -118,12 +119,12 @@ def source(fqn: str, shape: tuple, arch: Arch, tensors, where):
         if w == "w2":
             return name + "_bias", (slice(e, e + 1),)
         _expect(tensors, name + "_bias", (n, 2 * f), where)
-        return Derived((name + "_bias",), lambda t: t.read(name + "_bias", (e,))[
-            (w == "w3")::2].float())
+        return Derived((name + "_bias",), lambda t: split_gate_up(
+            t.read(name + "_bias", (e,)))[w == "w3"].float())
     if name in tensors.files:
         fused = (n, f, d) if w == "w2" else (n, d, 2 * f)
         _expect(tensors, name, fused, where)
-        return Derived((name,), lambda t: _fused_weight(t.read(name, (e,)), w))
+        return Derived((name,), lambda t: fused_weight(t.read(name, (e,)), w))
     if name + "_blocks" not in tensors.files:
         raise CheckpointError(f"{where}: no tensor for {fqn} (looked for {name} and "
                               f"{name}_blocks)")
@@ -133,11 +134,17 @@ def source(fqn: str, shape: tuple, arch: Arch, tensors, where):
     return Derived((name + "_blocks", name + "_scales"), lambda t: _mxfp4_weight(t, name, e, w))
 
 
-def _fused_weight(slice_: torch.Tensor, w: str) -> torch.Tensor:
-    """moezero's [out, in] weight of one expert from the hub's x @ W slice."""
+def split_gate_up(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) of a fused, interleaved ``gate_up_proj`` slice or its bias (last dim)."""
+    return t[..., 0::2], t[..., 1::2]
+
+
+def fused_weight(slice_: torch.Tensor, w: str) -> torch.Tensor:
+    """moezero's [out, in] ``w`` weight of one expert from the hub's x @ W slice
+    (``gate_up_proj[e]`` [D, 2F] for w1/w3, ``down_proj[e]`` [F, D] for w2)."""
     if w == "w2":
-        return slice_.float().t().contiguous()  # down_proj[e]: [F, D]
-    return slice_[:, (w == "w3")::2].float().t().contiguous()  # gate_up_proj[e]: [D, 2F]
+        return slice_.float().t().contiguous()
+    return split_gate_up(slice_)[w == "w3"].float().t().contiguous()
 
 
 def _mxfp4_weight(tensors, name: str, e: int, w: str) -> torch.Tensor:
@@ -151,7 +158,7 @@ def export_items(shapes, arch: Arch) -> list[tuple]:
     router under ``mlp.router``, the rest one per FQN."""
     items, done = [], set()
     for fqn, shape in shapes:
-        m = _MOE.fullmatch(fqn)
+        m = MOE.fullmatch(fqn)
         if m is None:
             items.append((hf_name(fqn, FAMILY), fqn, shape))
         elif m[2] is None:
