@@ -15,6 +15,7 @@ at the end of the parallel pass by ``ChildTime`` (the CPU time of the processes 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -103,8 +104,13 @@ def item_spawns(item) -> bool:
     for value in (callspec.params.values() if callspec else ()):
         if callable(value) and _local(value):
             roots += _functions(value)
-    seen: set = set()
-    return any(_spawns_in(fn, seen) for fn in roots)
+    return any(map(_root_spawns, roots))
+
+
+@functools.cache
+def _root_spawns(fn) -> bool:
+    """``_spawns_in`` from ``fn`` alone: shared by a test's parameters and a module's tests."""
+    return _spawns_in(fn, set())
 
 
 class ChildTime:
