@@ -26,9 +26,10 @@ SPAWNING_NAMES = frozenset({"run_world", "spawn", "start_processes", "subprocess
 """A name in a test's reachable code that means it starts processes (``peak_growth``:
 tests/support/peak.py runs a script in a subprocess)."""
 
-LOCAL_PACKAGES = ("tests", "parity_tests")
+LOCAL_PACKAGES = ("tests", "parity_tests", "benchmarks")
 """Modules whose functions the rule follows (the production package is not followed: the
-CLI's ``main`` is recognised by its ``"train"`` argument instead)."""
+CLI's ``main`` is recognised by its ``"train"`` argument instead; a test whose process-starting
+happens deeper in moezero carries ``@pytest.mark.spawns`` itself)."""
 
 
 def _codes(code: types.CodeType):
