@@ -1,5 +1,7 @@
 """Developer sessions: ``nox`` runs the whole suite (suite = tests + slow + parity in one venv,
-lint, wheel; what CI runs). ``tests``, ``slow`` and ``parity`` also run alone.
+lint, wheel; what CI runs). ``tests``, ``slow`` and ``parity`` also run alone. The tests that
+start no processes run on one pytest-xdist worker per core, the others (marked ``spawns`` by
+conftest.py) one at a time after them.
 
 torch: on a machine without an NVIDIA GPU the sessions install the CPU build
 ``torch==2.13.0`` (``MOEZERO_TORCH`` overrides the requirement, e.g. ``torch`` on a GPU box);
@@ -35,35 +37,60 @@ def _install(session: nox.Session, extras: str = "dev") -> None:
     session.install("-e", f".[{extras}]")
 
 
+def _workers() -> str:
+    """pytest-xdist workers of a parallel pass: one per core (``MOEZERO_TEST_WORKERS``)."""
+    return os.environ.get("MOEZERO_TEST_WORKERS", str(len(os.sched_getaffinity(0))))
+
+
+def _parallel(session: nox.Session, path: str) -> None:
+    """The tests under ``path`` without ``slow`` that start no processes, on one xdist worker
+    per core, one torch thread each (conftest.py). Exit code 5 (nothing selected, e.g. with
+    ``-- -k NAME``) is not a failure."""
+    session.run("pytest", path, "-m", "not slow and not spawns", "-n", _workers(),
+                *session.posargs, success_codes=[0, 5])
+
+
+def _serial(session: nox.Session, paths: list[str], marker: str) -> None:
+    """The tests that start processes (``spawns``: rank worlds, the CLI, torchrun), one at a
+    time: a W=2 world already takes both cores, and its ranks have short timeouts."""
+    session.run("pytest", *paths, "-m", marker, *session.posargs, success_codes=[0, 5])
+
+
 @nox.session
 def suite(session: nox.Session) -> None:
-    """``tests``, ``slow`` and ``parity`` in sequence in one venv: one install of torch, the
-    package and its extras instead of three (about a minute each on CI's 2-core box)."""
+    """``tests``, ``slow`` and ``parity`` in one venv: one install of torch, the package and its
+    extras instead of three (about a minute each on CI's 2-core box). The parallel passes of
+    tests/ and parity_tests/ (kept apart: parity's conftest sets JAX's matmul precision for
+    its process), then both suites' ``spawns`` tests in one serial pass (one collection
+    fewer), then the slow ones (serial: nearly all spawn)."""
     _install(session, "dev,reference")
-    session.run("pytest", "tests", "-m", "not slow", *session.posargs)
-    session.run("pytest", "tests", "parity_tests", "-m", "slow", *session.posargs)
-    session.run("pytest", "parity_tests", "-m", "not slow", *session.posargs)
+    _parallel(session, "tests")
+    _parallel(session, "parity_tests")
+    _serial(session, ["tests", "parity_tests"], "not slow and spawns")
+    _serial(session, ["tests", "parity_tests"], "slow")
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Unit and multi-process tests of each side (tests/), without the slow marker."""
     _install(session, "dev,reference")
-    session.run("pytest", "tests", "-m", "not slow", *session.posargs)
+    _parallel(session, "tests")
+    _serial(session, ["tests"], "not slow and spawns")
 
 
 @nox.session
 def slow(session: nox.Session) -> None:
     """The slow multi-process cases (marked ``slow``)."""
     _install(session, "dev,reference")
-    session.run("pytest", "tests", "parity_tests", "-m", "slow", *session.posargs)
+    _serial(session, ["tests", "parity_tests"], "slow")
 
 
 @nox.session
 def parity(session: nox.Session) -> None:
     """torch vs the JAX reference (installs the ``reference`` extra)."""
     _install(session, "dev,reference")
-    session.run("pytest", "parity_tests", "-m", "not slow", *session.posargs)
+    _parallel(session, "parity_tests")
+    _serial(session, ["parity_tests"], "not slow and spawns")
 
 
 @nox.session

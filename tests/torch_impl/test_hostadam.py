@@ -182,6 +182,7 @@ def test_the_kernel_lets_other_threads_run_while_it_steps():
     assert turns > 10, f"{turns} turns while the kernel ran: it holds the GIL"
 
 
+@pytest.mark.spawns  # the compiler runs (in moezero): not beside the parallel pass' tests
 def test_a_kernel_that_does_not_build_leaves_the_torch_ops_and_one_warning(tmp_path, caplog):
     """No compiler, no ninja or a failing build: ``load_compiled`` says why (logged once) and
     ``adamw_step_`` runs the same formula in torch ops."""
