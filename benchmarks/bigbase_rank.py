@@ -78,7 +78,7 @@ def run_rank(spec: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return rank_main(run_rank, argv, threads=1)
+    return rank_main(run_rank, argv, threads=1, timeout_s=3600.0)  # a 16 B base loads long
 
 
 if __name__ == "__main__":
