@@ -66,7 +66,8 @@ def disk_lines(res: dict) -> tuple[list[str], bool]:
     return [f"Disk used by the run: the import {inputs['base_bytes'] / GIB:.2f} GiB "
             f"({inputs['base_bytes'] / inputs['hf_bytes']:.3f}x the bf16 HF folder's "
             f"{inputs['hf_bytes'] / GIB:.2f} GiB) + swap and checkpoints at their peak "
-            f"{extra / GIB:.3f} GiB = {used / GIB:.2f} GiB; no swap file for a frozen param."], \
+            f"{extra / GIB:.3f} GiB = {used / GIB:.2f} GiB (a swap copy of the frozen base "
+            f"would add about {inputs['base_bytes'] / GIB:.0f} GiB)."], \
         used <= bound
 
 
@@ -105,7 +106,7 @@ def table(results: dict) -> list[str]:
              f"Base: {inputs['params']:,} params ({size['model']['n_layers']} layers, "
              f"{size['model']['num_experts']} experts top-{size['model']['top_k']}), bf16 HF "
              f"folder {inputs['hf_bytes'] / GIB:.2f} GiB written in {inputs['write_s']:.0f} s, "
-             f"imported in {inputs['import_s']:.0f} s; compute {size['dtype']}, seq "
+             f"imported in {inputs['import_s']:.0f} s; compute {size.get('dtype', 'fp32')}, seq "
              f"{size['seq_len']}. dd (direct I/O, {size['dd_mib']} MiB) before / after: read "
              + " / ".join(_mib(d["read"]) + "/s" for d in disk) + ", write "
              + " / ".join(_mib(d["write"]) + "/s" for d in disk) + ". Load: "
