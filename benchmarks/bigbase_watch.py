@@ -65,11 +65,22 @@ def _available() -> int:
     return int(line.split()[1]) * 1024
 
 
-def _sample(watch: Watch, proc: subprocess.Popen, where: Path, folders: list[Path]) -> dict:
+def _is_rank(pid: int, module: str) -> bool:
+    """Whether ``pid`` runs ``-m module`` (a rank, not torchrun or a compiler it started)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return module.encode() in args and b"torch.distributed.run" not in args
+
+
+def _sample(watch: Watch, proc: subprocess.Popen, where: Path, folders: list[Path],
+            module: str) -> dict:
     free = os.statvfs(where)
     now = {"free_disk": free.f_bavail * free.f_frsize, "tree": tree_size(folders),
            "mem_available": _available(),
-           "ranks": {p: s for p in _children(proc.pid) if (s := _status(p))}}
+           "ranks": {p: s for p in _children(proc.pid) if _is_rank(p, module)
+                     and (s := _status(p))}}
     watch.min_free = min(watch.min_free, now["free_disk"])
     watch.peak_tree = max(watch.peak_tree, now["tree"])
     for p, s in now["ranks"].items():
@@ -102,7 +113,7 @@ def run_watched(python: str, module: str, spec: dict, paths: dict, limits: dict,
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                 start_new_session=True)
         while proc.poll() is None:
-            now = _sample(watch, proc, Path(paths["log"]).parent, folders)
+            now = _sample(watch, proc, Path(paths["log"]).parent, folders, module)
             why = _why_stop(now, limits, time.perf_counter() - start)
             if why:
                 watch.stopped, watch.at_stop = why, now
