@@ -88,6 +88,19 @@ def _sample(watch: Watch, proc: subprocess.Popen, where: Path, folders: list[Pat
     return now
 
 
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill the row: torchrun's process group and every process below it (its agent starts
+    the ranks in sessions of their own, so the group alone leaves them running)."""
+    below = _children(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
 def _why_stop(now: dict, limits: dict, elapsed: float) -> str | None:
     if elapsed > limits["timeout_s"]:
         return f"timed out after {limits['timeout_s']:.0f} s"
@@ -117,8 +130,7 @@ def run_watched(python: str, module: str, spec: dict, paths: dict, limits: dict,
             why = _why_stop(now, limits, time.perf_counter() - start)
             if why:
                 watch.stopped, watch.at_stop = why, now
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _kill(proc)
                 break
             time.sleep(limits.get("every_s", 5.0))
     wall = time.perf_counter() - start
