@@ -74,8 +74,20 @@ def prepare(work: Path, size: dict) -> dict:
          "--out", str(root / "data"))
     print(f"prepared: HF folder {written - start:.0f} s, import "
           f"{time.perf_counter() - written:.0f} s", flush=True)
-    return {**inputs, "root": str(root), "base_bytes": _bytes(root / "base"),
-            "write_s": written - start, "import_s": time.perf_counter() - written}
+    inputs = {**inputs, "root": str(root), "base_bytes": _bytes(root / "base"),
+              "write_s": written - start, "import_s": time.perf_counter() - written}
+    (root / "inputs.json").write_text(json.dumps(inputs))
+    return inputs
+
+
+def prepared(work: Path, size: dict) -> dict:
+    """``--reuse``: the inputs an earlier ``prepare`` of this size left in ``work``, else
+    ``prepare``'s."""
+    found = work / "bigbase" / "inputs.json"
+    if found.exists() and (work / "bigbase" / "base" / "latest").exists():
+        print(f"reusing the base and data of {found.parent}", flush=True)
+        return json.loads(found.read_text())
+    return prepare(work, size)
 
 
 def _bytes(folder: Path) -> int:
@@ -122,7 +134,7 @@ def measure(args, work: Path, size: dict, results: dict) -> dict:
     """dd, the inputs, the in-place row, the compute row, dd; the results so far are saved
     (``save``) before the peer row runs on the HF folder written again."""
     disk = [dd_bandwidth(str(work), size["dd_mib"])]
-    inputs = prepare(work, size)
+    inputs = prepared(work, size) if args.reuse else prepare(work, size)
     res = results["bigbase"] = {"inputs": inputs, "size": size, "disk": disk, "runs": {},
                                 "uptime": [_uptime()]}
     limits = {"timeout_s": args.timeout, "min_free": 1 << 30}
@@ -180,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the peer venv's python ('' : no peer row)")
     p.add_argument("--peer-timeout", type=float, default=25 * 60.0, help="seconds for the peer")
     p.add_argument("--from-json", default=None, help="render this results file, measure nothing")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the base and data an earlier run of this size left in --work")
     args = p.parse_args(argv)
     start, work = time.perf_counter(), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
