@@ -1,18 +1,28 @@
 """The ``bigbase`` series (issue 40, outside CI): LoRA on a big MoE whose frozen base is read
-where it lies, at W = 2, ep 2, ZeRO stage 3, params on NVMe, the optimizer on the host.
+where it lies, at W = 2, ep 2, ZeRO stage 3, params on NVMe.
 
-``python -m benchmarks.bigbase [--quick] [--work DIR] [--out BENCHMARKS.md]``. It writes a random
+``python -m benchmarks.bigbase [--quick | --size S] [--work DIR] [--out BENCHMARKS.md]
+[--reuse] [--rows R,...] [--peer-python PY] [--from-json FILE]``. It writes a random
 Qwen3-MoE-shaped base as a bf16 Hugging Face folder (``benchmarks.bigbase_model``: tensor by
-tensor, never in memory), ``moezero import-hf`` keeps it bf16, ``prepare-data --format chat``
-makes the data, then in fresh ``torchrun`` processes (``benchmarks.bigbase_rank``): LoRA r 16 on
-attention and experts, ``steps`` steps, a save and a resume; beside it the compute time of the
-same step with the weights in memory, measured on ``compute_layers`` layers (random init, no
-base) and scaled by depth. ``dd`` measures the disk before and after; a step's disk time is
-its bytes read over the ``dd`` read rate. The peer row (TRL ``SFTTrainer`` + PEFT + DeepSpeed
-ZeRO-3, ``offload_param`` on NVMe) is not run by this skeleton yet.
+tensor, never in memory), ``moezero import-hf`` keeps it bf16, deleting each HF shard once read
+(``benchmarks.bigbase_import``: the folder and its import never lie whole on the disk together
+for long), ``prepare-data --format chat`` makes the data, then in fresh ``torchrun`` processes
+(``benchmarks.bigbase_rank``), each watched (``benchmarks.bigbase_watch``: free disk, swap and
+checkpoint bytes, RSS): LoRA r 16 on attention and experts, ``steps`` steps, a save and a
+resume; beside it the compute time of the same step with the weights in memory, measured on
+``compute_layers`` layers (random init, no base) and scaled by depth. ``dd`` measures the disk
+before and after; a step's disk time is its bytes read over the ``dd`` read rate. Then the
+peer row (``benchmarks.bigbase_peer``: TRL ``SFTTrainer`` + PEFT + DeepSpeed ZeRO-3,
+``offload_param`` on NVMe, the optimizer on the host) on the HF folder written again once the
+import is removed, bounded in time (``--peer-timeout``) and free disk. The results are saved
+to ``WORK/results-bigbase.json`` before the peer runs and after; ``--from-json`` renders them
+(``benchmarks.bigbase_report``). ``--reuse`` keeps the base and data an earlier run left.
 
-``full`` is the issue's 16 B model (Qwen3-30B-A3B's widths, 128 experts top-8, 24 layers): it
-needs about 40 GB of disk and hours here; ``--quick`` is a tiny one that runs in minutes.
+``full`` is the issue's 16 B model (Qwen3-30B-A3B's widths, 128 experts top-8, 24 layers):
+31 GB of bf16, computed in bf16 (this box's CPU has AMX-bf16: its bf16 matmuls measured 2.3x
+its fp32 ones), the adapters' optimizer state on NVMe; it needs about 40 GB of disk at once
+(60 GB for a few minutes while the import's files are allocated) and hours here. ``mid``
+has ``full``'s widths and 2 layers; ``--quick`` is a tiny one (fp32) that runs in minutes.
 """
 
 from __future__ import annotations
