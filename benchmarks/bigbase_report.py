@@ -8,6 +8,7 @@ RSS and anonymous memory; the disk used; the issue's three targets, each met or 
 from __future__ import annotations
 
 GIB = 2**30
+TITLE = "## bigbase: LoRA on a 16 B MoE, the frozen base read where it lies (issue 40)"
 
 
 def _mib(x: float) -> str:
@@ -102,7 +103,7 @@ def table(results: dict) -> list[str]:
     disk = [d for d in res["disk"] if "read" in d]
     read_rate = min(d["read"] for d in disk) if disk else float("nan")
     inputs, size = res["inputs"], res["size"]
-    lines = ["## bigbase", "", f"`{results['command']}`", "",
+    lines = [TITLE, "", f"`{results['command']}`", "",
              f"Base: {inputs['params']:,} params ({size['model']['n_layers']} layers, "
              f"{size['model']['num_experts']} experts top-{size['model']['top_k']}), bf16 HF "
              f"folder {inputs['hf_bytes'] / GIB:.2f} GiB written in {inputs['write_s']:.0f} s, "
