@@ -1,18 +1,28 @@
 """The ``bigbase`` series (issue 40, outside CI): LoRA on a big MoE whose frozen base is read
-where it lies, at W = 2, ep 2, ZeRO stage 3, params on NVMe, the optimizer on the host.
+where it lies, at W = 2, ep 2, ZeRO stage 3, params on NVMe.
 
-``python -m benchmarks.bigbase [--quick] [--work DIR] [--out BENCHMARKS.md]``. It writes a random
+``python -m benchmarks.bigbase [--quick | --size S] [--work DIR] [--out BENCHMARKS.md]
+[--reuse] [--rows R,...] [--peer-python PY] [--from-json FILE]``. It writes a random
 Qwen3-MoE-shaped base as a bf16 Hugging Face folder (``benchmarks.bigbase_model``: tensor by
-tensor, never in memory), ``moezero import-hf`` keeps it bf16, ``prepare-data --format chat``
-makes the data, then in fresh ``torchrun`` processes (``benchmarks.bigbase_rank``): LoRA r 16 on
-attention and experts, ``steps`` steps, a save and a resume; beside it the compute time of the
-same step with the weights in memory, measured on ``compute_layers`` layers (random init, no
-base) and scaled by depth. ``dd`` measures the disk before and after; a step's disk time is
-its bytes read over the ``dd`` read rate. The peer row (TRL ``SFTTrainer`` + PEFT + DeepSpeed
-ZeRO-3, ``offload_param`` on NVMe) is not run by this skeleton yet.
+tensor, never in memory), ``moezero import-hf`` keeps it bf16, deleting each HF shard once read
+(``benchmarks.bigbase_import``: the folder and its import never lie whole on the disk together
+for long), ``prepare-data --format chat`` makes the data, then in fresh ``torchrun`` processes
+(``benchmarks.bigbase_rank``), each watched (``benchmarks.bigbase_watch``: free disk, swap and
+checkpoint bytes, RSS): LoRA r 16 on attention and experts, ``steps`` steps, a save and a
+resume; beside it the compute time of the same step with the weights in memory, measured on
+``compute_layers`` layers (random init, no base) and scaled by depth. ``dd`` measures the disk
+before and after; a step's disk time is its bytes read over the ``dd`` read rate. Then the
+peer row (``benchmarks.bigbase_peer``: TRL ``SFTTrainer`` + PEFT + DeepSpeed ZeRO-3,
+``offload_param`` on NVMe, the optimizer on the host) on the HF folder written again once the
+import is removed, bounded in time (``--peer-timeout``) and free disk. The results are saved
+to ``WORK/results-bigbase.json`` before the peer runs and after; ``--from-json`` renders them
+(``benchmarks.bigbase_report``). ``--reuse`` keeps the base and data an earlier run left.
 
-``full`` is the issue's 16 B model (Qwen3-30B-A3B's widths, 128 experts top-8, 24 layers): it
-needs about 40 GB of disk and hours here; ``--quick`` is a tiny one that runs in minutes.
+``full`` is the issue's 16 B model (Qwen3-30B-A3B's widths, 128 experts top-8, 24 layers):
+31 GB of bf16, computed in bf16 (this box's CPU has AMX-bf16: its bf16 matmuls measured 2.3x
+its fp32 ones), the adapters' optimizer state on NVMe; it needs about 40 GB of disk at once
+(60 GB for a few minutes while the import's files are allocated) and hours here. ``mid``
+has ``full``'s widths and 2 layers; ``--quick`` is a tiny one (fp32) that runs in minutes.
 """
 
 from __future__ import annotations
@@ -20,11 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.finetune import _cli, launch
+from benchmarks.finetune import _cli
 from benchmarks.fmt import write_section
 from benchmarks.machine import dd_bandwidth, machine_info
 from moezero.examples import tiny_hf
@@ -32,30 +43,61 @@ from moezero.examples import tiny_hf
 SIZES = {
     "full": {"model": {"dim": 2048, "ffn_dim": 768, "n_layers": 24, "n_heads": 32,
                        "n_kv_heads": 4, "head_dim": 128, "num_experts": 128, "top_k": 8},
-             "vocab": 151936, "seq_len": 1024, "steps": 3, "compute_layers": 2, "dd_mib": 1024},
+             "vocab": 151936, "seq_len": 1024, "steps": 3, "compute_layers": 2, "dd_mib": 1024,
+             "dtype": "bf16", "optimizer": "nvme"},
     "quick": {"model": {"dim": 64, "ffn_dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                         "head_dim": 16, "num_experts": 8, "top_k": 2},
-              "vocab": 512, "seq_len": 128, "steps": 3, "compute_layers": 1, "dd_mib": 64},
+              "vocab": 512, "seq_len": 128, "steps": 3, "compute_layers": 1, "dd_mib": 64,
+              "dtype": "fp32"},
 }
+SIZES["mid"] = {**SIZES["full"], "model": {**SIZES["full"]["model"], "n_layers": 2},
+                "compute_layers": 1, "dd_mib": 256}  # ``full``'s widths, 2 layers: a check
+PEER_PYTHON = "/work/ci/main/.nox/bench-peers/bin/python"
 LORA = ["peft.method=lora", "peft.r=16", "peft.alpha=32.0", "peft.targets=[attn, experts]"]
 
 
+def write_hf(hf: Path, size: dict) -> dict:
+    """The random bf16 HF folder (the same bytes on every call: seeded), with the tokenizer."""
+    from benchmarks.bigbase_model import write_model
+
+    vocab = max(tiny_hf.save_tokenizer(hf, 512), size["vocab"])
+    return {"params": write_model(hf, size["model"], vocab), "vocab": vocab,
+            "hf_bytes": _bytes(hf)}
+
+
 def prepare(work: Path, size: dict) -> dict:
-    """The bf16 HF folder, its bf16 import, the chat data; paths and sizes."""
+    """The bf16 HF folder, its bf16 import (each HF shard deleted once imported:
+    ``benchmarks.bigbase_import``; the folder is written again for the peer), the chat data;
+    paths and sizes."""
+    from benchmarks.bigbase_import import import_consuming
+
     root = work / "bigbase"
     shutil.rmtree(root, ignore_errors=True)
     hf, chats = root / "hf", root / "chats.jsonl"
-    tokens = tiny_hf.save_tokenizer(hf, 512)
-    from benchmarks.bigbase_model import write_model
-
-    vocab = max(tokens, size["vocab"])
-    params = write_model(hf, size["model"], vocab)
+    start = time.perf_counter()
+    inputs = write_hf(hf, size)
+    written = time.perf_counter()
     tiny_hf.write_jsonl(tiny_hf.conversations(200, 0, size["seq_len"] // 4), chats)
-    _cli("import-hf", str(hf), "--out", str(root / "base"))
+    import_consuming(hf, root / "base")
+    shutil.rmtree(hf)
     _cli("prepare-data", str(chats), "--tokenizer", str(root / "base"), "--format", "chat",
          "--out", str(root / "data"))
-    return {"root": str(root), "params": params, "vocab": vocab, "hf_bytes": _bytes(hf),
-            "base_bytes": _bytes(root / "base")}
+    print(f"prepared: HF folder {written - start:.0f} s, import "
+          f"{time.perf_counter() - written:.0f} s", flush=True)
+    inputs = {**inputs, "root": str(root), "base_bytes": _bytes(root / "base"),
+              "write_s": written - start, "import_s": time.perf_counter() - written}
+    (root / "inputs.json").write_text(json.dumps(inputs))
+    return inputs
+
+
+def prepared(work: Path, size: dict) -> dict:
+    """``--reuse``: the inputs an earlier ``prepare`` of this size left in ``work``, else
+    ``prepare``'s."""
+    found = work / "bigbase" / "inputs.json"
+    if found.exists() and (work / "bigbase" / "base" / "latest").exists():
+        print(f"reusing the base and data of {found.parent}", flush=True)
+        return json.loads(found.read_text())
+    return prepare(work, size)
 
 
 def _bytes(folder: Path) -> int:
@@ -79,68 +121,113 @@ def overrides(inputs: dict, size: dict, *, in_memory: bool) -> list[str]:
             f"train.seq_len={size['seq_len']}", "train.micro_batch_size=1",
             f"train.steps={size['steps'] + 1}", "moe.ep_size=2",
             f"moe.num_experts={size['model']['num_experts']}",
-            f"moe.top_k={size['model']['top_k']}", "precision.dtype=fp32",
-            "zero_optimization.stage=3", "zero_optimization.offload_optimizer.device=cpu",
+            f"moe.top_k={size['model']['top_k']}", f"precision.dtype={size['dtype']}",
+            "zero_optimization.stage=3", *_optimizer(size.get("optimizer", "cpu"), swap),
             *param, *LORA]
 
 
-def measure(args, work: Path, size: dict) -> dict:
-    inputs = prepare(work, size)
-    disk = [dd_bandwidth(inputs["root"], size["dd_mib"])]
-    runs = {}
+def _row(python: str, module: str, spec: dict, tag: str, work: Path, limits: dict,
+         folders: list[Path]) -> dict:
+    from benchmarks.bigbase_watch import run_watched
+
+    base = work / "bigbase-runs"
+    base.mkdir(parents=True, exist_ok=True)
+    paths = {k: base / f"{tag}.{k}" for k in ("spec", "result", "log")}
+    spec = {**spec, "ckpt_dir": str(base / f"{tag}-ckpt")}
+    run = run_watched(python, module, spec, paths, limits, [*folders, Path(spec["ckpt_dir"])])
+    print(f"{tag}: {run.get('status')} {run.get('error', '')} ({run['wall_s']:.0f} s)",
+          flush=True)
+    return run
+
+
+def _optimizer(device: str, swap: Path) -> list[str]:
+    """The optimizer's tier: ``full``'s LoRA r 16 on 3,072 experts trains 415 M params, whose
+    fp32 master and moments (5 GB) the host cannot hold within 3 GiB a rank: on NVMe."""
+    out = [f"zero_optimization.offload_optimizer.device={device}"]
+    return [*out, f"zero_optimization.offload_optimizer.nvme_path={swap}"] \
+        if device == "nvme" else out
+
+
+def measure(args, work: Path, size: dict, results: dict) -> dict:
+    """dd, the inputs, the in-place row, the compute row, dd; the results so far are saved
+    (``save``) before the peer row runs on the HF folder written again."""
+    disk = [dd_bandwidth(str(work), size["dd_mib"])]
+    inputs = prepared(work, size) if args.reuse else prepare(work, size)
+    res = results["bigbase"] = {"inputs": inputs, "size": size, "disk": disk, "runs": {},
+                                "uptime": [_uptime()]}
+    limits = {"timeout_s": args.timeout, "min_free": 1 << 30}
     for name, in_memory in (("in place", False), ("compute", True)):
+        if name not in args.rows:
+            continue
         spec = {"steps": size["steps"], "save": not in_memory,
                 "overrides": overrides(inputs, size, in_memory=in_memory)}
-        runs[name] = launch(sys.executable, "benchmarks.bigbase_rank", spec, f"bigbase-{name}",
-                            work, args.timeout)
-        print(f"{name}: {runs[name].get('status')} {runs[name].get('error', '')}", flush=True)
-    disk.append(dd_bandwidth(inputs["root"], size["dd_mib"]))
-    return {"inputs": inputs, "size": size, "disk": disk, "runs": runs}
+        res["runs"][name] = _row(sys.executable, "benchmarks.bigbase_rank", spec,
+                                 f"bigbase-{name.replace(' ', '-')}", work, limits,
+                                 [Path(inputs["root"]) / "swap"])
+    disk.append(dd_bandwidth(str(work), size["dd_mib"]))
+    res["uptime"].append(_uptime())
+    save(work, results)
+    if args.peer_python and "peer" in args.rows:
+        res["runs"]["peer"] = peer_row(args, work, size, inputs)
+        res["uptime"].append(_uptime())
+    return res
 
 
-def table(results: dict) -> list[str]:
-    """The series' rows: per step of rank 0, bytes read, their disk time, the scaled compute
-    time, the step time; then each rank's peak RSS and anonymous memory."""
-    res, size = results["bigbase"], results["bigbase"]["size"]
-    read_rate = min(d.get("read", 0) for d in res["disk"]) or float("nan")
-    compute = res["runs"]["compute"]
-    scale = size["model"]["n_layers"] / size["compute_layers"]
-    compute_s = [s["step_s"] * scale for s in compute["ranks"][0]["steps"][1:]] \
-        if compute.get("status") == "ok" else []
-    lines = ["## bigbase", "", f"`{results['command']}`", "",
-             f"base: {res['inputs']['params']:,} params, HF folder {res['inputs']['hf_bytes']:,} B, "
-             f"import {res['inputs']['base_bytes']:,} B; dd read {read_rate / 2**20:.0f} MiB/s", "",
-             "| step | bytes read (rank 0) | disk time | compute (scaled) | step time |",
-             "| ---: | ---: | ---: | ---: | ---: |"]
-    run = res["runs"]["in place"]
-    if run.get("status") != "ok":
-        return [*lines, f"| failed: {run.get('error')} | | | | |"]
-    for i, s in enumerate(run["ranks"][0]["steps"]):
-        c = f"{compute_s[min(i, len(compute_s) - 1)]:.2f} s" if compute_s else "-"
-        lines.append(f"| {i + 1} | {s['read_bytes']:,} | {s['read_bytes'] / read_rate:.2f} s | "
-                     f"{c} | {s['step_s']:.2f} s |")
-    lines += ["", "| rank | peak RSS | peak anon | checkpoint |", "| ---: | ---: | ---: | ---: |"]
-    for r, rank in enumerate(run["ranks"]):
-        lines.append(f"| {r} | {rank['peak_rss'] / 2**20:.0f} MiB | "
-                     f"{rank['anon_peak'] / 2**20:.0f} MiB | {rank.get('checkpoint_bytes', 0):,} B |")
-    return [*lines, "", "Peer (TRL SFTTrainer + PEFT + DeepSpeed ZeRO-3, offload_param nvme): "
-            "not run by this skeleton.", ""]
+def peer_row(args, work: Path, size: dict, inputs: dict) -> dict:
+    """The peer on the HF folder written again (the import removed first: the box's disk holds
+    one copy and the peer's swap), bounded by ``--peer-timeout`` and a free-disk floor."""
+    root = Path(inputs["root"])
+    shutil.rmtree(root / "base", ignore_errors=True)
+    shutil.rmtree(root / "swap", ignore_errors=True)
+    hf, swap = root / "hf", root / "peer-swap"
+    write_hf(hf, size)
+    swap.mkdir(exist_ok=True)
+    spec = {"model_dir": str(hf), "chats": str(root / "chats.jsonl"), "steps": size["steps"],
+            "seq_len": size["seq_len"], "nvme_path": str(swap)}
+    try:
+        return _row(args.peer_python, "benchmarks.bigbase_peer", spec, "bigbase-peer", work,
+                    {"timeout_s": args.peer_timeout, "min_free": 2 << 30}, [swap])
+    finally:
+        shutil.rmtree(swap, ignore_errors=True)
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def save(work: Path, results: dict) -> None:
+    (work / "results-bigbase.json").write_text(json.dumps(results, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bigbase",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a tiny base (minutes)")
+    p.add_argument("--size", choices=sorted(SIZES), default=None,
+                   help="the base's size (default: full; --quick: quick)")
     p.add_argument("--work", default="/tmp/moezero-bigbase", help="work directory")
     p.add_argument("--out", default=None, help="also splice the section into this report")
     p.add_argument("--timeout", type=float, default=6 * 3600.0, help="seconds per row")
+    p.add_argument("--peer-python", default=PEER_PYTHON,
+                   help="the peer venv's python ('' : no peer row)")
+    p.add_argument("--peer-timeout", type=float, default=25 * 60.0, help="seconds for the peer")
+    p.add_argument("--from-json", default=None, help="render this results file, measure nothing")
+    p.add_argument("--rows", type=lambda v: v.split(","), default=["in place", "compute", "peer"],
+                   help="the rows to run, comma-separated (default: in place,compute,peer)")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the base and data an earlier run of this size left in --work")
     args = p.parse_args(argv)
     start, work = time.perf_counter(), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    results = {"machine": machine_info(), "command": "python -m benchmarks.bigbase "
-               + " ".join(argv if argv is not None else sys.argv[1:]),
-               "bigbase": measure(args, work, SIZES["quick" if args.quick else "full"])}
-    (work / "results-bigbase.json").write_text(json.dumps(results, indent=1))
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+    else:
+        results = {"machine": machine_info(), "command": "python -m benchmarks.bigbase "
+                   + " ".join(argv if argv is not None else sys.argv[1:])}
+        measure(args, work, SIZES[args.size or ("quick" if args.quick else "full")], results)
+        save(work, results)
+    from benchmarks.bigbase_report import table  # here: a long run renders the newest table
+
     section = table(results)
     if args.out:
         return write_section(Path(args.out), section, "bigbase", start)

@@ -4,9 +4,10 @@ ever holding the model: the ``bigbase`` series' 16 B base does not fit in this b
 The tensor names and shapes are those of ``transformers.Qwen3MoeForCausalLM`` built on the
 meta device (transformers 5's fused experts: ``mlp.experts.gate_up_proj`` [E, 2F, D] and
 ``mlp.experts.down_proj`` [E, D, F], which ``moezero import-hf`` and ``from_pretrained`` both
-read). Each tensor is filled in chunks of random bf16 values (weights N(0, 0.02²), norm gains
-1 ± 0.02), seeded by its name, and written with ``pwrite`` into shards of at most
-``shard_bytes`` beside ``config.json`` and ``model.safetensors.index.json``.
+read). Each tensor is filled in chunks of random bf16 values (weights N(0, 0.02²): windows of
+one 64 MiB pool of draws, at random starts; norm gains 1 ± 0.02), seeded by its name, and
+written with ``pwrite`` into shards of at most ``shard_bytes`` beside ``config.json`` and
+``model.safetensors.index.json``. The same seed writes the same bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from moezero.plan.encoding import safetensors_header
 
 CHUNK_ELEMENTS = 1 << 22  # 8 MiB of bf16 at a time
+POOL_ELEMENTS = 1 << 25  # 64 MiB of bf16 weights the chunks are cut from
 
 
 def qwen3_config(model: dict, vocab_size: int):
@@ -55,10 +57,10 @@ def write_model(folder: Path, model: dict, vocab_size: int, *, seed: int = 0,
     config.save_pretrained(folder)
     shapes = shapes_of(config)
     shards = _shards(shapes, shard_bytes)
-    weight_map = {}
+    weight_map, pool = {}, _pool(seed)
     for i, names in enumerate(shards):
         name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_shard(folder / name, {n: shapes[n] for n in names}, seed)
+        _write_shard(folder / name, {n: shapes[n] for n in names}, pool)
         weight_map.update(dict.fromkeys(names, name))
     total = sum(math.prod(s) for s in shapes.values())
     index = {"metadata": {"total_size": 2 * total}, "weight_map": weight_map}
@@ -78,7 +80,7 @@ def _shards(shapes: dict, shard_bytes: int) -> list[list[str]]:
     return out
 
 
-def _write_shard(path: Path, shapes: dict, seed: int) -> None:
+def _write_shard(path: Path, shapes: dict, pool: torch.Tensor) -> None:
     entries, cursor = [], 0
     for name, shape in shapes.items():
         entries.append((name, "BF16", shape, cursor, cursor + 2 * math.prod(shape)))
@@ -88,19 +90,32 @@ def _write_shard(path: Path, shapes: dict, seed: int) -> None:
     try:
         os.pwrite(fd, header, 0)
         for name, _, shape, begin, _ in entries:
-            _write_tensor(fd, len(header) + begin, name, math.prod(shape), seed)
+            _write_tensor(fd, len(header) + begin, name, math.prod(shape), pool)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _write_tensor(fd: int, offset: int, name: str, numel: int, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
-    gain = name.endswith("norm.weight")
-    for lo in range(0, numel, CHUNK_ELEMENTS):
-        part = torch.randn(min(CHUNK_ELEMENTS, numel - lo), generator=gen) * 0.02
-        data = (part + 1.0 if gain else part).to(torch.bfloat16).view(torch.uint8).numpy()
-        view = memoryview(data)
+def _pool(seed: int) -> torch.Tensor:
+    """``POOL_ELEMENTS`` random bf16 weights, N(0, 0.02²), the same for a seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(POOL_ELEMENTS, generator=gen) * 0.02).to(torch.bfloat16)
+
+
+def _write_tensor(fd: int, offset: int, name: str, numel: int, pool: torch.Tensor) -> None:
+    """A tensor's values: for a norm gain, 1 + N(0, 0.02²) drawn afresh; else windows of
+    ``CHUNK_ELEMENTS`` of the pool at random starts (seeded by the name), so writing 16 B
+    weights costs a copy per chunk rather than a normal draw per element."""
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    starts = torch.randint(0, POOL_ELEMENTS - CHUNK_ELEMENTS, (-(-numel // CHUNK_ELEMENTS),),
+                           generator=gen).tolist()
+    for lo, start in zip(range(0, numel, CHUNK_ELEMENTS), starts, strict=True):
+        n = min(CHUNK_ELEMENTS, numel - lo)
+        if name.endswith("norm.weight"):
+            part = (torch.randn(n, generator=gen) * 0.02 + 1.0).to(torch.bfloat16)
+        else:
+            part = pool[start:start + n]
+        view = memoryview(part.view(torch.uint8).numpy())
         at = offset + 2 * lo
         while view:
             done = os.pwrite(fd, view, at)

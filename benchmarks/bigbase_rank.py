@@ -35,12 +35,27 @@ def _config(overrides: list[str]):
     return _adopted_config(overrides) if cfg.checkpoint.load else check_data(cfg)
 
 
+def progress(what: str, **figures) -> None:
+    """One line of this rank's progress on its log (a long run is followed as it goes, and a
+    run stopped before its result still tells how far it got)."""
+    import json
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    print(f"bigbase rank {rank} {time.strftime('%H:%M:%S')} {what} "
+          f"{json.dumps({**figures, 'peak_rss': peak_rss(), 'anon': anon_rss()})}", flush=True)
+
+
 def _engine(overrides: list[str]):
     from moezero.train import frozen_base, resume, setup
 
+    start = time.perf_counter()
     cfg = _config(overrides)
     engine, batches = setup(cfg, torch.device("cpu"), base=frozen_base(cfg, Path(".")))
+    progress("set up", seconds=time.perf_counter() - start, **io_bytes())
     resume(cfg, engine, batches, Path("."))
+    progress("loaded", seconds=time.perf_counter() - start, **io_bytes())
     return engine, batches
 
 
@@ -55,6 +70,7 @@ def _steps(engine, batches, count: int) -> list[dict]:
         elapsed, after = time.perf_counter() - start, io_bytes()
         out.append({"step_s": elapsed, "loss": loss,
                     **{k: after[k] - before[k] for k in after}})
+        progress("step", **out[-1])
     return out
 
 
@@ -66,6 +82,7 @@ def run_rank(spec: dict) -> dict:
         if spec.get("save"):
             engine.save_checkpoint(spec["ckpt_dir"], state={"data": batches.state_dict()})
             engine.wait_checkpoint()
+            progress("saved")
             engine.close()
             step = max(p for p in Path(spec["ckpt_dir"]).iterdir() if p.name.startswith("step_"))
             record["checkpoint_bytes"], record["checkpoint_files"] = tree_bytes(step)
@@ -78,7 +95,7 @@ def run_rank(spec: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return rank_main(run_rank, argv, threads=1)
+    return rank_main(run_rank, argv, threads=1, timeout_s=3600.0)  # a 16 B base loads long
 
 
 if __name__ == "__main__":

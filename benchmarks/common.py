@@ -126,15 +126,16 @@ def write_gathered(spec: dict, record: dict, result_path: str) -> None:
         Path(result_path).write_text(json.dumps({"spec": spec, "ranks": ranks}))
 
 
-def rank_main(run_rank, argv: list[str] | None = None, *, threads: int | None = None) -> int:
+def rank_main(run_rank, argv: list[str] | None = None, *, threads: int | None = None,
+              timeout_s: float = 300.0) -> int:
     """One benchmark rank, ``SPEC.json RESULT.json`` (``argv``, else the command line): torch
     on ``threads`` threads (else ``OMP_NUM_THREADS``, 1 by default), a gloo world, and
     ``run_rank(spec)``'s record gathered into the result file; a run that raises
-    ``Unsupported`` records its reason instead."""
+    ``Unsupported`` records its reason instead. ``timeout_s``: the collectives' timeout."""
     spec_path, result_path = argv if argv is not None else sys.argv[1:]
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     try:
         try:
             record = run_rank(spec)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -22,10 +23,11 @@ from moezero.config import Config, ConfigError
 from moezero.data import Batches, make_corpus
 from moezero.distributed.topology import build_topology
 from moezero.engine import initialize
+from moezero.model.materialize import KeyedInit
 from moezero.offload.aio import AsyncIO
 from moezero.offload.state import check_paths
 from moezero.plan import store
-from moezero.train import build_model, frozen_base
+from moezero.train import build_model, frozen_base, sharded_model
 from tests.support.hf import save_hf
 from tests.support.world import run_world
 from tests.torch_impl.test_distributed import MICRO
@@ -146,6 +148,45 @@ def test_no_swap_file_is_written_for_a_frozen_param(w2):
         print(f"param swap files: copied {len(copied)} files, {sum(s for _, s in copied):,} B; "
               f"in place {len(in_place)} files, {sum(s for _, s in in_place):,} B; bytes "
               f"written {rank['copied']['written']:,} vs {rank['in_place']['written']:,}")
+
+
+def drawn_at_init(cfg_data: dict, base: str | None) -> list[str]:
+    """The FQNs whose initial value is drawn while an engine is built the way ``train.setup``
+    builds it (sharded construction: on the meta device, each shard filled from its draw)."""
+    cfg = Config.model_validate(cfg_data)
+    topo = build_topology([cfg.moe.ep_size], num_experts=cfg.moe.num_experts)
+    model, init = sharded_model(cfg, topo)
+    drawn, draw = [], KeyedInit.value
+
+    def counted(keyed, fqn, shape):
+        drawn.append(fqn)
+        return draw(keyed, fqn, shape)
+
+    with mock.patch.object(KeyedInit, "value", counted):
+        engine = initialize(model, cfg, topology=topo, device="cpu", init=init,
+                            base=Path(base) if base else None)
+    engine.close()
+    return drawn
+
+
+def both_drawn(copied: tuple, in_place: tuple) -> dict:
+    return {"copied": drawn_at_init(*copied), "in_place": drawn_at_init(*in_place)}
+
+
+def test_a_frozen_param_read_in_place_is_never_drawn_at_init(base, tmp_path):
+    """Its values are its base's, loaded before the first step: drawing them (for the 16 B
+    base, 7.8 B normal draws per rank, whole fp32 tensors of up to 1.2 GB) is time and memory
+    for nothing. A run that copies its base to swap files still draws its shards first."""
+    one = lambda cfg: {**cfg, "moe": {**cfg["moe"], "ep_size": 1}}
+    for name in ("copied", "in_place"):
+        (tmp_path / name).mkdir()
+    (res,) = run_world(both_drawn, 1, tmp_path,
+                       (one(lora_cfg(base, "nvme", str(tmp_path / "copied"))), None),
+                       (one(lora_cfg(base, "nvme", str(tmp_path / "in_place"))), str(base)),
+                       timeout_s=300)
+    base_params = {name: {f for f in drawn if "lora_" not in f} for name, drawn in res.items()}
+    assert base_params["copied"]
+    assert not base_params["in_place"], sorted(base_params["in_place"])[:3]
 
 
 def test_a_base_file_changed_during_the_run_is_refused_in_one_line(base, tmp_path):

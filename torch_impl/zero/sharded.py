@@ -168,7 +168,11 @@ class ShardedOptimizer(Optimizer):
 
     def _init_frozen_shard(self, slot: Slot, dtype: torch.dtype) -> None:
         """Stage 3, a frozen group: this rank's shard of its params in the compute dtype
-        (zero padding) on ``param_device`` or in its param swap file; nothing else."""
+        (zero padding) on ``param_device`` or in its param swap file; nothing else. A slot
+        read in place from its base (``offload.base_params``) has no value to draw: the base
+        is loaded before the first step, and its drawn values would be thrown away."""
+        if self.param_swap is not None and slot in self.param_swap.sources:
+            return
         lo, hi = slot.rank_range(slot.dp_rank)
         shard = torch.zeros(slot.shard, dtype=dtype, device=self._device)
         if lo < hi:
