@@ -172,6 +172,6 @@ def peft_keys(tensors: dict, modules: set, arch: Arch) -> tuple[dict, set]:
 
 
 FAMILY = Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", "mlp", EXPERT_NAMES,
-                read, write, refusal, source=source, export_items=export_items, hybrid=True,
-                import_dtype="fp32", carried=re.compile(r"model\.visual\..*|mtp\..*"),
+                read, write, refusal, source=source, export_items=export_items,
+                holds=qwen3_next.HOLDS, import_dtype="fp32", carried=re.compile(r"model\.visual\..*|mtp\..*"),
                 nest_config=nest_config, peft_keys=peft_keys)

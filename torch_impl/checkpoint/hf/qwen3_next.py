@@ -27,6 +27,8 @@ _LINEAR = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_di
            "linear_value_head_dim", "linear_conv_kernel_dim")
 GAIN = re.compile(r"norm\.weight|layers\.\d+\.(attn_norm|ffn_norm|attn\.[qk]_norm)\.weight")
 """The RMSNorm gains that weigh by ``1 + weight`` (not the gated DeltaNet's output norm)."""
+HOLDS = frozenset({"partial_rotary_factor", "gated_delta_layers", "attn_output_gate"})
+"""The architecture features (``families.FEATURES``) Qwen3-Next and Qwen3.5-MoE hold."""
 
 
 def _check(cfg: dict, where: str) -> None:
@@ -134,4 +136,4 @@ def export_items(shapes, arch: Arch) -> list[tuple]:
 
 
 FAMILY = Family("qwen3_next", "Qwen3NextForCausalLM", "mlp", EXPERT_NAMES, read, write, refusal,
-                source=source, export_items=export_items, hybrid=True, import_dtype="fp32")
+                source=source, export_items=export_items, holds=HOLDS, import_dtype="fp32")
