@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moezero.checkpoint.hf import export_hf, import_hf
+from moezero.checkpoint.hf import families as hf_families
 from moezero.cli import main
 from moezero.config import Config
 from moezero.model.build import config_decoder
@@ -213,3 +214,14 @@ def test_explicit_family_format_matches_auto(hf_dirs, tmp_path):
     auto = export_hf(step, tmp_path / "auto")
     named = export_hf(step, tmp_path / "named", model_type="olmoe")
     assert [p.read_bytes() for p in auto] == [p.read_bytes() for p in named]
+
+
+def test_every_family_holds_only_features_the_refusal_rule_checks():
+    """``Family.holds`` names ``families.FEATURES`` fields: a misspelt one would leave its
+    feature refused by the family that means to hold it."""
+    known = {field for field, _ in hf_families.FEATURES}
+    held = set()
+    for family in hf_families.FAMILIES.values():
+        assert family.holds <= known, (family.model_type, sorted(family.holds - known))
+        held |= family.holds
+    assert held == known, sorted(known - held)  # every feature is some family's

@@ -121,13 +121,12 @@ def export(ckpt: Path, out: Path, dtype: str = "fp32") -> list[Path]:
 
 def write_weights(ckpt: Path, m, out: Path, items: list[tuple[str, str, tuple]], dtype: str,
                   *, meta: dict, shard_bytes: int | None = None,
-                  keep_fp32: frozenset[str] = frozenset(),
-                  shifts: dict[str, float] | None = None) -> list[Path]:
+                  keep_fp32: frozenset[str] = frozenset()) -> list[Path]:
     """Write ``items`` (key on disk, FQN in the checkpoint, shape) as safetensors shards of at
     most ``shard_bytes`` (default 4 GiB; one file is ``model.safetensors``) plus the index;
     the FQNs in ``keep_fp32`` stay fp32 whatever ``dtype`` (the Hub's DeepSeek-V3 expert
-    biases); ``shifts``: a constant added to every element of those FQNs (a family's gain
-    offset)."""
+    biases). An item's FQN may be a composer instead (``read -> parts``, written in order: a
+    family's fused or transformed layout, ``Family.export_items``)."""
     kinds = {fqn: EXPORT_DTYPES["fp32" if fqn in keep_fp32 else dtype] for _, fqn, _ in items}
     nbytes = {fqn: math.prod(shape) * kinds[fqn][0].itemsize for _, fqn, shape in items}
     cap = SHARD_BYTES if shard_bytes is None else shard_bytes
@@ -144,7 +143,7 @@ def write_weights(ckpt: Path, m, out: Path, items: list[tuple[str, str, tuple]],
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     reader = CheckedReader(ckpt, m)  # every byte checked against the manifest, as load does
     for name, tensors in zip(names, shards, strict=True):
-        _write_safetensors(out / name, (ckpt, m, reader), tensors, kinds, meta, shifts or {})
+        _write_safetensors(out / name, (ckpt, m, reader), tensors, kinds, meta)
     weight_map = {key: name for name, tensors in zip(names, shards, strict=True)
                   for key, _, _ in tensors}
     index = {"metadata": {"total_size": sum(nbytes.values()), **meta}, "weight_map": weight_map}
@@ -152,13 +151,11 @@ def write_weights(ckpt: Path, m, out: Path, items: list[tuple[str, str, tuple]],
     return [out / n for n in names] + [out / "model.safetensors.index.json"]
 
 
-def _write_safetensors(path: Path, source: tuple, tensors, kinds: dict, meta: dict,
-                       shifts: dict[str, float]) -> None:
+def _write_safetensors(path: Path, source: tuple, tensors, kinds: dict, meta: dict) -> None:
     """One safetensors file: the header computed up front (``plan.encoding.safetensors_header``),
-    then each tensor read from ``source`` (checkpoint, manifest, reader), plus its ``shifts``
-    constant, cast to its ``kinds[fqn]`` (torch dtype, safetensors tag) and written ``CHUNK``
-    bytes of fp32 at a time with pwrite at its offset, under ``<name>.partial`` renamed when
-    complete."""
+    then each tensor read from ``source`` (checkpoint, manifest, reader), cast to its
+    ``kinds[fqn]`` (torch dtype, safetensors tag) and written ``CHUNK`` bytes of fp32 at a
+    time with pwrite at its offset, under ``<name>.partial`` renamed when complete."""
     entries, cursor = [], 0
     for key, fqn, shape in tensors:
         torch_dtype, tag = kinds[fqn]
@@ -172,7 +169,7 @@ def _write_safetensors(path: Path, source: tuple, tensors, kinds: dict, meta: di
         host = np.empty(CHUNK // 4, np.float32)
         for (_, fqn, shape), entry in zip(tensors, entries, strict=True):
             _write_tensor(fd, len(header) + entry[3], (*source, fqn), math.prod(shape),
-                          host, kinds[fqn][0], shifts.get(fqn, 0.0))
+                          host, kinds[fqn][0])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -180,9 +177,9 @@ def _write_safetensors(path: Path, source: tuple, tensors, kinds: dict, meta: di
 
 
 def _write_tensor(fd: int, offset: int, source: tuple, numel: int, host: np.ndarray,
-                  torch_dtype: torch.dtype, shift: float = 0.0) -> None:
-    """Elements of ``source`` (checkpoint, manifest, reader, FQN), plus ``shift``, at
-    ``offset`` in ``torch_dtype``, one ``host`` buffer of fp32 at a time."""
+                  torch_dtype: torch.dtype) -> None:
+    """Elements of ``source`` (checkpoint, manifest, reader, FQN) at ``offset`` in
+    ``torch_dtype``, one ``host`` buffer of fp32 at a time."""
     ckpt, m, reader, fqn = source
     if callable(fqn):  # composed of whole FQNs, in order (a hub's fused layout: Family)
         def read(name: str) -> torch.Tensor:
@@ -196,8 +193,6 @@ def _write_tensor(fd: int, offset: int, source: tuple, numel: int, host: np.ndar
     for lo in range(0, numel, host.size):
         part = store.read_param(ckpt, m, fqn, lo, min(numel, lo + host.size),
                                 out=host[:min(numel - lo, host.size)], reader=reader)
-        if shift:
-            part = part + np.float32(shift)
         data = torch.from_numpy(part).to(torch_dtype).view(torch.uint8).numpy()
         pwrite_all(fd, byte_view(data), offset)
         offset += data.nbytes

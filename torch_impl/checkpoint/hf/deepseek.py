@@ -15,9 +15,9 @@ from moezero.checkpoint.hf.arch import Arch, positive, refuse
 
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 SHARED_BLOCK = "shared_experts"
-HOLDS = frozenset({"router_scoring", "expert_bias", "first_k_dense", "n_group", "topk_group",
+HOLDS = frozenset({"router_scoring", "expert_bias", "first_k_dense", "n_group",
                    "routed_scaling_factor"})
-"""The ``Arch`` fields both families hold that most families refuse (``Family.holds``)."""
+"""The architecture features (``families.FEATURES``) both families hold (``Family.holds``)."""
 
 
 def check_router(cfg: dict, where: str) -> None:

@@ -23,7 +23,7 @@ from moezero.checkpoint.hf.deepseek import (
     write_routing,
 )
 from moezero.checkpoint.hf.family import Family, token_ids
-from moezero.checkpoint.hf.rope import YARN_FIELDS, rope_fields, rope_parameters
+from moezero.checkpoint.hf.rope import rope_fields, rope_parameters
 
 MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
@@ -84,5 +84,5 @@ def refusal(arch: Arch):
 
 
 FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", "mlp", EXPERT_NAMES, read, write,
-                refusal, shared_block=SHARED_BLOCK, holds=HOLDS | {"attention", *YARN_FIELDS},
+                refusal, shared_block=SHARED_BLOCK, holds=HOLDS | {"attention", "rope_type"},
                 dropped=dropped_mtp, peft_as_parameters=EXPERT_NAMES)

@@ -18,7 +18,7 @@ from moezero.checkpoint import tokenizer as hf_tokenizer
 from moezero.checkpoint.hf.arch import arch_of
 from moezero.checkpoint.hf.carried import attach, checked, hf_section
 from moezero.checkpoint.hf.families import family_for
-from moezero.checkpoint.hf.names import gain_shift, hf_name
+from moezero.checkpoint.hf.names import hf_name
 from moezero.checkpoint.tools import write_weights
 from moezero.plan import store
 from moezero.plan.store import CheckpointError
@@ -48,11 +48,9 @@ def export_hf(ckpt: Path, out: Path, dtype: str = "fp32", shard_bytes: int | Non
     shapes = manifest.layout.shapes + manifest.layout.buffers
     items = family.export_items(shapes, arch) if family.export_items else \
         [(hf_name(fqn, family), fqn, shape) for fqn, shape in shapes]
-    shifts = {fqn: gain_shift(fqn, family) for _, fqn, _ in items if isinstance(fqn, str)}
     files = write_weights(ckpt, manifest, out, items, dtype, shard_bytes=shard_bytes,
                           meta={"format": "pt", "moezero.step": str(manifest.step)},
-                          keep_fp32=frozenset(f for f, _ in manifest.layout.buffers),
-                          shifts={f: v for f, v in shifts.items() if v})
+                          keep_fp32=frozenset(f for f, _ in manifest.layout.buffers))
     config = {**family.config(arch, dtype), **hf_tokenizer.config_ids(manifest.config)}
     config, files = attach(family, carried, config, out, files)
     (out / HF_CONFIG).write_text(json.dumps(config, indent=2))

@@ -19,6 +19,7 @@ from moezero.checkpoint.hf import (
 )
 from moezero.checkpoint.hf.arch import Arch, refuse
 from moezero.checkpoint.hf.family import Family
+from moezero.config import ARCHITECTURE
 from moezero.plan.store import CheckpointError
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -27,6 +28,27 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
 FAMILIES.update({f.model_type: f for f in (  # DeepSeek-style routing
     glm4_moe.FAMILY, deepseek_v3.FAMILY)})
 FAMILIES[qwen3_5_moe.FAMILY.model_type] = qwen3_5_moe.FAMILY  # Qwen3-Next's decoder, nested
+
+_GPT_OSS = "only gpt-oss among the exported families has it"
+FEATURES: tuple[tuple[str, str], ...] = (
+    ("router_scoring", "the exported families route with a softmax"),
+    ("expert_bias", "the exported families have no expert bias"),
+    ("n_group", "the exported families route over every expert, gates unscaled"),
+    ("routed_scaling_factor", "the exported families route over every expert, gates unscaled"),
+    ("partial_rotary_factor", "the exported families rotate every dim of a head"),
+    ("first_k_dense", "the exported families have an MoE layer in every layer"),
+    ("attention", "the exported families have grouped-query attention"),
+    ("gated_delta_layers", "only qwen3_next has gated DeltaNet layers"),
+    ("attn_output_gate", "only qwen3_next gates the attention output"),
+    ("attn_sinks", _GPT_OSS), ("router_bias", _GPT_OSS), ("expert_mlp_bias", _GPT_OSS),
+    ("swiglu_limit", _GPT_OSS), ("sliding_window", _GPT_OSS), ("rope_type", _GPT_OSS))
+"""The architecture features only some families hold, in the order they are checked: (``Arch``
+field, why a family that does not hold it refuses it). A family lists those it holds in
+``Family.holds``; a feature is on when its field is set (one off by default: ``False``, 0,
+None, empty) or differs from its default (``router_scoring``, ``n_group``, ...;
+``rope_type``: YaRN)."""
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Arch)}
+_SECTION = {key: section for section, keys in ARCHITECTURE.items() for key in keys}
 
 
 def family_of_config(cfg: dict, where: str) -> Family:
@@ -40,7 +62,8 @@ def family_of_config(cfg: dict, where: str) -> Family:
 
 def family_for(arch: Arch, model_type: str | None = None) -> Family:
     """The family that holds ``arch`` (``model_type``: that one, or chosen by the router, QK-norm
-    and the shared expert); CheckpointError (one line) naming the moezero key it cannot hold."""
+    and the shared expert); CheckpointError (one line) naming the moezero key it cannot hold:
+    the first of ``FEATURES`` it does not hold, else what its own ``refusal`` names."""
     if model_type is None and arch.attn_sinks:
         model_type = "gpt_oss"
     if model_type is None and arch.router_scoring == "sigmoid" and arch.expert_bias:
@@ -54,11 +77,7 @@ def family_for(arch: Arch, model_type: str | None = None) -> Family:
         raise CheckpointError(f"no Hugging Face family {model_type!r} (known: "
                               f"{', '.join(FAMILIES)})")
     family = FAMILIES[model_type]
-    if family is gpt_oss.FAMILY:
-        why = family.refusal(arch) or _layer_refusal(arch, family)
-    else:
-        why = (_common_refusal(_without(arch, family.holds), family)
-               or gpt_oss.foreign_refusal(_without(arch, family.holds)) or family.refusal(arch))
+    why = unheld(arch, family) or family.refusal(arch)
     if why:
         key, value, reason = why
         raise CheckpointError(f"{key}={json.dumps(value)} cannot be exported as Hugging Face "
@@ -72,46 +91,12 @@ def _deepseek_style(arch: Arch) -> str:
     return "deepseek_v3" if arch.attention == "mla" else "glm4_moe"
 
 
-def _without(arch: Arch, holds: frozenset[str]) -> Arch:
-    """``arch`` with the fields a family ``holds`` at their defaults, so the common refusal
-    leaves them to the family's own."""
-    defaults = {f.name: f.default for f in dataclasses.fields(Arch)}
-    return dataclasses.replace(arch, **{k: defaults[k] for k in holds if k in defaults})
-
-
-def _common_refusal(arch: Arch, family: Family):
-    if arch.router_scoring != "softmax":
-        return ("moe.router_scoring", arch.router_scoring,
-                "the exported families route with a softmax")
-    if arch.expert_bias:
-        return "moe.expert_bias", True, "the exported families have no expert bias"
-    return _layer_refusal(arch, family)
-
-
-def _layer_refusal(arch: Arch, family: Family):
-    """What only some families hold: group-limited routing and scaled gates, partial rotary,
-    dense first layers, latent attention, Qwen3-Next's hybrid layers."""
-    if arch.n_group != 1 or arch.routed_scaling_factor != 1:
-        key, value = (("moe.n_group", arch.n_group) if arch.n_group != 1 else
-                      ("moe.routed_scaling_factor", arch.routed_scaling_factor))
-        return key, value, "the exported families route over every expert, gates unscaled"
-    if arch.partial_rotary_factor != 1 and not family.hybrid:
-        return ("model.partial_rotary_factor", arch.partial_rotary_factor,
-                "the exported families rotate every dim of a head")
-    if arch.first_k_dense:
-        return ("model.first_k_dense", arch.first_k_dense,
-                "the exported families have an MoE layer in every layer")
-    if arch.attention != "gqa":
-        return ("model.attention", arch.attention,
-                "the exported families have grouped-query attention")
-    return None if family.hybrid else _hybrid_refusal(arch)
-
-
-def _hybrid_refusal(arch: Arch):
-    """Qwen3-Next's layer options, which only its family holds."""
-    if arch.gated_delta_layers:
-        return ("model.gated_delta_layers", list(arch.gated_delta_layers),
-                "only qwen3_next has gated DeltaNet layers")
-    if arch.attn_output_gate:
-        return ("model.attn_output_gate", True, "only qwen3_next gates the attention output")
+def unheld(arch: Arch, family: Family) -> tuple[str, object, str] | None:
+    """(moezero key, value, why) of the first of ``FEATURES`` that ``arch`` has and ``family``
+    does not hold, or None."""
+    for field, why in FEATURES:
+        value, default = getattr(arch, field), _DEFAULTS[field]
+        on = value != default if default else bool(value)
+        if on and field not in family.holds:
+            return f"{_SECTION[field]}.{field}", value, why
     return None

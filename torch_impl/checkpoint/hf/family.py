@@ -31,13 +31,16 @@ class Family:
         refusal: ``Arch -> (moezero key, value, why) or None``: what the family cannot hold.
         source: ``(fqn, shape, arch, tensors, where) -> (key, index) | Derived | None``: where
             a tensor comes from when the names table cannot say (fused, interleaved,
-            quantized hub layouts); None: the names table.
+            quantized hub layouts, Qwen3-Next's ``1 + w`` gains); None: the names table.
         export_items: ``(fqn shapes, arch) -> [(key, fqn or composer, shape)]``: the
-            exported tensors when they are not one per FQN (``tools.write_weights``).
+            exported tensors when they are not one per FQN as they are (a composer
+            ``read -> parts`` transforms or fuses them: ``tools.write_weights``).
         shared_block: The shared expert's name in the MoE block (``mlp.<name>.gate_proj``).
-        holds: ``Arch`` fields the family may set that most families refuse
-            (``families._common_refusal``: sigmoid routing, the expert bias, dense first
-            layers, partial rotary); its ``refusal`` checks them.
+        holds: the architecture features (``families.FEATURES``: sigmoid routing, the expert
+            bias, dense first layers, partial rotary, latent attention, Qwen3-Next's hybrid
+            layers, gpt-oss's sinks, biases, clamp, window and YaRN, ...) the family holds;
+            ``families.family_for`` refuses every other one that is on, then its
+            ``refusal`` checks what the family needs of them and of the rest.
         dropped: ``config.json object -> (pattern, note) or None``: the keys the import
             drops on purpose (DeepSeek-V3's multi-token-prediction layers) and the note it
             prints about them.
@@ -51,9 +54,8 @@ class Family:
             family that carries (its language model's keys nested in ``text_config``).
         peft_keys: ``(adapter tensors, target modules, Arch) -> (tensors, modules)``: a PEFT
             export as the text-only families name it, renamed to the family's own layout.
-        hybrid: holds gated DeltaNet layers, the attention's output gate and partial rotary
-            (Qwen3-Next); the other families refuse them.
-        unit_offset_norms: its RMSNorms weigh by ``1 + weight`` (``names.gain_shift``).
+        import_dtype: the import's dtype when ``--dtype`` is not given (None: the source's);
+            Qwen3-Next's ``fp32``, which holds its gains' ``1 + w`` exactly.
         interleaved_gate_up: its fused ``gate_up_proj`` interleaves gate and up (gpt-oss:
             gate = ``[..., 0::2]``, up = ``[..., 1::2]``) instead of gate then up; a PEFT
             export interleaves its gate_up adapter's output rows the same way.
@@ -75,8 +77,7 @@ class Family:
     carried: re.Pattern | None = None
     nest_config: Callable[[dict, dict], dict] | None = None
     peft_keys: Callable | None = None
-    hybrid: bool = False
-    unit_offset_norms: bool = False
+    import_dtype: str | None = None
     interleaved_gate_up: bool = False
 
     def config(self, arch: Arch, dtype: str) -> dict:

@@ -71,10 +71,7 @@ def refusal(arch: Arch):
     wants = {"model.attn_sinks": (arch.attn_sinks, True), "moe.router_bias": (arch.router_bias, True),
              "moe.router_scoring": (arch.router_scoring, "topk_softmax"),
              "moe.expert_mlp_bias": (arch.expert_mlp_bias, True),
-             "model.qk_norm": (arch.qk_norm, "none"), "moe.expert_bias": (arch.expert_bias, False),
-             "moe.shared_ffn_dim": (arch.shared_ffn_dim, 0),
-             "model.first_k_dense": (arch.first_k_dense, 0),
-             "model.partial_rotary_factor": (arch.partial_rotary_factor, 1.0)}
+             "model.qk_norm": (arch.qk_norm, "none"), "moe.shared_ffn_dim": (arch.shared_ffn_dim, 0)}
     for key, (got, want) in wants.items():
         if got != want:
             return key, got, f"gpt-oss has {key.split('.')[1]}={want}"
@@ -82,19 +79,6 @@ def refusal(arch: Arch):
         return "model.attn_bias", "qkv", "gpt-oss biases all four projections or none"
     if arch.swiglu_limit is None:
         return "moe.swiglu_limit", None, "gpt-oss's experts use the clamped SwiGLU"
-    return None
-
-
-def foreign_refusal(arch: Arch):
-    """What of gpt-oss's features another family cannot hold, or None."""
-    for key, value in (("model.attn_sinks", arch.attn_sinks), ("moe.router_bias", arch.router_bias),
-                       ("moe.expert_mlp_bias", arch.expert_mlp_bias),
-                       ("moe.swiglu_limit", arch.swiglu_limit),
-                       ("model.sliding_window", arch.sliding_window)):
-        if value:
-            return key, value, "only gpt-oss among the exported families has it"
-    if arch.rope_type != "default":
-        return "model.rope_type", arch.rope_type, "only gpt-oss among the exported families has it"
     return None
 
 
@@ -194,4 +178,6 @@ def _expert_items(layer: int, arch: Arch) -> list[tuple]:
 
 FAMILY = Family("gpt_oss", "GptOssForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
                 read, write, refusal, source=source, export_items=export_items,
-                interleaved_gate_up=True)
+                interleaved_gate_up=True, holds=frozenset({
+                    "router_scoring", "attn_sinks", "router_bias", "expert_mlp_bias",
+                    "swiglu_limit", "sliding_window", "rope_type"}))

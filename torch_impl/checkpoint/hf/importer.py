@@ -4,7 +4,7 @@ checkpoint (docs/hf.md, "Import").
 The family comes from ``config.json``'s ``model_type``. Everything is checked (the config, and
 every tensor's name and shape, from the safetensors headers) before anything is written; then
 each tensor is read as a slice of its file, cast to the import's dtype (``--dtype``, by default
-the source's: ``checkpoint.hf.dtypes``) and written to its place in the plan's layout
+the family's ``import_dtype`` or else the source's: ``checkpoint.hf.dtypes``) and written to its place in the plan's layout
 (``plan_layout(..., weights_only=True, dtype=...)``) under ``out/step_00000000/``, committed
 atomically with ``out/latest``, plus ``out/config.yaml``. Streamed: whole rows of about 8 MiB
 at a time, each a lazy slice of its file (``HFTensors.read_rows``), never a whole tensor.
@@ -27,7 +27,7 @@ from moezero.checkpoint.hf import carried, dtypes, fp8
 from moezero.checkpoint.hf.arch import Arch
 from moezero.checkpoint.hf.families import family_of_config
 from moezero.checkpoint.hf.family import Family
-from moezero.checkpoint.hf.names import candidates, gain_shift
+from moezero.checkpoint.hf.names import candidates, locate
 from moezero.checkpoint.hf.reader import Derived, HFTensors
 from moezero.checkpoint.model_buffers import buffer_shapes
 from moezero.checkpoint.tools import refuse_non_empty
@@ -88,9 +88,8 @@ def import_hf(src: str | Path, out: str | Path, dtype: str | None = None) -> Pat
     refuse_non_empty(out)
     cfg = import_config(arch, out, str(src / HF_CONFIG), hf_tokenizer.describe_import(src, out))
     tensors = HFTensors(src, fp8.block_size(raw, str(src / HF_CONFIG)))
-    # Qwen3-Next's gains are stored as 1 + w (names.gain_shift): bf16 would round them
-    dtype = "fp32" if dtype is None and family.unit_offset_norms else \
-        dtypes.resolve(dtype, set(tensors.files.values()))
+    dtype = dtypes.resolve(family.import_dtype if dtype is None else dtype,
+                           set(tensors.files.values()))
     layout = _layout(cfg, dtype=dtypes.IMPORT_DTYPES[dtype][0])
     sources = {fqn: _source(tensors, fqn, shape, arch, family, src)
                for fqn, shape in layout.shapes + layout.buffers}
@@ -100,13 +99,12 @@ def import_hf(src: str | Path, out: str | Path, dtype: str | None = None) -> Pat
     carry = carried.carried_keys(family, tensors.files)  # Qwen3.5-MoE's vision tower, MTP
     used |= set(carry)
     _check_all_used(tensors, used, arch, src, dropped[0] if dropped else None)
-    shifts = {fqn: -gain_shift(fqn, family) for fqn in sources}  # Qwen3-Next's 1 + w gains
     hf_tokenizer.copy_import(src, out)  # every header read and checked: now write
     if carry:
         for key, value in carried.copy_import(tensors.files, carry, raw, out).items():
             setattr(cfg.hf, key, value)
     source = {"format": f"hf-{family.model_type}", "path": str(src.resolve()), "config": raw}
-    final = _write(layout, tensors, (sources, shifts), out, meta={
+    final = _write(layout, tensors, sources, out, meta={
         "config": cfg.model_dump(by_alias=True, mode="json"),
         "topology": {"world_size": 1, "ep_sizes": [cfg.moe.ep_size], "zero_stage": None,
                      "dtype": str(raw.get("dtype") or raw.get("torch_dtype") or "?"),
@@ -116,11 +114,8 @@ def import_hf(src: str | Path, out: str | Path, dtype: str | None = None) -> Pat
     return final
 
 
-def _write(layout, tensors: HFTensors, sources: tuple[dict, dict], out: Path,
-           meta: dict) -> Path:
-    """The plan's crash-safe save at W = 1: headers, one range per tensor, manifest, commit.
-    ``sources``: (each FQN's source, each FQN's constant added)."""
-    sources, shifts = sources
+def _write(layout, tensors: HFTensors, sources: dict, out: Path, meta: dict) -> Path:
+    """The plan's crash-safe save at W = 1: headers, one range per tensor, manifest, commit."""
     partial = store.begin_save(out, 0)
     records = store.write_headers(layout, partial)
     for f in layout.model_files:
@@ -129,7 +124,7 @@ def _write(layout, tensors: HFTensors, sources: tuple[dict, dict], out: Path,
             for t in f.tensors:
                 shape = layout.shape(t.fqn)
                 crc = _write_fragment(fd, (f.data_start + t.begin, f.dtype), tensors,
-                                      sources[t.fqn], shape, (t.start, t.stop), shifts[t.fqn])
+                                      sources[t.fqn], shape, (t.start, t.stop))
                 records.append(RangeRecord(f.name, f.data_start + t.begin, t.end - t.begin,
                                            crc))
             os.fsync(fd)
@@ -143,10 +138,9 @@ def _write(layout, tensors: HFTensors, sources: tuple[dict, dict], out: Path,
 
 
 def _write_fragment(fd: int, where: tuple[int, str], tensors: HFTensors, source: tuple,
-                    shape: tuple[int, ...], span: tuple[int, int], shift: float = 0.0) -> int:
+                    shape: tuple[int, ...], span: tuple[int, int]) -> int:
     """Flat elements ``span`` of the source tensor at ``where`` (offset, safetensors dtype tag),
-    plus ``shift`` (a family's gain offset), whole rows of about ``CHUNK`` bytes at a time;
-    the crc32 of the bytes written."""
+    whole rows of about ``CHUNK`` bytes at a time; the crc32 of the bytes written."""
     offset, tag = where
     dtype = next(d for t, d in dtypes.IMPORT_DTYPES.values() if t == tag)
     itemsize = dtype.itemsize
@@ -159,8 +153,6 @@ def _write_fragment(fd: int, where: tuple[int, str], tensors: HFTensors, source:
         first = lo // row
         block = whole[first * row:-(-hi // row) * row] if whole is not None else \
             tensors.read_rows(*source, slice(first, -(-hi // row))).reshape(-1)
-        if shift:
-            block = block + shift
         part = block[lo - first * row:hi - first * row].to(dtype).contiguous()
         data = byte_view(part.view(torch.uint8).numpy())
         pwrite_all(fd, data, offset + (lo - start) * itemsize)
@@ -177,11 +169,7 @@ def _source(tensors: HFTensors, fqn: str, shape: tuple[int, ...], arch: Arch, fa
         if not isinstance(found, Derived):
             tensors.check_shape(*found, shape)
         return found
-    options = candidates(fqn, arch, family)
-    key, index = next(((k, i) for k, i in options if k in tensors.files), (None, None))
-    if key is None:
-        raise CheckpointError(f"{where}: no tensor for {fqn} (looked for "
-                              f"{' or '.join(dict.fromkeys(k for k, _ in options))})")
+    key, index = locate(fqn, candidates(fqn, arch, family), tensors.files, where)
     tensors.check_shape(key, index, shape)
     return key, index
 

@@ -20,15 +20,6 @@ _NORMS = {"attn_norm.weight": "input_layernorm.weight",
 _IN_BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(w[123])\.weight")
 _W = ("w1", "w3", "w2")
-_OFFSET_GAIN = re.compile(r"norm\.weight|layers\.\d+\.(attn_norm|ffn_norm|attn\.[qk]_norm)\.weight")
-
-
-def gain_shift(fqn: str, family: Family) -> float:
-    """What export adds to ``fqn``'s values (import subtracts it): -1 for the RMSNorm gains of a
-    family whose norms weigh by ``1 + weight`` (Qwen3-Next), else 0."""
-    return -1.0 if family.unit_offset_norms and _OFFSET_GAIN.fullmatch(fqn) else 0.0
-
-
 def hf_name(fqn: str, family: Family) -> str:
     """The Hugging Face key of a moezero FQN, in the per-expert on-disk form that every
     transformers version reads (``{moe_block}.experts.{e}.{gate|up|down name}.weight``)."""
@@ -62,4 +53,14 @@ def candidates(fqn: str, arch: Arch, family: Family) -> list[tuple[str, tuple]]:
                       "w2": (fused + "down_proj", (slice(e, e + 1),))}[w])
     elif fqn.endswith(".moe.router.weight") and family.moe_block != "mlp":
         found.append((f"model.layers.{fqn.split('.')[1]}.mlp.gate.weight", ()))
+    return found
+
+
+def locate(fqn: str, options: list[tuple[str, tuple]], files, where) -> tuple[str, tuple]:
+    """The first of ``options`` (``candidates``) whose key is among ``files``; one-line
+    CheckpointError naming ``fqn`` and the keys looked for when none is."""
+    found = next(((k, i) for k, i in options if k in files), None)
+    if found is None:
+        raise CheckpointError(f"{where}: no tensor for {fqn} (looked for "
+                              f"{' or '.join(dict.fromkeys(k for k, _ in options))})")
     return found

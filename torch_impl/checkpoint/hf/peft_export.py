@@ -39,7 +39,7 @@ from moezero.checkpoint.hf.arch import arch_of
 from moezero.checkpoint.hf.carried import attach, checked, hf_section
 from moezero.checkpoint.hf.exporter import HF_CONFIG
 from moezero.checkpoint.hf.families import family_for
-from moezero.checkpoint.hf.names import gain_shift, hf_name
+from moezero.checkpoint.hf.names import hf_name
 from moezero.plan import store
 from moezero.plan.checked import CheckedReader
 from moezero.plan.model_buffers import is_buffer
@@ -245,8 +245,7 @@ def export_merged(ckpt: Path, out: Path, dtype: str = "fp32",
     shapes = base_manifest.layout.shapes + base_manifest.layout.buffers
     items = family.export_items(shapes, arch) if family.export_items else \
         [(hf_name(fqn, family), fqn, shape) for fqn, shape in shapes]
-    tensors = {key: (_composed(src, weights, shape)  # biases (buffers) stay fp32
-                     + (gain_shift(src, family) if isinstance(src, str) else 0.0)).to(
+    tensors = {key: _composed(src, weights, shape).to(  # biases (buffers) stay fp32
         torch.float32 if isinstance(src, str) and is_buffer(src) else DTYPES[dtype]).contiguous()
                for key, src, shape in items}
     out.mkdir(parents=True, exist_ok=True)

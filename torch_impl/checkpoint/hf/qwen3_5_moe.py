@@ -25,7 +25,7 @@ import torch
 from moezero.checkpoint.hf import qwen3_next
 from moezero.checkpoint.hf.arch import Arch, refuse
 from moezero.checkpoint.hf.family import Family
-from moezero.checkpoint.hf.names import candidates, hf_name
+from moezero.checkpoint.hf.names import candidates, hf_name, locate
 from moezero.checkpoint.hf.qwen import EXPERT_NAMES
 from moezero.checkpoint.hf.reader import Derived
 from moezero.plan.store import CheckpointError
@@ -112,7 +112,8 @@ def _slices(arch: Arch, fused: str) -> tuple[slice, slice]:
 
 def source(fqn: str, shape: tuple, arch: Arch, tensors, where):
     """Where ``fqn`` comes from: the gated DeltaNet's fused projections gathered from their
-    parts, everything else from the text-only name under ``model.language_model``."""
+    parts, everything else from the text-only name under ``model.language_model`` (the RMSNorm
+    gains read as ``1 + w``, as Qwen3-Next's)."""
     m = _FUSED.fullmatch(fqn)
     if m:
         keys = tuple(f"model.language_model.layers.{m[1]}.linear_attn.{p}.weight"
@@ -124,20 +125,18 @@ def source(fqn: str, shape: tuple, arch: Arch, tensors, where):
         perm = _rows(arch, m[2])
         return Derived(keys, lambda t: torch.cat([t.read(k).float() for k in keys])[perm])
     options = [(_hf(k), i) for k, i in candidates(fqn, arch, FAMILY)]
-    found = next(((k, i) for k, i in options if k in tensors.files), None)
-    if found is None:
-        raise CheckpointError(f"{where}: no tensor for {fqn} (looked for "
-                              f"{' or '.join(dict.fromkeys(k for k, _ in options))})")
-    return found
+    return qwen3_next.gain_source(fqn, locate(fqn, options, tensors.files, where), shape,
+                                  tensors)
 
 
 def export_items(shapes, arch: Arch) -> list[tuple]:
-    """Every tensor under its Qwen3.5-MoE key; the fused DeltaNet projections split."""
+    """Every tensor under its Qwen3.5-MoE key; the fused DeltaNet projections split, the
+    RMSNorm gains written as ``g - 1`` (as Qwen3-Next's)."""
     items = []
     for fqn, shape in shapes:
         m = _FUSED.fullmatch(fqn)
         if m is None:
-            items.append((_hf(hf_name(fqn, FAMILY)), fqn, shape))
+            items.append((_hf(hf_name(fqn, FAMILY)), qwen3_next.gain_export(fqn), shape))
             continue
         inverse = torch.argsort(_rows(arch, m[2]))
         for part, rows in zip(_SPLIT[m[2]], _slices(arch, m[2]), strict=True):
@@ -173,6 +172,6 @@ def peft_keys(tensors: dict, modules: set, arch: Arch) -> tuple[dict, set]:
 
 
 FAMILY = Family("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", "mlp", EXPERT_NAMES,
-                read, write, refusal, source=source, export_items=export_items, hybrid=True,
-                unit_offset_norms=True, carried=re.compile(r"model\.visual\..*|mtp\..*"),
+                read, write, refusal, source=source, export_items=export_items,
+                holds=qwen3_next.HOLDS, import_dtype="fp32", carried=re.compile(r"model\.visual\..*|mtp\..*"),
                 nest_config=nest_config, peft_keys=peft_keys)

@@ -2,8 +2,10 @@
 (``linear_attention``) and softmax attention with a sigmoid output gate, QK-norm per head and
 partial rotary (``full_attention``), chosen per layer by ``layer_types``; every layer's MLP an
 MoE layer with a sigmoid-gated shared expert. Its RMSNorms weigh by ``1 + weight``
-(zero-centred gains, ``Family.unit_offset_norms``): import adds 1, export subtracts it; the
-gated DeltaNet's own output norm weighs by its weight and is copied as is.
+(zero-centred gains): import reads them as ``1 + w`` (``source``), export writes ``g - 1``
+(``export_items``), and imports default to fp32 (``Family.import_dtype``), which holds
+``1 + w`` exactly where bf16 would round it; the gated DeltaNet's own output norm weighs by
+its weight and is copied as is.
 
 Refused in one line: ``mlp_only_layers`` / ``decoder_sparse_step`` other than every layer an
 MoE layer, and multi-token-prediction weights (``mtp.*``, ``mtp_num_hidden_layers``), which
@@ -12,13 +14,21 @@ moezero does not train and does not carry.
 
 from __future__ import annotations
 
+import re
+
 from moezero.checkpoint.hf.arch import Arch, check_common, moe_sizes, positive, refuse, topk_arch
 from moezero.checkpoint.hf.family import Family
+from moezero.checkpoint.hf.names import candidates, hf_name, locate
 from moezero.checkpoint.hf.qwen import EXPERT_NAMES, qwen_keys
+from moezero.checkpoint.hf.reader import Derived
 
 KINDS = ("linear_attention", "full_attention")
 _LINEAR = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
            "linear_value_head_dim", "linear_conv_kernel_dim")
+GAIN = re.compile(r"norm\.weight|layers\.\d+\.(attn_norm|ffn_norm|attn\.[qk]_norm)\.weight")
+"""The RMSNorm gains that weigh by ``1 + weight`` (not the gated DeltaNet's output norm)."""
+HOLDS = frozenset({"partial_rotary_factor", "gated_delta_layers", "attn_output_gate"})
+"""The architecture features (``families.FEATURES``) Qwen3-Next and Qwen3.5-MoE hold."""
 
 
 def _check(cfg: dict, where: str) -> None:
@@ -91,5 +101,39 @@ def refusal(arch: Arch):
     return None
 
 
+def gain_source(fqn: str, found: tuple[str, tuple], shape: tuple, tensors):
+    """``found`` (key, index), or for an RMSNorm gain a ``Derived`` that reads ``1 + w`` (its
+    shape checked here, as the importer checks only a (key, index) source's)."""
+    if not GAIN.fullmatch(fqn):
+        return found
+    key, index = found
+    tensors.check_shape(key, index, shape)
+    return Derived((key,), lambda t: t.read_rows(key, index, slice(0, shape[0])) + 1.0)
+
+
+def gain_export(fqn: str):
+    """What export writes for ``fqn``: the FQN itself, or for an RMSNorm gain ``g`` a composer
+    of ``g - 1`` (``tools.write_weights``)."""
+    if not GAIN.fullmatch(fqn):
+        return fqn
+
+    def parts(read):
+        yield read(fqn) - 1.0
+    return parts
+
+
+def source(fqn: str, shape: tuple, arch: Arch, tensors, where):
+    """An RMSNorm gain read as ``1 + w``; None (the names table) for every other tensor."""
+    if not GAIN.fullmatch(fqn):
+        return None
+    return gain_source(fqn, locate(fqn, candidates(fqn, arch, FAMILY), tensors.files, where),
+                       shape, tensors)
+
+
+def export_items(shapes, arch: Arch) -> list[tuple]:
+    """Every tensor under its names-table key; the RMSNorm gains written as ``g - 1``."""
+    return [(hf_name(fqn, FAMILY), gain_export(fqn), shape) for fqn, shape in shapes]
+
+
 FAMILY = Family("qwen3_next", "Qwen3NextForCausalLM", "mlp", EXPERT_NAMES, read, write, refusal,
-                hybrid=True, unit_offset_norms=True)
+                source=source, export_items=export_items, holds=HOLDS, import_dtype="fp32")

@@ -6,11 +6,6 @@ from __future__ import annotations
 
 from moezero.checkpoint.hf.arch import Arch, refuse
 
-YARN_FIELDS = ("rope_type", "rope_factor", "rope_original_max_positions", "rope_beta_fast",
-               "rope_beta_slow", "rope_truncate", "rope_attention_factor", "rope_mscale",
-               "rope_mscale_all_dim")
-"""``Arch``'s YaRN fields (a family that holds YaRN lists them in ``Family.holds``)."""
-
 YARN_KEYS = {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
              "truncate", "attention_factor", "mscale", "mscale_all_dim"}
 
