@@ -78,3 +78,18 @@ def test_cap_slices_a_large_expert_weight_across_groups():
     pieces = [(m.start, m.stop) for g in groups.plan for m in g.members
               if m.fqn == "second.experts.1.w1.weight"]
     assert pieces[0][0] == 0 and pieces[-1][1] == 32 and len(pieces) >= 2
+
+
+def test_a_user_group_function_may_tell_experts_apart():
+    """Only a rule that declares ``same_for_every_expert`` is asked once per layer and name;
+    any other is asked for every expert, also those other EP ranks hold."""
+    def by_parity(fqn, param):
+        parts = fqn.split(".")
+        odd = "experts" in parts and int(parts[parts.index("experts") + 1]) % 2
+        return UserGroup("odd" if odd else "even")
+
+    model = nn.Module()
+    model.moe = MoE(8, SwiGLU(8, 4), num_experts=4, ep_size=2, ep_rank=1)
+    specs, _ = param_specs(model, by_parity)
+    assert {(s.expert, s.user_group) for s in specs if s.expert is not None} == \
+        {(0, "even"), (1, "odd"), (2, "even"), (3, "odd")}

@@ -243,7 +243,7 @@ def test_a_text_config_that_is_not_an_object_is_one_line(models, tmp_path):
 
 
 def test_peft_export_of_attention_and_deltanet_loads_in_peft(models, tmp_path):
-    """LoRA (r 4) on the gated attention and the gated DeltaNet, 2 steps through the CLI in
+    """LoRA (r 4) on the gated attention, the gated DeltaNet and the routed experts, 2 steps through the CLI in
     this process; ``--format peft`` on the ``--format hf`` base loads in ``PeftModel`` with no
     missing or unexpected adapter keys and moezero's logits within 1e-5; ``--merge-lora``
     too, with the vision tower."""
@@ -254,7 +254,7 @@ def test_peft_export_of_attention_and_deltanet_loads_in_peft(models, tmp_path):
     run = tmp_path / "run"
     assert main(["train", "--nproc", "1", "--config", str(ckpt / "config.yaml"),
                  "--set", "moe.ep_size=1", "--set", "peft.method=lora", "--set", "peft.r=4",
-                 "--set", "peft.alpha=12", "--set", 'peft.targets=["attn","linear_attn"]',
+                 "--set", "peft.alpha=12", "--set", 'peft.targets=["attn","linear_attn","experts"]',
                  "--set", "model.gated_delta_chunk=4", "--set", "train.steps=2",
                  "--set", f"train.seq_len={SEQ}", "--set", "train.micro_batch_size=2",
                  "--set", "optimizer.lr=3e-2", "--set", "checkpoint.every=2",
@@ -275,6 +275,8 @@ def test_peft_export_of_attention_and_deltanet_loads_in_peft(models, tmp_path):
     assert {"linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
             "linear_attn.in_proj_a", "linear_attn.out_proj", "self_attn.q_proj"} \
         <= set(config["target_modules"])
+    assert {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} \
+        <= set(config.get("target_parameters", [])), config  # the routed experts' adapters
     ours_keys = set(load_file(tmp_path / "peft" / "adapter_model.safetensors"))
     theirs = {k.replace(".default", "") for k in model.state_dict() if ".lora_" in k}
     assert ours_keys == theirs, ours_keys ^ theirs

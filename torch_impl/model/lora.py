@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moezero.model.experts import SwiGLU
-from moezero.model.moe import MoE
+from moezero.model.moe import MoE, SameExperts
 
 
 @dataclass(frozen=True)
@@ -100,13 +100,16 @@ def apply_lora(model: nn.Module, options: LoraOptions | None) -> nn.Module:
 
 
 def _with_adapters(source, options: LoraOptions):
-    """An expert factory by global index that adds the adapters to ``source``'s experts."""
+    """An expert factory by global index that adds the adapters to ``source``'s experts; a
+    ``SameExperts`` when ``source`` is one or a template module (its experts all alike)."""
     def build(e: int) -> nn.Module:
         module = copy.deepcopy(source) if isinstance(source, nn.Module) else source(e)
         for proj in SwiGLU.lora_projections if isinstance(module, SwiGLU) else ():
             if options.wants("experts", proj):
                 add_adapter(getattr(module, proj), options)
         return module
+    if isinstance(source, (nn.Module, SameExperts)):  # build ignores the index
+        return SameExperts(lambda: build(0))
     return build
 
 

@@ -11,6 +11,7 @@ N rows received by this rank's experts, P EP size.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,13 +69,33 @@ def keep_mask(experts_Tk: torch.Tensor, num_experts: int, capacity_factor: float
     return plan_dispatch(experts_Tk, num_experts, cap).keep_A.view(top_k, num_tokens).t()
 
 
+class SameExperts:
+    """An expert factory ``global_index -> nn.Module`` whose experts are all built alike (the
+    index unused): one expert's shapes are every expert's, so ``MoE.expert_shapes`` builds one
+    on the meta device per layer (``shapes``), not one per expert held by another EP rank."""
+
+    def __init__(self, build: Callable[[], nn.Module]):
+        self.build = build
+
+    def __call__(self, index: int) -> nn.Module:
+        return self.build()
+
+    @functools.cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Parameter shapes of any expert, by name within it (built once, on meta)."""
+        with on_meta():
+            module = self.build()
+        return {name: tuple(p.shape) for name, p in module.named_parameters()}
+
+
 class MoE(nn.Module):
     """A Mixture-of-Experts layer around any expert module.
 
     Args:
         dim: model dimension D (router input).
         expert: an ``nn.Module`` mapping [n, D] -> [n, D] (deep-copied per local expert, then
-            re-initialised) or a callable ``global_index -> nn.Module``.
+            re-initialised) or a callable ``global_index -> nn.Module`` (a ``SameExperts``
+            when every expert is alike).
         num_experts: E, global.
         top_k: experts per token.
         capacity_factor: ``None`` for dropless, else C = ceil(cf * T * k / E) per expert.
@@ -140,6 +161,8 @@ class MoE(nn.Module):
             module = source
         else:
             try:
+                if isinstance(source, SameExperts):
+                    return dict(source.shapes)
                 with on_meta():
                     module = source(e)
             except Exception as exc:

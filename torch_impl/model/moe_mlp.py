@@ -16,14 +16,14 @@ from torch import nn
 
 from moezero.model.experts import SwiGLU
 from moezero.model.kind import MlpKind, Placement
-from moezero.model.moe import MoE
+from moezero.model.moe import MoE, SameExperts
 from moezero.model.shared import SharedExpert
 
 
 def _modules(args, at: Placement) -> dict[str, nn.Module]:
     modules: dict[str, nn.Module] = {"moe": MoE(
-        args.dim, lambda e: SwiGLU(args.dim, args.ffn_dim, bias=args.expert_mlp_bias,
-                                   limit=args.swiglu_limit, alpha=args.swiglu_alpha),
+        args.dim, SameExperts(lambda: SwiGLU(args.dim, args.ffn_dim, bias=args.expert_mlp_bias,
+                                             limit=args.swiglu_limit, alpha=args.swiglu_alpha)),
         num_experts=args.num_experts,
         top_k=args.top_k, capacity_factor=args.capacity_factor, ep_size=args.ep_size,
         ep_rank=at.ep_rank, ep_group=at.ep_group, expert_group_name=args.expert_group_name,

@@ -13,7 +13,8 @@ here, below both (docs/design.md, "Who imports whom"). Reference counterpart:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -24,18 +25,33 @@ from moezero.plan.specs import ParamSpec, UserGroup
 
 if TYPE_CHECKING:  # the model imports no pydantic (benchmarks' peer venvs build it bare)
     from moezero.config import Config
+    from moezero.config.schema import OptimizerConfig
 
 UserGroupFn = Callable[[str, nn.Parameter], UserGroup]
 
 
 def config_user_group(cfg: Config) -> UserGroupFn:
-    """User groups from the config: decay / no_decay, times expert / router / dense.
+    """User groups from the config: decay / no_decay, times expert / router / dense
+    (``ConfigUserGroup``)."""
+    return ConfigUserGroup(cfg.optimizer)
 
-    ``lr_scale`` is relative to ``optimizer.lr`` so one schedule drives every group.
+
+@dataclass(frozen=True)
+class ConfigUserGroup:
+    """The config's user-group rule; ``lr_scale`` is relative to ``optimizer.lr`` so one
+    schedule drives every group.
+
+    Its answer for an expert parameter depends on the name within the expert, the shape and
+    the tag's presence, never on the expert index (the name suffixes it tests hold no digit,
+    the index is all digits), so ``param_specs`` asks once per layer and name
+    (``same_for_every_expert``: any ``UserGroupFn`` may declare it).
     """
-    opt = cfg.optimizer
 
-    def user_group(fqn: str, param: nn.Parameter) -> UserGroup:
+    optimizer: OptimizerConfig
+    same_for_every_expert: ClassVar[bool] = True
+
+    def __call__(self, fqn: str, param: nn.Parameter) -> UserGroup:
+        opt = self.optimizer
         no_decay = opt.no_decay_on_norms and not weight_decay_applies(fqn, param.shape)
         kind, lr = "", opt.lr
         if expert_tag(param) is not None and opt.expert_lr is not None:
@@ -45,8 +61,6 @@ def config_user_group(cfg: Config) -> UserGroupFn:
         name = f"{kind}{'no_decay' if no_decay else 'decay'}"
         return UserGroup(name, {"weight_decay": 0.0 if no_decay else opt.weight_decay,
                                 "lr_scale": lr / opt.lr})
-
-    return user_group
 
 
 def param_specs(model: nn.Module, user_group: UserGroupFn) -> tuple[list[ParamSpec], list[UserGroup]]:
@@ -66,17 +80,41 @@ def param_specs(model: nn.Module, user_group: UserGroupFn) -> tuple[list[ParamSp
             specs[fqn] = ParamSpec(fqn, tuple(param.shape), _dtype(param), ug.name)
             continue
         layer, moe = _moe_layer(model, fqn)
-        for e in range(moe.num_experts) if layer not in done else ():
-            for rest, shape in _shapes(moe, layer, e).items():
-                name = expert_fqn(layer, e, rest)
-                target = present.get(name)
-                if target is None:  # held by another EP rank
-                    target = _meta_param(shape, ExpertTag(tag.group_name, tag.ep_size, e))
-                ug = groups.setdefault(*_user_group(user_group, name, target))
-                specs[name] = ParamSpec(name, shape, _dtype(param), ug.name, tag.group_name,
-                                        tag.ep_size, layer, e)
+        if layer not in done:
+            decide = _ExpertGroups(user_group, groups, present, tag)
+            for e in range(moe.num_experts):
+                for rest, shape in _shapes(moe, layer, e).items():
+                    name = expert_fqn(layer, e, rest)
+                    specs[name] = ParamSpec(name, shape, _dtype(param), decide(name, rest, shape, e),
+                                            tag.group_name, tag.ep_size, layer, e)
         done.add(layer)
     return list(specs.values()), list(groups.values())
+
+
+@dataclass
+class _ExpertGroups:
+    """User-group names of one MoE layer's expert params (``groups`` collects the groups);
+    asked once per (name within the expert, shape, tagged) when the rule is
+    ``same_for_every_expert``, else once per expert param, on the param itself or, for
+    another EP rank's, on a stand-in (``_meta_param``)."""
+
+    user_group: UserGroupFn
+    groups: dict[str, UserGroup]
+    present: dict[str, nn.Parameter]
+    tag: ExpertTag
+    known: dict[tuple, str] = field(default_factory=dict)
+
+    def __call__(self, name: str, rest: str, shape: tuple[int, ...], e: int) -> str:
+        target = self.present.get(name)
+        key = (rest, shape, target is None or expert_tag(target) is not None)
+        if key in self.known:
+            return self.known[key]
+        if target is None:  # held by another EP rank
+            target = _meta_param(shape, ExpertTag(self.tag.group_name, self.tag.ep_size, e))
+        ug = self.groups.setdefault(*_user_group(self.user_group, name, target))
+        if getattr(self.user_group, "same_for_every_expert", False):
+            self.known[key] = ug.name
+        return ug.name
 
 
 def _user_group(user_group: UserGroupFn, fqn: str, param) -> tuple[str, UserGroup]:
