@@ -33,6 +33,7 @@ from moezero.model.build import config_decoder
 from moezero.plan import store
 from moezero.plan.store import CheckpointError
 from tests.support.compare import assert_close_by_fqn, rel_err
+from tests.support.lora import lora_logits
 from tests.support.world import run_world
 from tests.torch_impl.test_options import each_stage, options_config, two_steps
 from tests.torch_impl.tolerances import RTOL
@@ -288,7 +289,6 @@ def test_peft_export_loads_in_peft_and_merged_in_transformers(hub, tmp_path, cap
     ``from_pretrained``, both within 1e-5 of moezero's logits."""
     peft = pytest.importorskip("peft")
     from moezero.cli import main
-    from moezero.plan.reading import read_tensors
     from tests.torch_impl.test_cli import moezero
 
     _, _, ckpt = hub
@@ -300,13 +300,7 @@ def test_peft_export_loads_in_peft_and_merged_in_transformers(hub, tmp_path, cap
                   "--out", str(tmp_path / "run"), timeout=300)
     assert res.returncode == 0, res.stderr
     base, adapters = store.find_checkpoint(ckpt), store.find_checkpoint(tmp_path / "run" / "checkpoints")
-    manifest = store.read_manifest(adapters)
-    cfg = Config.model_validate(manifest.config)
-    cfg.moe.ep_size = 1
-    model = config_decoder(cfg, where="cpu", init=False).eval()
-    state = {**read_tensors(base, store.read_manifest(base)), **read_tensors(adapters, manifest)}
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
-    ours = model(TOKENS)[0].detach()
+    ours = lora_logits(base, adapters, TOKENS)
     for args in (("--format", "hf", "--out", str(tmp_path / "hf_base")),):
         assert main(["checkpoint", "export", str(base), *args]) == 0
     assert main(["checkpoint", "export", str(adapters), "--format", "peft",

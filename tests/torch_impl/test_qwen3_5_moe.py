@@ -37,6 +37,7 @@ from tests.torch_impl.test_qwen3_next import (
     VOCAB,
     decoder_of,
     projected,
+    randomized,
     train_config,
 )
 
@@ -61,14 +62,7 @@ def hf_model(mix: str):
         vision_config=VISION, image_token_id=90, video_token_id=91,
         vision_start_token_id=92, vision_end_token_id=93)
     torch.manual_seed(0)
-    model = transformers.Qwen3_5MoeForConditionalGeneration(cfg).eval()
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.1 * noise if name.endswith("linear_attn.norm.weight") else
-                    0.1 * noise)
-    return model
+    return randomized(transformers.Qwen3_5MoeForConditionalGeneration(cfg).eval())
 
 
 def save_with_mtp(model, path: Path) -> dict[str, torch.Tensor]:
@@ -249,7 +243,7 @@ def test_peft_export_of_attention_and_deltanet_loads_in_peft(models, tmp_path):
     too, with the vision tower."""
     peft = pytest.importorskip("peft")
     from moezero.cli import main
-    from tests.torch_impl.test_qwen3_next_lora import lora_logits
+    from tests.support.lora import lora_logits
     _, ckpt, _, _, _ = models["linear-ends"]
     run = tmp_path / "run"
     assert main(["train", "--nproc", "1", "--config", str(ckpt / "config.yaml"),
@@ -260,7 +254,7 @@ def test_peft_export_of_attention_and_deltanet_loads_in_peft(models, tmp_path):
                  "--set", "optimizer.lr=3e-2", "--set", "checkpoint.every=2",
                  "--out", str(run)]) == 0
     base, adapters = store.find_checkpoint(ckpt), store.find_checkpoint(run / "checkpoints")
-    ours = lora_logits(base, adapters)
+    ours = lora_logits(base, adapters, TOKENS)
     assert main(["checkpoint", "export", str(base), "--format", "hf",
                  "--out", str(tmp_path / "hf_base")]) == 0
     assert main(["checkpoint", "export", str(adapters), "--format", "peft",

@@ -51,7 +51,12 @@ def hf_model(mix: str, **overrides):
     gated DeltaNet's output norm 1 ± 0.1, everything else N(0, 0.1²) (as test_hf_families)."""
     cfg = transformers.Qwen3NextConfig(**{**SMALL, "layer_types": MIXES[mix], **overrides})
     torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(cfg).eval()
+    return randomized(transformers.Qwen3NextForCausalLM(cfg).eval())
+
+
+def randomized(model):
+    """``model`` with every tensor N(0, 0.1²) (Qwen3-Next's gains are zero-centred), the gated
+    DeltaNet's output norm 1 ± 0.1 (generator seeded 2). Qwen3.5-MoE's tests use it too."""
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, p in model.named_parameters():
