@@ -98,7 +98,9 @@ def _build(spec: dict):
     tok = AutoTokenizer.from_pretrained(spec["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     lora = LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=0.0,
-                      target_modules=ATTENTION, target_parameters=EXPERTS, task_type="CAUSAL_LM")
+                      target_modules=spec.get("target_modules", ATTENTION),
+                      target_parameters=spec.get("target_parameters", EXPERTS),
+                      task_type="CAUSAL_LM")
     data = load_dataset("json", data_files=spec["chats"], split="train")
     clock = _clock()
     trainer = _trainer_class()(model=model, args=args, train_dataset=data, processing_class=tok,

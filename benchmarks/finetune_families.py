@@ -1,0 +1,114 @@
+"""The BENCHMARKS.md section of the ``finetune`` series' gpt-oss-, DeepSeek-V3- and
+Qwen3-Next-shaped rows (issues 36, 37), from the series' raw results
+(``benchmarks.finetune``). Pure: nothing here runs a model."""
+
+from __future__ import annotations
+
+from benchmarks.finetune_models import FAMILIES
+from benchmarks.finetune_report import (
+    PEER_KEY,
+    TARGETS,
+    attempts,
+    failure,
+    family_runs,
+    fastest_lora,
+    peer_of,
+    repeats_note,
+    run_line,
+    stats_of,
+    tokens_cell,
+)
+from benchmarks.fmt import mib, table, verdict
+
+SECTION = ("## Fine-tuning gpt-oss-, DeepSeek-V3- and Qwen3-Next-shaped models: moezero LoRA "
+           "vs TRL SFTTrainer + PEFT + DeepSpeed ZeRO-3 (issues 36, 37)")
+KEYS = ("gpt_oss", "deepseek_v3", "qwen3_next")
+
+
+def _rows(family: str, runs: dict, stats: dict) -> list[list[str]]:
+    label = FAMILIES[family].label
+    out = []
+    for name, run in runs.items():
+        s = stats[name]
+        if s is None:
+            out.append([label, name, f"failed: {failure(run)}", *["–"] * 5])
+            continue
+        out.append([label, name, tokens_cell(s), f"{s['seen_per_s']:,.0f}",
+                    f"{s['step_s']:.2f}", mib(s["peak_rss"]), mib(s["anon_peak"]),
+                    f"{s['loss'][0]:.3f} → {s['loss'][1]:.3f}"])
+    return out
+
+
+def target_rows(family: str, stats: dict) -> list[list[str]]:
+    """The two targets of one family: the fastest moezero LoRA row against the peer."""
+    label, mine, (peer_name, peer) = FAMILIES[family].label, fastest_lora(stats), \
+        peer_of(stats)
+    goals = ((f"≥ {TARGETS['speed']}× the peer's trained tokens/s per rank", "trained_per_s",
+              TARGETS["speed"], ">="),
+             (f"≤ {TARGETS['memory']}× the peer's peak anon per rank", "anon_peak",
+              TARGETS["memory"], "<="))
+    rows = []
+    for goal, key, need, kind in goals:
+        if mine is None or peer is None:
+            why = "no moezero LoRA row ran" if mine is None else f"{peer_name} failed"
+            rows.append([label, goal, "–", f"not measured: {why}"])
+            continue
+        ratio = stats[mine][key] / peer[key]
+        rows.append([label, goal, f"{ratio:.2f}× ({mine})", verdict(ratio, need, kind)])
+    return rows
+
+
+def _models(fams: dict) -> list[str]:
+    return [f"- {FAMILIES[k].label} ({fams[k]['params']:,} params, "
+            f"`{FAMILIES[k].hf_class}`): {FAMILIES[k].shape}. LoRA on moezero "
+            f"`peft.targets: [{', '.join(FAMILIES[k].targets)}]`; PEFT `target_modules` "
+            f"{', '.join(FAMILIES[k].peer_modules)} and `target_parameters` "
+            f"{', '.join(p.rsplit('.', 1)[1] for p in FAMILIES[k].peer_parameters)}."
+            + _trainable(fams[k]["runs"]) for k in fams]
+
+
+def _trainable(runs: dict) -> str:
+    peer = next(r for n, r in runs.items() if n.startswith(PEER_KEY))
+    if failure(peer):
+        return ""
+    return f" PEFT trains {attempts(peer)[0]['ranks'][0]['trainable_numel']:,} params."
+
+
+def section(results: dict) -> list[str]:
+    """The section of the families in ``KEYS`` that ran."""
+    data, all_runs = results["finetune"], family_runs(results)
+    fams = {k: all_runs[k] for k in KEYS if k in all_runs}
+    train = data["size"]["train"]
+    stats = {k: stats_of(f["runs"]) for k, f in fams.items()}
+    rows = [r for k in fams for r in _rows(k, fams[k]["runs"], stats[k])]
+    targets = [r for k in fams for r in target_rows(k, stats[k])]
+    first = next(iter(fams.values()))["runs"]
+    return [SECTION, "",
+            "The data, loop and measurement of the Qwen3-MoE section above (the same chats, "
+            "template and prepared dataset; W = 2, gloo, one thread per rank; seq len "
+            f"{train['seq_len']}, micro-batch {train['micro_batch_size']}, fp32, AdamW lr "
+            f"{train['lr']:g} constant, clip 1.0; {train['warmup']} warm-up + {train['timed']} "
+            f"timed steps{repeats_note(first)}; LoRA r {train['r']}, alpha {train['alpha']}), "
+            "on a random HF model of each shape (transformers' own init, dim 256, 4 layers, 4 "
+            "heads, 8 experts of width 256, top-2, as the Qwen3-MoE row), written once and "
+            "loaded by both sides: `moezero import-hf` and `from_pretrained` under ZeRO-3.", "",
+            *_models(fams), "",
+            *table(["family", "row", "trained tokens/s per rank", "seen tokens/s per rank",
+                    "median step s", "peak RSS per rank", "peak anon per rank",
+                    "loss first → last"], rows), "",
+            *table(["family", "target (fastest moezero LoRA row)", "measured", "verdict"],
+                   targets), "",
+            run_line(results), "", *_notes()]
+
+
+def _notes() -> list[str]:
+    return [
+        "- Router loss: gpt-oss and Qwen3-Next add the load-balancing loss at 0.001 on both "
+        "sides; DeepSeek-V3 has none in transformers and a fixed correction bias, so moezero "
+        "runs it with `moe.aux_loss_coef=0` and `moe.bias_update_rate=0`.",
+        "- Packing: as in the Qwen3-MoE section. The peer's Qwen3-Next gated DeltaNet "
+        "(transformers' torch path) does not restart its recurrence or its convolution at a "
+        "conversation start inside a packed row (position ids reach only the attention "
+        "masks); moezero's does (`data.document_mask`): the peer computes less than moezero "
+        "there, not more.",
+    ]
