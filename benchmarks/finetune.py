@@ -151,6 +151,8 @@ def family_rows(family: str, inputs: dict, fam: dict, train: dict) -> list[tuple
     peer = {**train, "model_dir": fam["hf"], "chats": inputs["chats"],
             "target_modules": list(spec.peer_modules),
             "target_parameters": list(spec.peer_parameters)}
+    if not spec.peer_packs:  # one conversation per row: about moezero's tokens per micro-batch
+        peer.update(packing=False, micro_batch_size=unpacked_batch(inputs, train))
     if family == "qwen3_moe":
         rows = ROWS
     else:
@@ -164,6 +166,13 @@ def family_rows(family: str, inputs: dict, fam: dict, train: dict) -> list[tuple
              "overrides": moezero_overrides(inputs, train, extra, fam["base"], aux)})
            for name, extra in rows]
     return out + [(PEER, "peer", "benchmarks.finetune_peer", peer)]
+
+
+def unpacked_batch(inputs: dict, train: dict) -> int:
+    """Conversations per micro-batch of an unpacked peer: about the tokens of moezero's
+    micro-batch (rows × seq len) at the data's mean conversation length."""
+    mean = inputs["tokens"] / inputs["documents"]
+    return max(1, round(train["micro_batch_size"] * train["seq_len"] / mean))
 
 
 def measure(args, work: Path, size: dict) -> dict:

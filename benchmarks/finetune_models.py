@@ -36,6 +36,7 @@ class Family:
     peer_modules: tuple[str, ...]
     peer_parameters: tuple[str, ...] = FUSED_EXPERTS
     aux_loss: bool = True
+    peer_packs: bool = True
     moezero_extra: tuple[str, ...] = ()
     shape: str = ""
 
@@ -58,13 +59,17 @@ FAMILIES = {
     "qwen3_next": Family("Qwen3-Next", "Qwen3NextForCausalLM",
                          ("attn", "linear_attn", "experts"),
                          (*ATTN, "in_proj_qkvz", "in_proj_ba", "out_proj"),
+                         peer_packs=False,
                          shape="gated DeltaNet on layers 0-2 (2 key / 4 value heads of 64, "
                                "conv 4), gated full attention on layer 3 (partial rotary "
                                "0.25), sigmoid-gated shared expert (width 256)"),
 }
 """Family key (the HF ``model_type``) -> its row parameters. ``deepseek_v3``: transformers
 adds no router loss and keeps the correction bias fixed, so moezero runs with neither
-(``aux_loss_coef`` 0, ``bias_update_rate`` 0)."""
+(``aux_loss_coef`` 0, ``bias_update_rate`` 0). ``qwen3_next``: transformers refuses packed
+rows for its gated DeltaNet without the CUDA-only ``causal_conv1d`` and ``fla`` kernels
+("can't keep packed sequences apart"), so the peer trains one conversation per row, padded
+(``peer_packs``)."""
 
 
 def hf_config(family: str, model: dict, vocab: int):
