@@ -211,10 +211,29 @@ def run_only(args, out: Path, work: Path, quick: bool) -> int:
                    "uptime_before": _uptime(),
                    "finetune": measure(args, work, SIZES["quick" if quick else "full"]),
                    "load_after": os.getloadavg(), "uptime_after": _uptime()}
+        for fam in results["finetune"]["families"].values():
+            fam["run"] = {k: results[k] for k in ("command", "uptime_before", "uptime_after")}
+            fam["run"]["date"] = results["machine"]["date"]
+        results = merged(work / "results-finetune.json", results)
         (work / "results-finetune.json").write_text(json.dumps(results, indent=1))
     for section in sections(results):
         write_section(out, section, "finetune", start)
     return 0
+
+
+def merged(previous: Path, results: dict) -> dict:
+    """``results`` with the families of the ``previous`` results of the same sizes that did
+    not run now (``--only`` runs of one family at a time make one section; each family keeps
+    its own command and load lines)."""
+    if not previous.exists():
+        return results
+    old = json.loads(previous.read_text())["finetune"]
+    if old.get("size") != results["finetune"]["size"] or "families" not in old:
+        return results
+    fams = {**old["families"], **results["finetune"]["families"]}
+    order = list(finetune_models.FAMILIES)
+    results["finetune"]["families"] = dict(sorted(fams.items(), key=lambda kv: order.index(kv[0])))
+    return results
 
 
 def sections(results: dict) -> list[list[str]]:

@@ -98,7 +98,16 @@ def section(results: dict) -> list[str]:
                     "loss first → last"], rows), "",
             *table(["family", "target (fastest moezero LoRA row)", "measured", "verdict"],
                    targets), "",
-            run_line(results), "", *_notes()]
+            *_run_lines(results, fams), "", *_notes()]
+
+
+def _run_lines(results: dict, fams: dict) -> list[str]:
+    """One run line, or one per family when they ran in separate invocations."""
+    runs = [f.get("run") for f in fams.values()]
+    if not all(runs) or all(r == runs[0] for r in runs):
+        return [run_line(results)]
+    return [f"- {FAMILIES[k].label}: `{r['command']}` ({r['date']}; `uptime` before: "
+            f"{r['uptime_before']}; after: {r['uptime_after']})." for k, r in zip(fams, runs, strict=True)]
 
 
 def _notes() -> list[str]:

@@ -5,6 +5,8 @@ measured figures; a failed row and a token-count disagreement are reported. No m
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import finetune_report as fr
@@ -160,3 +162,29 @@ def test_the_family_section_reports_repeats_targets_and_failures():
     del base["finetune"]["families"]["qwen3_moe"], base["finetune"]["families"]["gpt_oss"]
     (only,) = finetune.sections(base)
     assert "| gpt-oss |" not in "\n".join(only) and "DeepSeek-V3 (1,234 params" in "\n".join(only)
+
+
+def test_families_measured_one_at_a_time_make_one_section(tmp_path):
+    """``--only`` runs of one family each: the results keep the earlier families (same
+    sizes), in the series' order, each with its own command and load line."""
+    from benchmarks import finetune, finetune_families
+
+    def one(family: str, when: str) -> dict:
+        fam = _family((300.0, 300.0), {"repeats": [_peer(100.0, 100)]})
+        fam["run"] = {"command": f"run {family}", "date": when, "uptime_before": "u1",
+                      "uptime_after": "u2"}
+        res = _results(_peer(150.0, 100), lora_ckpt=1)
+        res["finetune"].pop("runs")
+        res["finetune"]["families"] = {family: fam}
+        return res
+
+    path = tmp_path / "results-finetune.json"
+    path.write_text(json.dumps(finetune.merged(path, one("qwen3_next", "t1"))))
+    both = finetune.merged(path, one("gpt_oss", "t2"))
+    assert list(both["finetune"]["families"]) == ["gpt_oss", "qwen3_next"]
+    text = "\n".join(finetune_families.section(both))
+    assert "- gpt-oss: `run gpt_oss` (t2; `uptime` before: u1; after: u2)." in text
+    assert "- Qwen3-Next: `run qwen3_next` (t1;" in text
+    other = one("gpt_oss", "t3")
+    other["finetune"]["size"] = {**other["finetune"]["size"], "train": {**TRAIN, "timed": 9}}
+    assert list(finetune.merged(path, other)["finetune"]["families"]) == ["gpt_oss"]
