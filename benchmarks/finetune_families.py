@@ -71,7 +71,14 @@ def _trainable(runs: dict) -> str:
     peer = next(r for n, r in runs.items() if n.startswith(PEER_KEY))
     if failure(peer):
         return ""
-    return f" PEFT trains {attempts(peer)[0]['ranks'][0]['trainable_numel']:,} params."
+    first = attempts(peer)[0]
+    text = f" PEFT trains {first['ranks'][0]['trainable_numel']:,} params."
+    if first.get("spec", {}).get("packing") is False:
+        text += (" The peer trains unpacked: one conversation per row, right-padded, "
+                 f"{first['spec']['micro_batch_size']} per micro-batch (about moezero's "
+                 "tokens per micro-batch), as transformers refuses packed rows for this "
+                 "family on CPU (below).")
+    return text
 
 
 def section(results: dict) -> list[str]:
@@ -115,9 +122,12 @@ def _notes() -> list[str]:
         "- Router loss: gpt-oss and Qwen3-Next add the load-balancing loss at 0.001 on both "
         "sides; DeepSeek-V3 has none in transformers and a fixed correction bias, so moezero "
         "runs it with `moe.aux_loss_coef=0` and `moe.bias_update_rate=0`.",
-        "- Packing: as in the Qwen3-MoE section. The peer's Qwen3-Next gated DeltaNet "
-        "(transformers' torch path) does not restart its recurrence or its convolution at a "
-        "conversation start inside a packed row (position ids reach only the attention "
-        "masks); moezero's does (`data.document_mask`): the peer computes less than moezero "
-        "there, not more.",
+        "- Packing: gpt-oss and DeepSeek-V3 as in the Qwen3-MoE section (BFD, padding-free). "
+        "Qwen3-Next: transformers 5 refuses packed rows for its gated DeltaNet without the "
+        "CUDA-only `causal_conv1d` / `flash-linear-attention` kernels (\"`causal_conv1d_fn` "
+        "can't keep packed sequences apart\"; its torch path would carry the recurrence "
+        "across conversations), so the peer trains one conversation per padded row; its "
+        "seen tokens include the padding, its trained tokens are the same assistant tokens. "
+        "moezero packs as everywhere, the recurrence and the convolution restarting at each "
+        "conversation (`data.document_mask`).",
     ]

@@ -144,10 +144,12 @@ def test_the_family_section_reports_repeats_targets_and_failures():
 
     base = _results(_peer(150.0, 100), lora_ckpt=1)
     failed = {"repeats": [_peer(100.0, 100), {"status": "failed", "error": "OSError: gone"}]}
+    unpacked = _peer(100.0, 80)
+    unpacked["spec"] = {"packing": False, "micro_batch_size": 8}
     base["finetune"]["families"] = {
         "qwen3_moe": {"params": 10, "runs": base["finetune"].pop("runs")},
         "gpt_oss": _family((300.0, 340.0), {"repeats": [_peer(100.0, 100)] * 2}),
-        "deepseek_v3": _family((120.0, 140.0), {"repeats": [_peer(100.0, 80)] * 2}),
+        "deepseek_v3": _family((120.0, 140.0), {"repeats": [unpacked] * 2}),
         "qwen3_next": _family((300.0, 300.0), failed)}
     qwen, families = finetune.sections(base)
     assert qwen[0] == fr.SECTION and families[0] == finetune_families.SECTION
@@ -159,6 +161,7 @@ def test_the_family_section_reports_repeats_targets_and_failures():
     assert "| DeepSeek-V3 | ≤ 0.7× the peer's peak anon per rank | 0.75× " \
            "(moezero LoRA, stage 0) | missed by 7% |" in text
     assert "failed: OSError: gone" in text and "not measured: TRL peer failed" in text
+    assert "one conversation per row, right-padded, 8 per micro-batch" in text
     del base["finetune"]["families"]["qwen3_moe"], base["finetune"]["families"]["gpt_oss"]
     (only,) = finetune.sections(base)
     assert "| gpt-oss |" not in "\n".join(only) and "DeepSeek-V3 (1,234 params" in "\n".join(only)
