@@ -10,7 +10,8 @@ folder per family), ``moezero import-hf`` and ``moezero prepare-data --format ch
 then runs each row in fresh ``torchrun`` processes: moezero's (``benchmarks.finetune_rank``)
 with this interpreter, the peer's (``benchmarks.finetune_peer``) with ``--peer-python``. Every
 row runs ``--repeats`` times (default 2), interleaved: all rows once, then all again.
-``--only`` keeps the families whose key or label contains its text (e.g. ``gpt-oss``).
+``--only`` keeps the families whose key or label contains its text (e.g. ``gpt-oss``) and,
+when a text is part of a moezero row's name (e.g. ``stage 0``), those rows only.
 Rewrites only the sections of the families that ran (``benchmarks.finetune_report``).
 """
 
@@ -137,16 +138,17 @@ def launch(python: str, module: str, spec: dict, tag: str, work: Path, timeout: 
 
 
 def selected(only: list[str]) -> list[str]:
-    """The family keys ``--only`` keeps (all without it): key or label containing a text."""
-    keys = list(finetune_models.FAMILIES)
-    if not only:
-        return keys
-    return [k for k in keys if any(t.lower() in (k + " " + finetune_models.FAMILIES[k].label)
-                                   .lower() for t in only)]
+    """The family keys ``--only`` keeps: key or label containing a text (all when no text
+    names a family)."""
+    names = {k: f"{k} {f.label}".lower() for k, f in finetune_models.FAMILIES.items()}
+    picked = [k for k, name in names.items() if any(t.lower() in name for t in only)]
+    return picked or list(names)
 
 
-def family_rows(family: str, inputs: dict, fam: dict, train: dict) -> list[tuple]:
-    """(name, python, module, spec) of each row of ``family``, the peer last."""
+def family_rows(family: str, inputs: dict, fam: dict, train: dict,
+                only: list[str] = ()) -> list[tuple]:
+    """(name, python, module, spec) of each row of ``family`` that ``only`` keeps
+    (``keep_row``), the peer last."""
     spec = finetune_models.FAMILIES[family]
     peer = {**train, "model_dir": fam["hf"], "chats": inputs["chats"],
             "target_modules": list(spec.peer_modules),
@@ -164,8 +166,15 @@ def family_rows(family: str, inputs: dict, fam: dict, train: dict) -> list[tuple
     out = [(name, sys.executable, "benchmarks.finetune_rank",
             {"warmup": train["warmup"], "timed": train["timed"],
              "overrides": moezero_overrides(inputs, train, extra, fam["base"], aux)})
-           for name, extra in rows]
+           for name, extra in rows if keep_row(name, [n for n, _ in rows], only)]
     return out + [(PEER, "peer", "benchmarks.finetune_peer", peer)]
+
+
+def keep_row(name: str, names: list[str], only: list[str]) -> bool:
+    """Whether a moezero row runs: every row, unless an ``--only`` text names some of the
+    family's rows (e.g. ``stage 0``); then the rows it names."""
+    naming = [t for t in only if any(t in n for n in names)]
+    return not naming or any(t in name for t in naming)
 
 
 def unpacked_batch(inputs: dict, train: dict) -> int:
@@ -179,12 +188,13 @@ def measure(args, work: Path, size: dict) -> dict:
     """Inputs, then every row of every selected family ``repeats`` times, interleaved (all
     rows once, then again); each row's runs under ``repeats``."""
     inputs, train = prepare(work, size), size["train"]
-    families = {}
-    for family in selected(getattr(args, "only", [])):
+    families, only = {}, getattr(args, "only", [])
+    for family in selected(only):
         fam = ({"hf": inputs["hf"], "base": inputs["root"] + "/base",
                 "params": inputs["params"]} if family == "qwen3_moe"
                else prepare_family(Path(inputs["root"]), family, size, inputs["vocab"]))
-        families[family] = {**fam, "rows": family_rows(family, inputs, fam, train), "runs": {}}
+        families[family] = {**fam, "rows": family_rows(family, inputs, fam, train, only),
+                            "runs": {}}
     for rep in range(getattr(args, "repeats", None) or 2):
         for family, fam in families.items():
             for name, python, module, spec in fam["rows"]:

@@ -170,7 +170,8 @@ def section(res: dict, command: str, date: str) -> list[str]:
             f"{res['uptime_after']}).", "",
             "- The document-starts column is moezero's rule as packed training runs it "
             "(`data.document_mask`: the state restarts at each document); transformers' torch "
-            "path has no such input (it ignores `cu_seqlens`)."]
+            "path has no such input (packed rows need its CUDA-only `fla` kernel: it refuses "
+            "`cu_seqlens` without it)."]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -191,3 +191,15 @@ def test_families_measured_one_at_a_time_make_one_section(tmp_path):
     other = one("gpt_oss", "t3")
     other["finetune"]["size"] = {**other["finetune"]["size"], "train": {**TRAIN, "timed": 9}}
     assert list(finetune.merged(path, other)["finetune"]["families"]) == ["gpt_oss"]
+
+
+def test_only_picks_families_and_rows():
+    from benchmarks.finetune import FAMILY_ROWS, keep_row, selected
+
+    assert selected([]) == ["qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_next"]
+    assert selected(["gpt-oss", "deepseek", "stage 0"]) == ["gpt_oss", "deepseek_v3"]
+    assert selected(["stage 0"]) == selected([])
+    names = [n for n, _ in FAMILY_ROWS]
+    assert [n for n in names if keep_row(n, names, ["gpt-oss"])] == names
+    assert [n for n in names if keep_row(n, names, ["gpt-oss", "stage 0"])] == \
+        ["moezero LoRA, stage 0"]
