@@ -45,8 +45,15 @@ def attempts(run: dict) -> list[dict]:
 
 
 def failure(run: dict) -> str | None:
-    """The error of a row's first failed run, or None when every run succeeded."""
-    return next((r["error"] for r in attempts(run) if r["status"] != "ok"), None)
+    """The error of a row's first failed run when none succeeded, else None."""
+    runs = attempts(run)
+    if any(r["status"] == "ok" for r in runs):
+        return None
+    return runs[0]["error"]
+
+
+def _failed(run: dict) -> list[str]:
+    return [r["error"] for r in attempts(run) if r["status"] != "ok"]
 
 
 def _one_stats(run: dict) -> dict:
@@ -69,9 +76,10 @@ def row_stats(run: dict) -> dict:
     """Per-rank throughput (each rank's tokens over its timed steps' time, averaged over the
     ranks), the larger rank's peaks, the checkpoint and the loss of a successful row; over
     repeats: the median throughput and step time, the largest peaks, the first's loss and
-    checkpoint, and each repeat's trained tokens/s (``each``)."""
-    each = [_one_stats(r) for r in attempts(run)]
-    merged = {**each[0], "each": [e["trained_per_s"] for e in each]}
+    checkpoint, each repeat's trained tokens/s (``each``), of the runs that succeeded, and
+    the errors of those that failed (``failed``)."""
+    each = [_one_stats(r) for r in attempts(run) if r["status"] == "ok"]
+    merged = {**each[0], "each": [e["trained_per_s"] for e in each], "failed": _failed(run)}
     for key in ("trained_per_s", "seen_per_s", "step_s"):
         merged[key] = statistics.median(e[key] for e in each)
     for key in ("anon_peak", "peak_rss", "save_s"):
@@ -143,7 +151,10 @@ def target_rows(results: dict) -> list[list[str]]:
 def tokens_cell(s: dict) -> str:
     """Trained tokens/s per rank: the median, and each repeat's when there are several."""
     each = " / ".join(f"{x:,.0f}" for x in s["each"])
-    return f"{s['trained_per_s']:,.0f}" + (f" ({each})" if len(s["each"]) > 1 else "")
+    text = f"{s['trained_per_s']:,.0f}" + (f" ({each})" if len(s["each"]) > 1 else "")
+    if s.get("failed"):
+        text += f"; {len(s['failed'])} more run(s) failed: {s['failed'][0]}"
+    return text
 
 
 def _row(name: str, s: dict | None, run: dict) -> list:

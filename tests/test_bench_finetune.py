@@ -139,11 +139,15 @@ def _family(mine: tuple[float, float], peer: dict, anon: int = 60) -> dict:
 
 def test_the_family_section_reports_repeats_targets_and_failures():
     """Repeats: the median tokens/s with each repeat's, the largest peak; each family's two
-    targets met or missed; a failed repeat fails its row; only the families that ran."""
+    targets met or missed; a row whose runs all failed is failed, one with some failed says
+    so beside the figures of the others; only the families that ran."""
     from benchmarks import finetune, finetune_families
 
     base = _results(_peer(150.0, 100), lora_ckpt=1)
-    failed = {"repeats": [_peer(100.0, 100), {"status": "failed", "error": "OSError: gone"}]}
+    gone = {"status": "failed", "error": "OSError: gone"}
+    base["finetune"]["runs"]["moezero LoRA, stage 2"] = {
+        "repeats": [base["finetune"]["runs"]["moezero LoRA, stage 2"], gone]}
+    failed = {"repeats": [gone, {"status": "failed", "error": "OSError: again"}]}
     unpacked = _peer(100.0, 80)
     unpacked["spec"] = {"packing": False, "micro_batch_size": 8}
     base["finetune"]["families"] = {
@@ -161,6 +165,8 @@ def test_the_family_section_reports_repeats_targets_and_failures():
     assert "| DeepSeek-V3 | ≤ 0.7× the peer's peak anon per rank | 0.75× " \
            "(moezero LoRA, stage 0) | missed by 7% |" in text
     assert "failed: OSError: gone" in text and "not measured: TRL peer failed" in text
+    assert "| moezero LoRA, stage 2 | 300; 1 more run(s) failed: OSError: gone |" in \
+        "\n".join(qwen)
     assert "one conversation per row, right-padded, 8 per micro-batch" in text
     del base["finetune"]["families"]["qwen3_moe"], base["finetune"]["families"]["gpt_oss"]
     (only,) = finetune.sections(base)
