@@ -71,7 +71,7 @@ def _trainable(runs: dict) -> str:
     peer = next(r for n, r in runs.items() if n.startswith(PEER_KEY))
     if failure(peer):
         return ""
-    first = attempts(peer)[0]
+    first = next(r for r in attempts(peer) if r["status"] == "ok")
     text = f" PEFT trains {first['ranks'][0]['trainable_numel']:,} params."
     if first.get("spec", {}).get("packing") is False:
         text += (" The peer trains unpacked: one conversation per row, right-padded, "

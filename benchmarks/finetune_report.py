@@ -173,7 +173,7 @@ def _counts(results: dict) -> str:
                  if n.startswith(PEER_KEY) and not failure(r)), None)
     if peer is None:
         return f"moezero's prepared data: {inputs['tokens']:,} tokens, {inputs['trained']:,} trained."
-    ds = attempts(peer)[0]["ranks"][0]["dataset"]
+    ds = next(r for r in attempts(peer) if r["status"] == "ok")["ranks"][0]["dataset"]
     same = "the same" if (ds["tokens"], ds["trained"]) == (inputs["tokens"], inputs["trained"]) \
         else "**different**"
     return (f"Whole data set: moezero's prepared manifest {inputs['tokens']:,} tokens, "
@@ -211,8 +211,8 @@ def section(results: dict) -> list[str]:
     train, model = size["train"], size["model"]
     body = [_row(name, stats[name], run) for name, run in runs.items()]
     peer_run = next(r for n, r in runs.items() if n.startswith(PEER_KEY))
-    trainable = ("–" if failure(peer_run)
-                 else f"{attempts(peer_run)[0]['ranks'][0]['trainable_numel']:,}")
+    ok = [r for r in attempts(peer_run) if r["status"] == "ok"]
+    trainable = f"{ok[0]['ranks'][0]['trainable_numel']:,}" if ok else "–"
     return [SECTION, "",
             f"A random `Qwen3MoeForCausalLM` ({inputs['params']:,} params: dim {model['dim']}, "
             f"{model['n_layers']} layers, {model['n_heads']} heads / {model['n_kv_heads']} KV, "

@@ -148,6 +148,7 @@ def test_the_family_section_reports_repeats_targets_and_failures():
     base["finetune"]["runs"]["moezero LoRA, stage 2"] = {
         "repeats": [base["finetune"]["runs"]["moezero LoRA, stage 2"], gone]}
     failed = {"repeats": [gone, {"status": "failed", "error": "OSError: again"}]}
+    base["finetune"]["runs"]["TRL peer"] = {"repeats": [gone, base["finetune"]["runs"]["TRL peer"]]}
     unpacked = _peer(100.0, 80)
     unpacked["spec"] = {"packing": False, "micro_batch_size": 8}
     base["finetune"]["families"] = {
