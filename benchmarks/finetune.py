@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -217,7 +218,7 @@ def run_only(args, out: Path, work: Path, quick: bool) -> int:
         results = json.loads(Path(args.from_json).read_text())
     else:
         results = {"machine": machine_info(), "command": "python -m benchmarks.run "
-                   + " ".join(sys.argv[1:]), "load_before": os.getloadavg(),
+                   + shlex.join(sys.argv[1:]), "load_before": os.getloadavg(),
                    "uptime_before": _uptime(),
                    "finetune": measure(args, work, SIZES["quick" if quick else "full"]),
                    "load_after": os.getloadavg(), "uptime_after": _uptime()}

@@ -130,7 +130,10 @@ def _notes() -> list[str]:
         "seen tokens include the padding, its trained tokens are the same assistant tokens. "
         "moezero packs as everywhere, the recurrence and the convolution restarting at each "
         "conversation (`data.document_mask`).",
-        "- Where Qwen3-Next's step goes (profiled 2026-11-28 on this model, one process, one "
+        "- Why Qwen3-Next's margin is the smallest (an earlier run of its rows at load "
+        "average ~20, 18:51-19:02 UTC, with moezero stage 0 and 3 rows, measured 1.30× and "
+        "0.75×: both missed). Where its step goes (profiled 2026-11-28 on this model, one "
+        "process, one "
         "thread, moezero's LoRA forward + backward of 4 × 256 packed tokens, load average "
         "~15): the three gated DeltaNet layers take 56–79% of the step (1.0–1.1 s each of "
         "4.2–5.3 s), and one such layer costs what transformers' `Qwen3NextGatedDeltaNet` "
