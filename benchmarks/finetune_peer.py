@@ -6,7 +6,9 @@ RESULT.json``, ``DS_ACCELERATOR=cpu``; the repository on ``sys.path`` for
 length, micro-batch, lr and steps as moezero's rows: ``assistant_only_loss`` (the template's
 ``{% generation %}`` spans), BFD packing (padding-free: each micro-batch is one flattened row,
 positions restarting per conversation, which transformers' masks turn into per-conversation
-attention), LoRA r/alpha on ``[q,k,v,o]_proj`` and the fused experts
+attention; with ``"packing": false`` in the spec one conversation per row, right-padded:
+transformers' Qwen3-Next refuses packed rows on CPU, without the CUDA-only
+``causal_conv1d``/``fla`` kernels), LoRA r/alpha on ``[q,k,v,o]_proj`` and the fused experts
 (``target_parameters``), fp32, constant lr, AdamW (HF's, under DeepSpeed). Per timed step:
 wall time from ``on_step_begin`` to ``on_step_end``, the batch's tokens and trained targets
 (labels not -100 after the shift); peak anonymous memory sampled from the start; then one
@@ -42,7 +44,7 @@ def _config(spec: dict):
         gradient_accumulation_steps=1, max_steps=spec["warmup"] + spec["timed"],
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-        max_grad_norm=1.0, max_length=spec["seq_len"], packing=True,
+        max_grad_norm=1.0, max_length=spec["seq_len"], packing=spec.get("packing", True),
         assistant_only_loss=True, logging_steps=1, save_strategy="no", report_to=[],
         seed=spec["seed"], dataloader_num_workers=0, disable_tqdm=True)
 
@@ -98,7 +100,9 @@ def _build(spec: dict):
     tok = AutoTokenizer.from_pretrained(spec["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     lora = LoraConfig(r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=0.0,
-                      target_modules=ATTENTION, target_parameters=EXPERTS, task_type="CAUSAL_LM")
+                      target_modules=spec.get("target_modules", ATTENTION),
+                      target_parameters=spec.get("target_parameters", EXPERTS),
+                      task_type="CAUSAL_LM")
     data = load_dataset("json", data_files=spec["chats"], split="train")
     clock = _clock()
     trainer = _trainer_class()(model=model, args=args, train_dataset=data, processing_class=tok,

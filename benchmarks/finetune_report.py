@@ -39,9 +39,24 @@ def adapter_params(model: dict, r: int) -> int:
     return model["n_layers"] * (attn + experts)
 
 
-def row_stats(run: dict) -> dict:
-    """Per-rank throughput (each rank's tokens over its timed steps' time, averaged over the
-    ranks), the larger rank's peaks, the checkpoint and the loss of a successful run."""
+def attempts(run: dict) -> list[dict]:
+    """A row's runs: its ``repeats``, or the row itself (a result of one run per row)."""
+    return run["repeats"] if "repeats" in run else [run]
+
+
+def failure(run: dict) -> str | None:
+    """The error of a row's first failed run when none succeeded, else None."""
+    runs = attempts(run)
+    if any(r["status"] == "ok" for r in runs):
+        return None
+    return runs[0]["error"]
+
+
+def _failed(run: dict) -> list[str]:
+    return [r["error"] for r in attempts(run) if r["status"] != "ok"]
+
+
+def _one_stats(run: dict) -> dict:
     ranks = run["ranks"]
 
     def per_rank(key: str) -> float:
@@ -57,6 +72,21 @@ def row_stats(run: dict) -> dict:
             "loss": (ranks[0]["losses"][0], ranks[0]["losses"][-1])}
 
 
+def row_stats(run: dict) -> dict:
+    """Per-rank throughput (each rank's tokens over its timed steps' time, averaged over the
+    ranks), the larger rank's peaks, the checkpoint and the loss of a successful row; over
+    repeats: the median throughput and step time, the largest peaks, the first's loss and
+    checkpoint, each repeat's trained tokens/s (``each``), of the runs that succeeded, and
+    the errors of those that failed (``failed``)."""
+    each = [_one_stats(r) for r in attempts(run) if r["status"] == "ok"]
+    merged = {**each[0], "each": [e["trained_per_s"] for e in each], "failed": _failed(run)}
+    for key in ("trained_per_s", "seen_per_s", "step_s"):
+        merged[key] = statistics.median(e[key] for e in each)
+    for key in ("anon_peak", "peak_rss", "save_s"):
+        merged[key] = max(e[key] for e in each)
+    return merged
+
+
 def progress(run: dict) -> str:
     """One console line for a finished row."""
     if run["status"] != "ok":
@@ -66,9 +96,17 @@ def progress(run: dict) -> str:
             f"{mib(s['anon_peak'])} [{run['wall_s']:.0f} s]")
 
 
-def _stats(results: dict) -> dict[str, dict | None]:
-    return {name: row_stats(run) if run["status"] == "ok" else None
-            for name, run in results["finetune"]["runs"].items()}
+def family_runs(results: dict) -> dict[str, dict]:
+    """Family key -> its runs, params and paths (a result from before the families: its
+    ``runs`` as Qwen3-MoE's)."""
+    data = results["finetune"]
+    if "families" in data:
+        return data["families"]
+    return {"qwen3_moe": {"runs": data["runs"], "params": data["inputs"]["params"]}}
+
+
+def stats_of(runs: dict) -> dict[str, dict | None]:
+    return {name: None if failure(run) else row_stats(run) for name, run in runs.items()}
 
 
 def fastest_lora(stats: dict) -> str | None:
@@ -77,15 +115,15 @@ def fastest_lora(stats: dict) -> str | None:
     return max(lora, key=lambda n: stats[n]["trained_per_s"], default=None)
 
 
-def _peer(stats: dict) -> tuple[str, dict | None]:
+def peer_of(stats: dict) -> tuple[str, dict | None]:
     name = next(n for n in stats if n.startswith(PEER_KEY))
     return name, stats[name]
 
 
 def target_rows(results: dict) -> list[list[str]]:
     """The issue's three targets: measured ratio and verdict (or why not measured)."""
-    stats = _stats(results)
-    mine, (peer_name, peer) = fastest_lora(stats), _peer(stats)
+    stats = stats_of(family_runs(results)["qwen3_moe"]["runs"])
+    mine, (peer_name, peer) = fastest_lora(stats), peer_of(stats)
     data = results["finetune"]
     train = data["size"]["train"]
     params = adapter_params(data["size"]["model"], train["r"])
@@ -110,10 +148,19 @@ def target_rows(results: dict) -> list[list[str]]:
     return rows
 
 
+def tokens_cell(s: dict) -> str:
+    """Trained tokens/s per rank: the median, and each repeat's when there are several."""
+    each = " / ".join(f"{x:,.0f}" for x in s["each"])
+    text = f"{s['trained_per_s']:,.0f}" + (f" ({each})" if len(s["each"]) > 1 else "")
+    if s.get("failed"):
+        text += f"; {len(s['failed'])} more run(s) failed: {s['failed'][0]}"
+    return text
+
+
 def _row(name: str, s: dict | None, run: dict) -> list:
     if s is None:
-        return [name, f"failed: {run['error']}", *["–"] * 7]
-    return [name, f"{s['trained_per_s']:,.0f}", f"{s['seen_per_s']:,.0f}",
+        return [name, f"failed: {failure(run)}", *["–"] * 7]
+    return [name, tokens_cell(s), f"{s['seen_per_s']:,.0f}",
             f"{s['step_s']:.2f}", mib(s["peak_rss"]), mib(s["anon_peak"]),
             f"{s['ckpt_bytes']:,} ({s['ckpt_files']} files)", f"{s['save_s']:.2f}",
             f"{s['loss'][0]:.3f} → {s['loss'][1]:.3f}"]
@@ -121,12 +168,12 @@ def _row(name: str, s: dict | None, run: dict) -> list:
 
 def _counts(results: dict) -> str:
     """The trained-token agreement line: moezero's prepared manifest vs the peer's dataset."""
-    data = results["finetune"]
-    inputs, peer = data["inputs"], data["runs"][next(n for n in data["runs"]
-                                                     if n.startswith(PEER_KEY))]
-    if peer["status"] != "ok":
+    inputs, runs = results["finetune"]["inputs"], family_runs(results)
+    peer = next((r for fam in runs.values() for n, r in fam["runs"].items()
+                 if n.startswith(PEER_KEY) and not failure(r)), None)
+    if peer is None:
         return f"moezero's prepared data: {inputs['tokens']:,} tokens, {inputs['trained']:,} trained."
-    ds = peer["ranks"][0]["dataset"]
+    ds = next(r for r in attempts(peer) if r["status"] == "ok")["ranks"][0]["dataset"]
     same = "the same" if (ds["tokens"], ds["trained"]) == (inputs["tokens"], inputs["trained"]) \
         else "**different**"
     return (f"Whole data set: moezero's prepared manifest {inputs['tokens']:,} tokens, "
@@ -139,15 +186,33 @@ def _load(pair) -> str:
     return " ".join(f"{x:.2f}" for x in pair)
 
 
+def run_line(results: dict) -> str:
+    """The command, date and the machine's load around the run (``uptime`` when recorded)."""
+    if "uptime_before" in results:
+        load = (f"`uptime` before: {results['uptime_before']}; after: "
+                f"{results['uptime_after']}")
+    else:
+        load = (f"load average {_load(results['load_before'])} before, "
+                f"{_load(results['load_after'])} after")
+    return f"Run: `{results['command']}` ({results['machine']['date']}; {load})."
+
+
+def repeats_note(runs: dict) -> str:
+    count = max(len(attempts(r)) for r in runs.values())
+    return (f", each row run {count} times, interleaved (every row once, then again): the "
+            "median throughput, the largest peak" if count > 1 else "")
+
+
 def section(results: dict) -> list[str]:
     """The BENCHMARKS.md section of ``results["finetune"]``."""
-    data, stats = results["finetune"], _stats(results)
+    data, runs = results["finetune"], family_runs(results)["qwen3_moe"]["runs"]
+    stats = stats_of(runs)
     size, inputs = data["size"], data["inputs"]
     train, model = size["train"], size["model"]
-    body = [_row(name, stats[name], run) for name, run in data["runs"].items()]
-    peer_run = next(r for n, r in data["runs"].items() if n.startswith(PEER_KEY))
-    trainable = (f"{peer_run['ranks'][0]['trainable_numel']:,}" if peer_run["status"] == "ok"
-                 else "–")
+    body = [_row(name, stats[name], run) for name, run in runs.items()]
+    peer_run = next(r for n, r in runs.items() if n.startswith(PEER_KEY))
+    ok = [r for r in attempts(peer_run) if r["status"] == "ok"]
+    trainable = f"{ok[0]['ranks'][0]['trainable_numel']:,}" if ok else "–"
     return [SECTION, "",
             f"A random `Qwen3MoeForCausalLM` ({inputs['params']:,} params: dim {model['dim']}, "
             f"{model['n_layers']} layers, {model['n_heads']} heads / {model['n_kv_heads']} KV, "
@@ -159,7 +224,8 @@ def section(results: dict) -> list[str]:
             f"trained. W = 2 (gloo, one thread per rank), seq len {train['seq_len']}, "
             f"micro-batch {train['micro_batch_size']} per rank, fp32, AdamW lr {train['lr']:g} "
             f"constant, betas 0.9/0.999, no decay, clip 1.0; {train['warmup']} warm-up + "
-            f"{train['timed']} timed steps. LoRA r {train['r']}, alpha {train['alpha']} on "
+            f"{train['timed']} timed steps{repeats_note(runs)}. LoRA r {train['r']}, alpha "
+            f"{train['alpha']} on "
             f"attention (q/k/v/o) and every expert: moezero "
             f"{adapter_params(model, train['r']):,} adapter params (w1, w3, w2 each r "
             f"{train['r']}), PEFT {trainable} (`target_parameters` on the fused "
@@ -170,9 +236,7 @@ def section(results: dict) -> list[str]:
                     "checkpoint bytes", "save s", "loss first → last"], body), "",
             *table(["target", "measured", "verdict"], target_rows(results)), "",
             f"The targets use the fastest moezero LoRA row ({fastest_lora(stats) or 'none'}). "
-            f"Run: `{results['command']}` ({results['machine']['date']}; load average "
-            f"{_load(results['load_before'])} before, {_load(results['load_after'])} after, "
-            "under an exclusive CPU lock).", "",
+            + run_line(results), "",
             *_notes()]
 
 

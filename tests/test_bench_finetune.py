@@ -5,6 +5,8 @@ measured figures; a failed row and a token-count disagreement are reported. No m
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import finetune_report as fr
@@ -95,3 +97,116 @@ def test_a_series_that_runs_alone_is_refused_beside_others(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "finetune" in err and "alone" in err, err
+
+
+TINY = {"dim": 32, "ffn_dim": 16, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+        "num_experts": 8, "top_k": 2, "aux_loss_coef": 0.001}
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3", "qwen3_next"])
+def test_each_family_imports_and_both_sides_adapt_what_it_has(family):
+    """Each row's HF config is one moezero imports (its family's checks, the LoRA targets
+    validated against the adopted architecture), and every PEFT target the peer names is a
+    module or parameter of the transformers model (built on the meta device)."""
+    import torch
+    import transformers
+
+    from benchmarks import finetune_models as fm
+    from moezero.checkpoint.hf.families import family_of_config
+    from moezero.config import Config
+
+    cfg = fm.hf_config(family, TINY, 64)
+    raw = cfg.to_dict()
+    arch = family_of_config(raw, "config.json").read(raw, "config.json")
+    spec = fm.FAMILIES[family]
+    sections = arch.sections()
+    Config.model_validate({**sections, "moe": {**sections["moe"], "ep_size": 2},
+                           "peft": {"method": "lora", "targets": list(spec.targets)}})
+    with torch.device("meta"):
+        model = getattr(transformers, spec.hf_class)(cfg)
+    modules = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    params = {name.split(".", 3)[-1] for name, _ in model.named_parameters()}
+    assert set(spec.peer_modules) <= modules
+    assert all(any(p.endswith(t) for p in params) for t in spec.peer_parameters)
+
+
+def _family(mine: tuple[float, float], peer: dict, anon: int = 60) -> dict:
+    """A family's runs: one moezero row run twice (trained tokens/s ``mine``), the peer."""
+    runs = [{"status": "ok", "ranks": [_rank(t, anon, 9)] * 2, "wall_s": 1.0} for t in mine]
+    return {"params": 1234, "hf": "h", "base": "b",
+            "runs": {"moezero LoRA, stage 0": {"repeats": runs}, fr.PEER_KEY + " peer": peer}}
+
+
+def test_the_family_section_reports_repeats_targets_and_failures():
+    """Repeats: the median tokens/s with each repeat's, the largest peak; each family's two
+    targets met or missed; a row whose runs all failed is failed, one with some failed says
+    so beside the figures of the others; only the families that ran."""
+    from benchmarks import finetune, finetune_families
+
+    base = _results(_peer(150.0, 100), lora_ckpt=1)
+    gone = {"status": "failed", "error": "OSError: gone"}
+    base["finetune"]["runs"]["moezero LoRA, stage 2"] = {
+        "repeats": [base["finetune"]["runs"]["moezero LoRA, stage 2"], gone]}
+    failed = {"repeats": [gone, {"status": "failed", "error": "OSError: again"}]}
+    base["finetune"]["runs"]["TRL peer"] = {"repeats": [gone, base["finetune"]["runs"]["TRL peer"]]}
+    unpacked = _peer(100.0, 80)
+    unpacked["spec"] = {"packing": False, "micro_batch_size": 8}
+    base["finetune"]["families"] = {
+        "qwen3_moe": {"params": 10, "runs": base["finetune"].pop("runs")},
+        "gpt_oss": _family((300.0, 340.0), {"repeats": [_peer(100.0, 100)] * 2}),
+        "deepseek_v3": _family((120.0, 140.0), {"repeats": [unpacked] * 2}),
+        "qwen3_next": _family((300.0, 300.0), failed)}
+    qwen, families = finetune.sections(base)
+    assert qwen[0] == fr.SECTION and families[0] == finetune_families.SECTION
+    text = "\n".join(families)
+    assert "| gpt-oss | moezero LoRA, stage 0 | 320 (300 / 340) |" in text
+    assert "| gpt-oss | ≥ 1.5× the peer's trained tokens/s per rank | 3.20× (" in text
+    assert "| DeepSeek-V3 | ≥ 1.5× the peer's trained tokens/s per rank | 1.30× " \
+           "(moezero LoRA, stage 0) | missed by 13% |" in text
+    assert "| DeepSeek-V3 | ≤ 0.7× the peer's peak anon per rank | 0.75× " \
+           "(moezero LoRA, stage 0) | missed by 7% |" in text
+    assert "failed: OSError: gone" in text and "not measured: TRL peer failed" in text
+    assert "| moezero LoRA, stage 2 | 300; 1 more run(s) failed: OSError: gone |" in \
+        "\n".join(qwen)
+    assert "one conversation per row, right-padded, 8 per micro-batch" in text
+    del base["finetune"]["families"]["qwen3_moe"], base["finetune"]["families"]["gpt_oss"]
+    (only,) = finetune.sections(base)
+    assert "| gpt-oss |" not in "\n".join(only) and "DeepSeek-V3 (1,234 params" in "\n".join(only)
+
+
+def test_families_measured_one_at_a_time_make_one_section(tmp_path):
+    """``--only`` runs of one family each: the results keep the earlier families (same
+    sizes), in the series' order, each with its own command and load line."""
+    from benchmarks import finetune, finetune_families
+
+    def one(family: str, when: str) -> dict:
+        fam = _family((300.0, 300.0), {"repeats": [_peer(100.0, 100)]})
+        fam["run"] = {"command": f"run {family}", "date": when, "uptime_before": "u1",
+                      "uptime_after": "u2"}
+        res = _results(_peer(150.0, 100), lora_ckpt=1)
+        res["finetune"].pop("runs")
+        res["finetune"]["families"] = {family: fam}
+        return res
+
+    path = tmp_path / "results-finetune.json"
+    path.write_text(json.dumps(finetune.merged(path, one("qwen3_next", "t1"))))
+    both = finetune.merged(path, one("gpt_oss", "t2"))
+    assert list(both["finetune"]["families"]) == ["gpt_oss", "qwen3_next"]
+    text = "\n".join(finetune_families.section(both))
+    assert "- gpt-oss: `run gpt_oss` (t2; `uptime` before: u1; after: u2)." in text
+    assert "- Qwen3-Next: `run qwen3_next` (t1;" in text
+    other = one("gpt_oss", "t3")
+    other["finetune"]["size"] = {**other["finetune"]["size"], "train": {**TRAIN, "timed": 9}}
+    assert list(finetune.merged(path, other)["finetune"]["families"]) == ["gpt_oss"]
+
+
+def test_only_picks_families_and_rows():
+    from benchmarks.finetune import FAMILY_ROWS, keep_row, selected
+
+    assert selected([]) == ["qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_next"]
+    assert selected(["gpt-oss", "deepseek", "stage 0"]) == ["gpt_oss", "deepseek_v3"]
+    assert selected(["stage 0"]) == selected([])
+    names = [n for n, _ in FAMILY_ROWS]
+    assert [n for n in names if keep_row(n, names, ["gpt-oss"])] == names
+    assert [n for n in names if keep_row(n, names, ["gpt-oss", "stage 0"])] == \
+        ["moezero LoRA, stage 0"]
