@@ -14,13 +14,11 @@ disk and records the resources when it stops it.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-from pathlib import Path
 
 from benchmarks.common import AnonPeak, anon_rss
 from benchmarks.finetune_peer import ATTENTION, EXPERTS, _clock, _trainer_class, _versions, vm_hwm
+from benchmarks.finetune_peer import main as peer_main
 
 
 def deepspeed_config(spec: dict) -> dict:
@@ -84,18 +82,7 @@ def run_rank(spec: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec_path, result_path = argv if argv is not None else sys.argv[1:]
-    spec = json.loads(Path(spec_path).read_text())
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    record = run_rank(spec)
-    ranks: list = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, record)
-    if dist.get_rank() == 0:
-        Path(result_path).write_text(json.dumps({"spec": spec, "ranks": ranks}))
-    return 0
+    return peer_main(argv, run_rank)
 
 
 if __name__ == "__main__":

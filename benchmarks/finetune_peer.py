@@ -168,14 +168,17 @@ def _versions() -> dict:
     return {m.__name__: m.__version__ for m in (trl, peft, deepspeed, transformers, torch)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, run=None) -> int:
+    """A rank of the peer: ``argv`` = the spec's JSON path and the result's; ``run`` (default
+    this module's ``run_rank``; the bigbase series passes its own) gives the rank's record;
+    rank 0 writes every rank's."""
     spec_path, result_path = argv if argv is not None else sys.argv[1:]
     spec = json.loads(Path(spec_path).read_text())
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    record = run_rank(spec)
+    record = (run or run_rank)(spec)
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, record)
     if dist.get_rank() == 0:
