@@ -1,16 +1,17 @@
-"""The four new families at W = 2 with ep 2 (issues 36, 37): gpt-oss (sinks, biases, alternating
+"""The new families at W = 2 with ep 2 (issues 36, 37): gpt-oss (sinks, biases, alternating
 sliding windows of 5 over 12-token rows), DeepSeek-V3 (MLA with ``q_lora_rank``, group-limited
 sigmoid routing with ``n_group`` 4, one first-k dense layer, a shared expert), GLM-4.5 (partial
-rotary, QK-norm, two shared experts) and Qwen3-Next (a gated DeltaNet then a gated attention
-layer, chunks of 5 over 12 tokens), each a tiny random transformers 5 model (every tensor and
-correction bias random) imported by ``import_hf``. Three steps from the import at ZeRO stage 0;
-1 with the optimizer on the CPU; 2 with it on NVMe; 3; 3 with params on the CPU; 3 with params
-and optimizer on NVMe (activation checkpointing in two of them, optimizer groups and reduce
-buckets capped below an expert weight in three) give the losses, final weights
+rotary, QK-norm, two shared experts), Qwen3-Next (a gated DeltaNet then a gated attention
+layer, chunks of 5 over 12 tokens) and Qwen3.5-MoE's language model (the two kinds in the other
+order; the import carries its vision tower), each a tiny random transformers 5 model (every
+tensor and correction bias random) imported by ``import_hf``. Three steps from the import at
+ZeRO stage 0; 1 with the optimizer on the CPU; 2 with it on NVMe; 3; 3 with params on the CPU;
+3 with params and optimizer on NVMe (activation checkpointing in two of them, optimizer groups
+and reduce buckets capped below an expert weight in three) give the losses, final weights
 and expert biases of W = 1 at stage 0 on the same global batches.
 
 One spawn of the W = 2 world runs every case of every family in turn, W = 1 runs in the test
-process (slow: about 50 s of CPU with pytest's start, some 30 s of it the W = 2 world's ranks).
+process (slow: about 60 s of CPU with pytest's start, some 35 s of it the W = 2 world's ranks).
 """
 
 from __future__ import annotations
@@ -65,8 +66,24 @@ HF = {  # family: (transformers config class, model class, config fields)
         linear_conv_kernel_dim=3, moe_intermediate_size=16, shared_expert_intermediate_size=12,
         intermediate_size=12, num_experts=4, num_experts_per_tok=2,
         partial_rotary_factor=0.5)),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(
+        text_config=dict(
+            hidden_size=32, num_hidden_layers=2,
+            layer_types=["full_attention", "linear_attention"], num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+            linear_conv_kernel_dim=3, moe_intermediate_size=16,
+            shared_expert_intermediate_size=12, num_experts=4, num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                             "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 0],
+                             "mrope_interleaved": True}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2,
+                           patch_size=4, out_hidden_size=32, num_position_embeddings=16,
+                           temporal_patch_size=2, spatial_merge_size=2),
+        image_token_id=90, video_token_id=91, vision_start_token_id=92,
+        vision_end_token_id=93)),
 }
-MODEL = {"qwen3_next": {"gated_delta_chunk": 5}}  # moezero's options beside the import's
+MODEL = {"qwen3_next": {"gated_delta_chunk": 5}, "qwen3_5_moe": {"gated_delta_chunk": 5}}  # moezero's options beside the import's
 CAP = 300  # moe.max_group_size and reduce_bucket_size: < an expert weight, so weights are sliced
 CASES = {  # name: (ZeRO stage, offload_param device, offload_optimizer device, act. ckpt, cap)
     "stage0": (0, "none", "none", False, None),
@@ -83,8 +100,10 @@ def hf_model(family: str):
     (gains become 1 ± 0.1, biases and sinks nonzero) and every correction bias."""
     config_cls, model_cls, fields = HF[family]
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(vocab_size=VOCAB, max_position_embeddings=128,
-                                               **fields)
+    sizes = dict(vocab_size=VOCAB, max_position_embeddings=128)
+    if "text_config" in fields:  # Qwen3.5-MoE: the language model's config is nested
+        fields, sizes = {**fields, "text_config": {**fields["text_config"], **sizes}}, {}
+    config = getattr(transformers, config_cls)(**sizes, **fields)
     model = getattr(transformers, model_cls)(config).float().eval()
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
@@ -217,5 +236,7 @@ def test_the_oracle_is_transformers_model_with_each_familys_options(models, sing
     assert {"layers.0.attn.q_norm.weight", "layers.1.shared.w1.weight"} <= names["glm4_moe"]
     assert {"layers.0.linear_attn.in_proj_qkvz.weight",
             "layers.1.attn.wq.weight"} <= names["qwen3_next"]
+    assert {"layers.0.attn.wq.weight",
+            "layers.1.linear_attn.in_proj_qkvz.weight"} <= names["qwen3_5_moe"]
     for result in single.values():
         assert result["losses"][-1] != result["losses"][0]
