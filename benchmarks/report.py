@@ -20,10 +20,13 @@ from benchmarks import (
     tables_memory,
     tables_scale,
 )
+from benchmarks.bigbase_report import TITLE as BIGBASE_HEADING
 from benchmarks.finetune_families import SECTION as FAMILIES_HEADING
 from benchmarks.finetune_report import SECTION as FINETUNE_HEADING
 from benchmarks.fmt import mbs, mib, ok, splice, table, verdict
 from benchmarks.gated_delta import SECTION as GATED_DELTA_HEADING
+from benchmarks.gpu import SECTION as GPU_HEADING
+from benchmarks.gpu_check import SECTION as GPU_CHECK_HEADING
 from benchmarks.hoststep import SECTION as HOSTSTEP_HEADING
 from benchmarks.nvme_phases import HEADING as NVME_HEADING
 from benchmarks.specs import MOEZERO_CONFIGS, PEER_CONFIGS, TARGET_CONFIG
@@ -326,6 +329,14 @@ def update_sections(results: dict, out: Path, series: list[str]) -> str:
     return text
 
 
+OWN_RUNS = (HOSTSTEP_HEADING, NVME_HEADING, FINETUNE_HEADING, FAMILIES_HEADING,
+            GATED_DELTA_HEADING, IMPORT_DS_HEADING, MEMORY_HEADING, BIGBASE_HEADING,
+            GPU_HEADING, GPU_CHECK_HEADING)
+"""Sections written by runs of their own (the hoststep, nvme, finetune, gated-delta, bigbase
+and GPU series, the import-deepspeed row, the memory attribution): a run of the main series
+keeps the last of each from the report it replaces."""
+
+
 def write(results: dict, out: Path, plots_dir: Path) -> str:
     """Plots then BENCHMARKS.md; returns the text."""
     plots_dir.mkdir(parents=True, exist_ok=True)
@@ -342,10 +353,7 @@ def write(results: dict, out: Path, plots_dir: Path) -> str:
     if out.exists():  # and the last scale series (a run of its own: benchmarks.scale)
         kept = tables_data.existing_section(out.read_text(), tables_scale.HEADING)
         text = splice(text, kept) if kept else text
-    # the last hoststep, nvme and finetune series (both sections), gated-delta rule,
-    # import-deepspeed row and memory attribution (runs of their own)
-    for heading in (HOSTSTEP_HEADING, NVME_HEADING, FINETUNE_HEADING, FAMILIES_HEADING,
-                    GATED_DELTA_HEADING, IMPORT_DS_HEADING, MEMORY_HEADING):
+    for heading in OWN_RUNS:
         kept = out.exists() and tables_data.existing_section(out.read_text(), heading)
         text = splice(text, kept) if kept else text
     out.write_text(text)

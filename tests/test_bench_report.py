@@ -93,3 +93,22 @@ def test_nvme_and_scale_sections_split_the_step_by_phase():
     per_param = 4e9 / param_count(SCALE_SIZES["quick"]["model"])
     assert f"| today | 6.0 s | 1.00× | 4.0 s | 1.50× | 4.00 GB | {per_param:.1f} B |" in text
     assert "| today | step | 4.00 | 1.00 | 3.00 |" in text
+
+
+def test_the_main_series_keeps_every_section_of_a_run_of_its_own(tmp_path, monkeypatch):
+    """A run of the main series rewrites its own sections and keeps those other harnesses
+    wrote (bigbase, finetune, GPU, ...): the bigbase section was dropped by the first
+    ``--quick`` run after it landed."""
+    from benchmarks import bigbase_report, finetune_families, gpu, gpu_check
+
+    own = [bigbase_report.TITLE, finetune_families.SECTION, gpu.SECTION, gpu_check.SECTION,
+           report.HOSTSTEP_HEADING]
+    out = tmp_path / "BENCHMARKS.md"
+    out.write_text(OLD.replace("## Not run", "".join(f"{h}\n\nkept\n\n" for h in own)
+                               + "## Not run"))
+    monkeypatch.setattr(report, "render", lambda results, links: OLD)
+    monkeypatch.setattr(report.plots, "memory_vs_experts", lambda results, path: None)
+    monkeypatch.setattr(report.plots, "throughput", lambda results, path: None)
+    text = report.write({"runs": []}, out, tmp_path / "plots")
+    for heading in own:
+        assert f"{heading}\n\nkept" in text, heading
