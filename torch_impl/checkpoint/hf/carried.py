@@ -13,13 +13,13 @@ weight shard (the index names its keys) and nests the architecture's keys into t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import struct
 from pathlib import Path
 
+from moezero.data.tokenizer import file_sha256
 from moezero.plan.encoding import safetensors_header
 from moezero.plan.store import CheckpointError
 
@@ -76,14 +76,6 @@ def _copy_bytes(path: Path, offset: int, size: int, dst) -> None:
                 raise CheckpointError(f"{path}: truncated safetensors file")
             dst.write(block)
             size -= len(block)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def hf_section(config: dict | None) -> dict:
