@@ -251,7 +251,8 @@ class Engine:
         return TopologyRecord(self.topology.world_size, tuple(self.topology.ep_sizes),
                               zero.stage, str(self.dtype).removeprefix("torch."),
                               moe.max_group_size, moe.split_groups_by_expert,
-                              offload_optimizer=zero.offload_optimizer.device)
+                              offload_optimizer=zero.offload_optimizer.device,
+                              split_dense_by_layer=moe.split_dense_by_layer)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, root, *, state: dict | None = None, step: int | None = None,

@@ -194,6 +194,10 @@ class MoEConfig(_Section):
     max_group_size: int | None = Field(
         None, gt=0, description="Hard cap on elements per optimizer group (tiled step); None = no cap.")
     split_groups_by_expert: bool = Field(True, description="One optimizer group per (layer, expert).")
+    split_dense_by_layer: bool = Field(
+        False, description="One dense optimizer group per block (layers.N, embed, lm_head, "
+                           "norm) and user group, so a ZeRO-3 gather unit gathers its own block "
+                           "only (big models at stage 3); else one per user group.")
     aux_loss_coef: float = Field(0.01, ge=0, description="Weight of the load-balancing aux loss.")
     z_loss_coef: float = Field(0.001, ge=0, description="Weight of the router z-loss.")
     # Router variants and shared experts (docs/model.md, "Router variants"; "Shared expert").

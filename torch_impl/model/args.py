@@ -20,7 +20,7 @@ from moezero.model.router import RouterOptions
 if TYPE_CHECKING:  # the model imports no pydantic (benchmarks' peer venvs build it bare)
     from moezero.config import Config
 
-MOE_PLAN_KEYS = ("max_group_size", "split_groups_by_expert")
+MOE_PLAN_KEYS = ("max_group_size", "split_groups_by_expert", "split_dense_by_layer")
 """``moe.*`` keys of the optimizer's grouping (``moezero.zero.groups``), not of the model."""
 
 

@@ -1,13 +1,20 @@
 """ZeRO-3 parameter gathering: params live as shards; a module's params exist only while used.
 
 **Units** (``plan_units``: pure, frozen ``GatherUnit`` records). The model's root, every module
-of an ``nn.ModuleList`` (the decoder's blocks) and every ``MoE`` layer are gather units. A unit
+of an ``nn.ModuleList`` (the decoder's blocks) and every ``MoE`` layer are gather units; so is
+each other child of the root (the decoder's embedding, final norm and LM head:
+``own_units``) whose groups no other unit needs, so it is gathered only around its own call;
+one whose groups another unit needs stays in the root's unit, gathered for the whole pass
+(with one dense group, the embedding would otherwise gather every dense param again for each
+block). A unit
 owns the params below it that no nested unit owns, split by data-parallel kind (dense params;
 each moe group's experts), so the dense part of a MoE layer (its router) and its experts are
 released independently. A unit needs every optimizer group holding one of its params, closed
 over the groups of those groups' members (a param sliced across groups by
-``moe.max_group_size`` is gathered whole). Cap the groups to make units fine-grained: with one
-big dense group every dense param is gathered at once.
+``moe.max_group_size`` is gathered whole). With one dense group (the default grouping) every
+dense param is gathered at once; ``moe.split_dense_by_layer`` gives each block its own dense
+groups, so a unit gathers its block only (a cap would not help: the chunks a cap cuts share
+sliced params, and the closure chains through them).
 
 **Inputs.** ``ParamGatherer`` receives the model (its modules carry the hooks), the params by
 FQN, the optimizer's slots (each group's members and partition) and a fetch function giving a
@@ -91,10 +98,20 @@ class GatherUnit:
 
 
 def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every gather unit in registration (~forward) order; root first."""
+    """(name, module) of every gather unit in registration (~forward) order; root first. The
+    ``own_units`` among them are units only where their groups are their own (``plan_units``)."""
     lists = {n for n, m in model.named_modules() if n and isinstance(m, nn.ModuleList)}
+    own = own_units(model)
     return [(name, module) for name, module in model.named_modules()
-            if module is model or name.rpartition(".")[0] in lists or isinstance(module, MoE)]
+            if module is model or name in own or name.rpartition(".")[0] in lists
+            or isinstance(module, MoE)]
+
+
+def own_units(model: nn.Module) -> frozenset[str]:
+    """The root's children that are units only where no other unit needs their groups: every
+    child but a ``ModuleList`` (its modules are units) and a ``MoE`` (always one)."""
+    return frozenset(n for n, m in model.named_children()
+                     if not isinstance(m, (nn.ModuleList, MoE)))
 
 
 def param_kind(param: nn.Parameter) -> str:
@@ -104,29 +121,44 @@ def param_kind(param: nn.Parameter) -> str:
 
 
 def plan_units(modules: Sequence[str], kinds: Mapping[str, str],
-               slot_members: Sequence[Sequence[str]]) -> tuple[GatherUnit, ...]:
+               slot_members: Sequence[Sequence[str]],
+               own: frozenset[str] = frozenset()) -> tuple[GatherUnit, ...]:
     """The gather units, in module order (pure).
 
     Args:
         modules: Unit module names in forward order, the root ("") first.
         kinds: Every parameter's kind (``param_kind``), in registration order.
         slot_members: Each optimizer group's member FQNs, in slot order.
+        own: Modules among ``modules`` that are units only where no other unit needs one of
+            their groups; else their params go to the root's unit (``own_units``).
 
     A parameter belongs to the innermost unit module above it; a unit needs every group
     holding one of its params, closed over the groups of those groups' members.
     """
-    owned: dict[tuple[str, str], set[str]] = {}
-    for fqn, kind in kinds.items():
-        unit = max((n for n in modules if not n or fqn.startswith(n + ".")), key=len)
-        owned.setdefault((unit, kind), set()).add(fqn)
     slots_of: dict[str, set[int]] = {}
     for i, members in enumerate(slot_members):
         for fqn in members:
             slots_of.setdefault(fqn, set()).add(i)
+    owned = _owned(modules, kinds)
+    need = {key: _closure(fqns, slots_of, slot_members) for key, fqns in owned.items()}
+    for key in [k for k in owned if k[0] in own]:
+        others = set().union(*(set(s) for k, s in need.items() if k != key))
+        if others & set(need[key]):  # shared: back to the root's unit
+            owned.setdefault(("", key[1]), set()).update(owned.pop(key))
+            need.pop(key)
+            need[("", key[1])] = _closure(owned[("", key[1])], slots_of, slot_members)
     ordered = sorted(owned.items(), key=lambda kv: modules.index(kv[0][0]))
     return tuple(GatherUnit(f"{unit or '<root>'}[{kind}]", unit, frozenset(fqns),
-                            _closure(fqns, slots_of, slot_members))
-                 for (unit, kind), fqns in ordered)
+                            need[(unit, kind)]) for (unit, kind), fqns in ordered)
+
+
+def _owned(modules: Sequence[str], kinds: Mapping[str, str]) -> dict[tuple[str, str], set[str]]:
+    """(unit module, kind) -> the params of that kind whose innermost unit module it is."""
+    owned: dict[tuple[str, str], set[str]] = {}
+    for fqn, kind in kinds.items():
+        unit = max((n for n in modules if not n or fqn.startswith(n + ".")), key=len)
+        owned.setdefault((unit, kind), set()).add(fqn)
+    return owned
 
 
 def _closure(fqns: set[str], slots_of: dict[str, set[int]],
@@ -178,7 +210,8 @@ class ParamGatherer:
         modules = unit_modules(model)
         self.units = plan_units([n for n, _ in modules],
                                 {fqn: param_kind(p) for fqn, p in model.named_parameters()},
-                                [[m.fqn for m in s.group.members] for s in slots])
+                                [[m.fqn for m in s.group.members] for s in slots],
+                                own_units(model))
         self.state = _State([0] * len(slots))
         self.pending = [0] * len(self.units)  # backward: owned params whose grad has not arrived
         self.active = [False] * len(self.units)  # held for backward
@@ -230,15 +263,15 @@ class ParamGatherer:
             else self._release
         for u in units:
             keep(u)
-        if not torch.is_grad_enabled() or not units or recomputing():
+        if not torch.is_grad_enabled() or recomputing():
             return out
-        tensors = [t for t in flatten(out) if t.requires_grad]
+        tensors = [t for t in flatten(out) if t.requires_grad] if units else []
+        if tensors and self.hint is not None:  # read-ahead: the order backward fetches in
+            self._post.append(units)
+        if root and self.hint is not None:  # the forward is done: backward fetches next
+            self._read_ahead(self._backward_fetches(0))
         if not tensors:
             return out
-        if self.hint is not None:  # read-ahead: remember the order backward will fetch in
-            self._post.append(units)
-            if root:  # the forward is done: backward fetches next
-                self._read_ahead(self._backward_fetches(0))
         wrapped = iter(UnitHook.apply(partial(self._pre_backward, units), *tensors))
         swap = {id(t): next(wrapped) for t in tensors}
         return rebuild(out, swap)
