@@ -53,6 +53,9 @@ SIZES = {
 SIZES["mid"] = {**SIZES["full"], "model": {**SIZES["full"]["model"], "n_layers": 2},
                 "compute_layers": 1, "dd_mib": 256}  # ``full``'s widths, 2 layers: a check
 PEER_PYTHON = "/work/ci/main/.nox/bench-peers/bin/python"
+MEMORY = ["moe.split_dense_by_layer=true", "activation_checkpointing.enabled=true"]
+"""A dense group per block (a unit gathers its own block, the embedding and head apart, each
+around its own call) and blocks recomputed in backward: what keeps a rank within 3 GiB."""
 LORA = ["peft.method=lora", "peft.r=16", "peft.alpha=32.0", "peft.targets=[attn, experts]"]
 
 
@@ -119,7 +122,7 @@ def overrides(inputs: dict, size: dict, *, in_memory: bool) -> list[str]:
         [f"checkpoint.load={root}/base"]
     return [*base, f"data.path={root}/data", "data.val_fraction=0", "train.eval_every=0",
             f"train.seq_len={size['seq_len']}", "train.micro_batch_size=1",
-            f"train.steps={size['steps'] + 1}", "moe.ep_size=2",
+            f"train.steps={size['steps'] + 1}", "moe.ep_size=2", *MEMORY,
             f"moe.num_experts={size['model']['num_experts']}",
             f"moe.top_k={size['model']['top_k']}", f"precision.dtype={size['dtype']}",
             "zero_optimization.stage=3", *_optimizer(size.get("optimizer", "cpu"), swap),

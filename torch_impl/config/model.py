@@ -34,6 +34,10 @@ class ModelConfig(_Section):
     rope_theta: float = _arch(10000.0, gt=0, description="RoPE base frequency.")
     norm_eps: float = _arch(1e-5, gt=0, description="RMSNorm epsilon.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
+    loss_chunk_tokens: int | None = Field(
+        None, ge=1, description="Compute the LM head's cross-entropy this many tokens at a "
+                                "time (logits made again in backward), so the tokens x vocab "
+                                "logits never exist whole; None = all at once.")
     # Options of the Hugging Face families (docs/model.md, docs/hf.md).
     n_kv_heads: int | None = _arch(
         None, ge=1, description="Key/value heads (grouped-query attention); must divide "

@@ -38,6 +38,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    loss_chunk_tokens: int | None = None
     num_experts: int = 8
     top_k: int = 2
     capacity_factor: float | None = None
