@@ -2,7 +2,8 @@
 tokens at a time equals torch's whole-logits cross-entropy (loss and gradients, masked or not,
 chunks that do not divide the tokens), in a decoder and at ZeRO stage 3, where the head is one
 gather unit used once per pass (equal to stage 2 bit for bit, with and without the split dense
-groups that make the head its own unit).
+groups that make the head its own unit, and with ``zero_optimization.prefetch_max_bytes``
+keeping the big units from being gathered ahead).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def test_a_frozen_head_gets_no_weight_gradient():
     assert x.grad is not None and head.weight.grad is None
 
 
+LIMIT = 20_000  # bytes: the tiny model's blocks and routers are gathered ahead, not its experts
+
+
 def _cases() -> dict:
     out = {}
     for by_layer in (False, True):
@@ -57,8 +61,12 @@ def _cases() -> dict:
             cfg["model"]["loss_chunk_tokens"] = 7
             cfg["moe"]["split_dense_by_layer"] = by_layer
             out[f"s{stage}_layer{int(by_layer)}"] = (cfg, 3)
-    whole = zcfg(stage=2, ep=2)
-    out["whole"] = (whole, 3)
+    limited = zcfg(stage=3, ep=2)
+    limited["model"]["loss_chunk_tokens"] = 7
+    limited["moe"]["split_dense_by_layer"] = True
+    limited["zero_optimization"]["prefetch_max_bytes"] = LIMIT
+    out["s3_limit"] = (limited, 3)
+    out["whole"] = (zcfg(stage=2, ep=2), 3)
     return out
 
 
@@ -74,6 +82,16 @@ def test_stage_3_with_a_chunked_head_equals_stage_2_bit_for_bit(w2):
             assert s3["losses"] == s2["losses"], layer
             for fqn, value in s2["params"].items():
                 assert np.array_equal(s3["params"][fqn], value), (layer, fqn)
+
+
+def test_only_units_within_the_prefetch_limit_are_gathered_ahead_same_numbers(w2):
+    for rank in w2:
+        ahead, unit_bytes = rank["s3_limit"]["ahead"]
+        assert ahead == [b <= LIMIT for b in unit_bytes] and any(ahead) and not all(ahead)
+        assert all(rank["s3_layer1"]["ahead"][0])  # no limit: every unit
+        assert rank["s3_limit"]["losses"] == rank["s2_layer1"]["losses"]
+        for fqn, value in rank["s2_layer1"]["params"].items():
+            assert np.array_equal(rank["s3_limit"]["params"][fqn], value), fqn
 
 
 def test_a_chunked_run_trains_like_the_whole_logits_run(w2):

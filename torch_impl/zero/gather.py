@@ -42,6 +42,11 @@ the pre-hook does not prefetch the next unit (backward already prefetches the on
 the hook does not wrap the outputs in ``UnitHook`` (the recomputed graph is never
 back-propagated: torch keeps only its saved tensors).
 
+**Prefetch limit** (``zero_optimization.prefetch_max_bytes``). Only a unit whose params take
+at most that many bytes is gathered ahead (a big model's MoE layer, 0.6 GB of experts a rank,
+is then gathered when it runs, never beside the one before it); the same numbers, only when
+the bytes arrive changes.
+
 **Read-ahead** (NVMe params). With ``read_ahead`` > 0 the gatherer also receives a ``hint``
 function and, whenever it gathers a unit, hints the groups of the next ``read_ahead`` units
 that still need any (neither resident nor in flight), nearest first, in the order they will
@@ -190,6 +195,7 @@ class ParamGatherer:
         fetch: ``fetch(slot)``: the slot's param shard on the compute device.
         groups: Process group by channel name (``distributed.topology.gather_groups``).
         prefetch: Start the next unit's gathers while a unit runs.
+        prefetch_max_bytes: Only for a next unit of at most these bytes of params (None: any).
         bucket_size: ``allgather_bucket_size``, elements per all-gather (None: one per group).
         hint: ``hint(slots)``: these slots will be fetched soon, nearest first (forgetting
             earlier hints not among them); used when ``read_ahead`` > 0.
@@ -199,11 +205,11 @@ class ParamGatherer:
 
     def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], slots: Sequence[Slot],
                  fetch: Callable[[Slot], torch.Tensor], groups: dict, *, prefetch: bool = True,
-                 bucket_size: int | None, hint: Callable[[list[Slot]], None] | None = None,
+                 prefetch_max_bytes: int | None = None, bucket_size: int | None, hint: Callable[[list[Slot]], None] | None = None,
                  read_ahead: int = 0, keep_bytes: int = 0):
         self.params, self.slots, self.fetch = params, slots, fetch
         self.keep_bytes, self._kept = keep_bytes, []  # units held for backward, oldest first
-        self.groups, self.prefetch, self.bucket_size = groups, prefetch, bucket_size
+        self.groups, self.bucket_size = groups, bucket_size
         self.hint, self.read_ahead = (hint, read_ahead) if hint and read_ahead > 0 else (None, 0)
         self._post: list[list[int]] = []  # read-ahead: units by post-forward since the backward
         self._plans: dict[tuple[int, ...], tuple[GatherBucket, ...]] = {}
@@ -218,6 +224,8 @@ class ParamGatherer:
         self.owner = {fqn: u for u, unit in enumerate(self.units) for fqn in unit.fqns}
         self.unit_bytes = [sum(params[m.fqn].nbytes for i in unit.slots
                                for m in slots[i].group.members) for unit in self.units]
+        self.ahead = [prefetch and (prefetch_max_bytes is None or b <= prefetch_max_bytes)
+                      for b in self.unit_bytes]  # gathered ahead of its use
         for name, module in modules:
             units = [u for u, unit in enumerate(self.units) if unit.module == name]
             module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units, a))
@@ -251,10 +259,11 @@ class ParamGatherer:
 
     def _prefetch_after(self, units: list[int]) -> None:
         """Start the next unit's gathers (and hint the reads ahead) as ``units`` run."""
-        if self.prefetch and not recomputing():
+        if not recomputing():
             after = units[-1] + 1 if units else len(self.units)
-            for unit in self.units[after:after + 1]:
-                self._start(unit.slots)
+            for u in range(after, min(after + 1, len(self.units))):
+                if self.ahead[u]:
+                    self._start(self.units[u].slots)
         if units and not recomputing():  # a recomputed block: backward's hints stand
             self._read_ahead(range(units[-1] + 1, len(self.units)))
 
@@ -283,7 +292,7 @@ class ParamGatherer:
             if u in self._kept:  # held since its forward: now held for its backward
                 self._kept.remove(u)
                 self._release(u)
-        if self.prefetch and units[0] > 0:
+        if units[0] > 0 and self.ahead[units[0] - 1]:
             self._start(self.units[units[0] - 1].slots)
         if self.hint is not None and units in self._post:
             calls = self._post[::-1]  # the latest forward's first
@@ -340,7 +349,7 @@ class ParamGatherer:
         order = []
         for call in self._post[::-1][start:]:
             order += call
-            if self.prefetch and call[0] > 0:
+            if call[0] > 0 and self.ahead[call[0] - 1]:
                 order.append(call[0] - 1)
         return order
 
