@@ -53,9 +53,20 @@ SIZES = {
 SIZES["mid"] = {**SIZES["full"], "model": {**SIZES["full"]["model"], "n_layers": 2},
                 "compute_layers": 1, "dd_mib": 256}  # ``full``'s widths, 2 layers: a check
 PEER_PYTHON = "/work/ci/main/.nox/bench-peers/bin/python"
-MEMORY = ["moe.split_dense_by_layer=true", "activation_checkpointing.enabled=true"]
-"""A dense group per block (a unit gathers its own block, the embedding and head apart, each
-around its own call) and blocks recomputed in backward: what keeps a rank within 3 GiB."""
+MEMORY = ["moe.split_dense_by_layer=true", "activation_checkpointing.enabled=true",
+          "model.loss_chunk_tokens=128", "zero_optimization.prefetch_max_bytes=67108864",
+          "zero_optimization.offload_param.read_ahead=1"]
+"""What keeps a rank of ``full`` within 3 GiB (docs/finetune.md, "A big base on a small
+host"): a dense group per block (a unit gathers its own block; the embedding and the head
+apart, each around its own call), blocks recomputed in backward, the head's cross-entropy 128
+tokens at a time (the 1,024 x 151,936 logits never whole), no MoE layer gathered ahead of its
+use (two layers' experts never at once), the shards of one unit read ahead."""
+ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
+"""The ranks' environment: oneDNN's cache of compiled matmuls kept ~0.5 GB a rank on the
+``mid`` size (bf16 matmuls of every token count an expert got, their reordered weights);
+without it they are made again per call (measured: step 2's peak RSS 2.43 against 2.81 GB
+a rank, its time 51 against 44 s). The compute row runs with it too, so the step-time target
+compares like with like."""
 LORA = ["peft.method=lora", "peft.r=16", "peft.alpha=32.0", "peft.targets=[attn, experts]"]
 
 
@@ -162,7 +173,7 @@ def measure(args, work: Path, size: dict, results: dict) -> dict:
     for name, in_memory in (("in place", False), ("compute", True)):
         if name not in args.rows:
             continue
-        spec = {"steps": size["steps"], "save": not in_memory,
+        spec = {"steps": size["steps"], "save": not in_memory, "env": ENV,
                 "overrides": overrides(inputs, size, in_memory=in_memory)}
         res["runs"][name] = _row(sys.executable, "benchmarks.bigbase_rank", spec,
                                  f"bigbase-{name.replace(' ', '-')}", work, limits,
