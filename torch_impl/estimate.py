@@ -28,7 +28,7 @@ from moezero.offload.aio import aligned_size
 from moezero.offload.state import params_read_master
 from moezero.plan.partition import Partition
 from moezero.transients import PHASES, StepShape, Transient, activation_bytes, transients
-from moezero.zero.gather import own_units, param_kind, plan_units, unit_modules
+from moezero.zero.gather_units import own_units, param_kind, plan_units, unit_modules
 from moezero.zero.groups import plan_model
 
 __all__ = ["Estimate", "activation_bytes", "estimate", "format_table"]

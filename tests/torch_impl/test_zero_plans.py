@@ -25,7 +25,7 @@ from moezero.zero.buckets import (
     plan_gathers,
     scatter_columns,
 )
-from moezero.zero.gather import GatherUnit, param_kind, plan_units, unit_modules
+from moezero.zero.gather_units import GatherUnit, param_kind, plan_units, unit_modules
 
 
 def partition(name: str, sizes: list[tuple[str, int, int]], dp_size: int) -> Partition:
