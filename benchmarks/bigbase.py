@@ -8,8 +8,8 @@ tensor, never in memory), ``moezero import-hf`` keeps it bf16, deleting each HF 
 (``benchmarks.bigbase_import``: the folder and its import never lie whole on the disk together
 for long), ``prepare-data --format chat`` makes the data, then in fresh ``torchrun`` processes
 (``benchmarks.bigbase_rank``), each watched (``benchmarks.bigbase_watch``: free disk, swap and
-checkpoint bytes, RSS): LoRA r 16 on attention and experts, ``steps`` steps, a save and a
-resume; beside it the compute time of the same step with the weights in memory, measured on
+checkpoint bytes, RSS): LoRA r 16 on attention and experts, ``steps`` steps and a save, then
+the resume from that checkpoint in fresh processes (one step); beside it the compute time of the same step with the weights in memory, measured on
 ``compute_layers`` layers (random init, no base) and scaled by depth. ``dd`` measures the disk
 before and after; a step's disk time is its bytes read over the ``dd`` read rate. Then the
 peer row (``benchmarks.bigbase_peer``: TRL ``SFTTrainer`` + PEFT + DeepSpeed ZeRO-3,
@@ -55,12 +55,14 @@ SIZES["mid"] = {**SIZES["full"], "model": {**SIZES["full"]["model"], "n_layers":
 PEER_PYTHON = "/work/ci/main/.nox/bench-peers/bin/python"
 MEMORY = ["moe.split_dense_by_layer=true", "activation_checkpointing.enabled=true",
           "model.loss_chunk_tokens=128", "zero_optimization.prefetch_max_bytes=67108864",
-          "zero_optimization.offload_param.read_ahead=1"]
+          "zero_optimization.offload_param.read_ahead=1",
+          "zero_optimization.offload_optimizer.step_in_forward=false"]
 """What keeps a rank of ``full`` within 3 GiB (docs/finetune.md, "A big base on a small
 host"): a dense group per block (a unit gathers its own block; the embedding and the head
 apart, each around its own call), blocks recomputed in backward, the head's cross-entropy 128
 tokens at a time (the 1,024 x 151,936 logits never whole), no MoE layer gathered ahead of its
-use (two layers' experts never at once), the shards of one unit read ahead."""
+use (two layers' experts never at once), the shards of one unit read ahead, the step's
+swapped updates done before the next forward (not behind it: their buffers beside it)."""
 ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
 """The ranks' environment: oneDNN's cache of compiled matmuls kept ~0.5 GB a rank on the
 ``mid`` size (bf16 matmuls of every token count an expert got, their reordered weights);
@@ -178,6 +180,8 @@ def measure(args, work: Path, size: dict, results: dict) -> dict:
         res["runs"][name] = _row(sys.executable, "benchmarks.bigbase_rank", spec,
                                  f"bigbase-{name.replace(' ', '-')}", work, limits,
                                  [Path(inputs["root"]) / "swap"])
+        if spec["save"] and res["runs"][name].get("status") == "ok":
+            res["runs"]["resume"] = resume_row(spec, res["runs"][name], work, limits, inputs)
     disk.append(dd_bandwidth(str(work), size["dd_mib"]))
     res["uptime"].append(_uptime())
     save(work, results)
@@ -185,6 +189,16 @@ def measure(args, work: Path, size: dict, results: dict) -> dict:
         res["runs"]["peer"] = peer_row(args, work, size, inputs)
         res["uptime"].append(_uptime())
     return res
+
+
+def resume_row(spec: dict, saved: dict, work: Path, limits: dict, inputs: dict) -> dict:
+    """The resume from the in-place row's checkpoint in fresh processes (as a real resume):
+    the adapters loaded, the base read in place again, one step."""
+    step = saved["ranks"][0]["checkpoint"]
+    spec = {**spec, "steps": 1, "save": False,
+            "overrides": [*spec["overrides"], f"checkpoint.load={step}"]}
+    return _row(sys.executable, "benchmarks.bigbase_rank", spec, "bigbase-resume", work, limits,
+                [Path(inputs["root"]) / "swap"])
 
 
 def peer_row(args, work: Path, size: dict, inputs: dict) -> dict:
