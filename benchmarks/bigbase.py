@@ -8,8 +8,8 @@ tensor, never in memory), ``moezero import-hf`` keeps it bf16, deleting each HF 
 (``benchmarks.bigbase_import``: the folder and its import never lie whole on the disk together
 for long), ``prepare-data --format chat`` makes the data, then in fresh ``torchrun`` processes
 (``benchmarks.bigbase_rank``), each watched (``benchmarks.bigbase_watch``: free disk, swap and
-checkpoint bytes, RSS): LoRA r 16 on attention and experts, ``steps`` steps, a save and a
-resume; beside it the compute time of the same step with the weights in memory, measured on
+checkpoint bytes, RSS): LoRA r 16 on attention and experts, ``steps`` steps and a save, then
+the resume from that checkpoint in fresh processes (one step); beside it the compute time of the same step with the weights in memory, measured on
 ``compute_layers`` layers (random init, no base) and scaled by depth. ``dd`` measures the disk
 before and after; a step's disk time is its bytes read over the ``dd`` read rate. Then the
 peer row (``benchmarks.bigbase_peer``: TRL ``SFTTrainer`` + PEFT + DeepSpeed ZeRO-3,
@@ -53,6 +53,22 @@ SIZES = {
 SIZES["mid"] = {**SIZES["full"], "model": {**SIZES["full"]["model"], "n_layers": 2},
                 "compute_layers": 1, "dd_mib": 256}  # ``full``'s widths, 2 layers: a check
 PEER_PYTHON = "/work/ci/main/.nox/bench-peers/bin/python"
+MEMORY = ["moe.split_dense_by_layer=true", "activation_checkpointing.enabled=true",
+          "model.loss_chunk_tokens=128", "zero_optimization.prefetch_max_bytes=67108864",
+          "zero_optimization.offload_param.read_ahead=1",
+          "zero_optimization.offload_optimizer.step_in_forward=false"]
+"""What keeps a rank of ``full`` within 3 GiB (docs/finetune.md, "A big base on a small
+host"): a dense group per block (a unit gathers its own block; the embedding and the head
+apart, each around its own call), blocks recomputed in backward, the head's cross-entropy 128
+tokens at a time (the 1,024 x 151,936 logits never whole), no MoE layer gathered ahead of its
+use (two layers' experts never at once), the shards of one unit read ahead, the step's
+swapped updates done before the next forward (not behind it: their buffers beside it)."""
+ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
+"""The ranks' environment: oneDNN's cache of compiled matmuls kept ~0.5 GB a rank on the
+``mid`` size (bf16 matmuls of every token count an expert got, their reordered weights);
+without it they are made again per call (measured: step 2's peak RSS 2.43 against 2.81 GB
+a rank, its time 51 against 44 s). The compute row runs with it too, so the step-time target
+compares like with like."""
 LORA = ["peft.method=lora", "peft.r=16", "peft.alpha=32.0", "peft.targets=[attn, experts]"]
 
 
@@ -119,7 +135,7 @@ def overrides(inputs: dict, size: dict, *, in_memory: bool) -> list[str]:
         [f"checkpoint.load={root}/base"]
     return [*base, f"data.path={root}/data", "data.val_fraction=0", "train.eval_every=0",
             f"train.seq_len={size['seq_len']}", "train.micro_batch_size=1",
-            f"train.steps={size['steps'] + 1}", "moe.ep_size=2",
+            f"train.steps={size['steps'] + 1}", "moe.ep_size=2", *MEMORY,
             f"moe.num_experts={size['model']['num_experts']}",
             f"moe.top_k={size['model']['top_k']}", f"precision.dtype={size['dtype']}",
             "zero_optimization.stage=3", *_optimizer(size.get("optimizer", "cpu"), swap),
@@ -159,11 +175,13 @@ def measure(args, work: Path, size: dict, results: dict) -> dict:
     for name, in_memory in (("in place", False), ("compute", True)):
         if name not in args.rows:
             continue
-        spec = {"steps": size["steps"], "save": not in_memory,
+        spec = {"steps": size["steps"], "save": not in_memory, "env": ENV,
                 "overrides": overrides(inputs, size, in_memory=in_memory)}
         res["runs"][name] = _row(sys.executable, "benchmarks.bigbase_rank", spec,
                                  f"bigbase-{name.replace(' ', '-')}", work, limits,
                                  [Path(inputs["root"]) / "swap"])
+        if spec["save"] and res["runs"][name].get("status") == "ok":
+            res["runs"]["resume"] = resume_row(spec, res["runs"][name], work, limits, inputs)
     disk.append(dd_bandwidth(str(work), size["dd_mib"]))
     res["uptime"].append(_uptime())
     save(work, results)
@@ -171,6 +189,16 @@ def measure(args, work: Path, size: dict, results: dict) -> dict:
         res["runs"]["peer"] = peer_row(args, work, size, inputs)
         res["uptime"].append(_uptime())
     return res
+
+
+def resume_row(spec: dict, saved: dict, work: Path, limits: dict, inputs: dict) -> dict:
+    """The resume from the in-place row's checkpoint in fresh processes (as a real resume):
+    the adapters loaded, the base read in place again, one step."""
+    step = saved["ranks"][0]["checkpoint"]
+    spec = {**spec, "steps": 1, "save": False,
+            "overrides": [*spec["overrides"], f"checkpoint.load={step}"]}
+    return _row(sys.executable, "benchmarks.bigbase_rank", spec, "bigbase-resume", work, limits,
+                [Path(inputs["root"]) / "swap"])
 
 
 def peer_row(args, work: Path, size: dict, inputs: dict) -> dict:

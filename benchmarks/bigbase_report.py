@@ -15,12 +15,13 @@ def _mib(x: float) -> str:
     return f"{x / 2**20:,.0f} MiB"
 
 
-def _steps(run: dict) -> list[tuple[str, list[dict]]]:
+def _steps(res: dict) -> list[tuple[str, list[dict]]]:
     """(label, every rank's record of that step) of the timed steps, then the resumed one."""
-    ranks = run["ranks"]
+    ranks = res["runs"]["in place"]["ranks"]
     rows = [(str(i + 1), [r["steps"][i] for r in ranks]) for i in range(len(ranks[0]["steps"]))]
-    if all("resumed" in r for r in ranks):
-        rows.append(("resumed", [r["resumed"][0] for r in ranks]))
+    resumed = res["runs"].get("resume", {})
+    if resumed.get("status") == "ok":
+        rows.append(("resumed", [r["steps"][0] for r in resumed["ranks"]]))
     return rows
 
 
@@ -41,7 +42,7 @@ def step_table(res: dict, read_rate: float) -> tuple[list[str], list[float]]:
     lines = ["| step | bytes read (rank 0 / rank 1) | disk time | compute (scaled) | step time "
              "| step / max |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     ratios = []
-    for label, ranks in _steps(res["runs"]["in place"]):
+    for label, ranks in _steps(res):
         read = [r["read_bytes"] for r in ranks]
         disk, step = sum(read) / read_rate, max(r["step_s"] for r in ranks)
         ratios.append(step / max(disk, steady))
@@ -50,11 +51,20 @@ def step_table(res: dict, read_rate: float) -> tuple[list[str], list[float]]:
     return lines, ratios
 
 
-def rank_table(run: dict) -> list[str]:
-    lines = ["| rank | peak RSS | peak anon | checkpoint (adapters) |", "| ---: | ---: | ---: | ---: |"]
-    for r, rank in enumerate(run["ranks"]):
-        lines.append(f"| {r} | {_mib(rank['peak_rss'])} | {_mib(rank['anon_peak'])} | "
-                     f"{rank.get('checkpoint_bytes', 0) / 2**20:,.1f} MiB |")
+def _measured(res: dict) -> list[tuple[str, dict]]:
+    """(row, run) of the moezero rows that finished: the steps, then the resume."""
+    return [(name, res["runs"][name]) for name in ("in place", "resume")
+            if res["runs"].get(name, {}).get("status") == "ok"]
+
+
+def rank_table(res: dict) -> list[str]:
+    lines = ["| row | rank | peak RSS | peak anon | checkpoint (adapters) |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for name, run in _measured(res):
+        for r, rank in enumerate(run["ranks"]):
+            lines.append(f"| {name} | {r} | {_mib(rank['peak_rss'])} | "
+                         f"{_mib(rank['anon_peak'])} | "
+                         f"{rank.get('checkpoint_bytes', 0) / 2**20:,.1f} MiB |")
     return lines
 
 
@@ -119,8 +129,8 @@ def table(results: dict) -> list[str]:
                 *peer_lines(res), ""]
     steps, ratios = step_table(res, read_rate)
     disk_text, disk_ok = disk_lines(res)
-    rss = max(r["peak_rss"] for r in run["ranks"])
-    return [*lines, *steps, "", *rank_table(run), "", *disk_text, "",
+    rss = max(r["peak_rss"] for _, measured in _measured(res) for r in measured["ranks"])
+    return [*lines, *steps, "", *rank_table(res), "", *disk_text, "",
             f"Targets: peak RSS ≤ 3 GiB per rank: {'met' if rss <= 3 * GIB else 'not met'} "
             f"({rss / GIB:.2f} GiB); disk ≤ 1.1x the bf16 base + adapters: "
             f"{'met' if disk_ok else 'not met'}; step ≤ 1.2x max(disk, compute): "

@@ -113,14 +113,15 @@ def _why_stop(now: dict, limits: dict, elapsed: float) -> str | None:
 def run_watched(python: str, module: str, spec: dict, paths: dict, limits: dict,
                 folders: list[Path]) -> dict:
     """``module`` at W = 2 on ``spec`` (``paths``: spec, result, log files), bounded by
-    ``limits`` (``timeout_s``, ``min_free`` bytes); the parsed result or the failure, with the
-    watch's figures under ``watch``."""
+    ``limits`` (``timeout_s``, ``min_free`` bytes), with ``spec["env"]`` added to the ranks'
+    environment; the parsed result or the failure, with the watch's figures under ``watch``."""
     paths["spec"].write_text(json.dumps(spec))
     paths["result"].unlink(missing_ok=True)
     cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", module, str(paths["spec"]), str(paths["result"])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           **spec.get("env", {})}
     watch, start = Watch(), time.perf_counter()
     with open(paths["log"], "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,

@@ -112,3 +112,26 @@ def test_the_main_series_keeps_every_section_of_a_run_of_its_own(tmp_path, monke
     text = report.write({"runs": []}, out, tmp_path / "plots")
     for heading in own:
         assert f"{heading}\n\nkept" in text, heading
+
+
+def test_bigbase_section_counts_the_resume_row_in_its_targets():
+    from benchmarks import bigbase_report
+
+    def run(steps: list[float], rss: int) -> dict:
+        rank = {"steps": [{"step_s": s, "read_bytes": 2**30, "loss": 1.0} for s in steps],
+                "peak_rss": rss, "anon_peak": rss // 2, "checkpoint_bytes": 2**20}
+        return {"status": "ok", "ranks": [rank, rank], "watch": {"peak_tree": 2**30}}
+
+    size = {"model": {"n_layers": 24, "num_experts": 128, "top_k": 8}, "compute_layers": 2,
+            "dd_mib": 64, "seq_len": 1024, "dtype": "bf16"}
+    res = {"inputs": {"params": 16e9, "hf_bytes": 30 * 2**30, "base_bytes": 30 * 2**30,
+                      "write_s": 1.0, "import_s": 2.0},
+           "size": size, "disk": [{"read": 2**30, "write": 2**30}], "uptime": [],
+           "runs": {"in place": run([110.0, 100.0], 2 * 2**30), "resume": run([90.0], 4 * 2**30),
+                    "compute": run([9.0, 8.0], 2**30)}}
+    text = "\n".join(bigbase_report.table({"command": "c", "bigbase": res}))
+    # compute: the steady step 8 s x 24 / 2 = 96 s; disk: 2 GiB over 1 GiB/s = 2 s
+    assert "| resumed | 1.00 / 1.00 GiB | 2 s | 96 s | 90 s | 0.94 |" in text
+    assert "| resume | 1 | 4,096 MiB |" in text
+    assert "peak RSS ≤ 3 GiB per rank: not met (4.00 GiB)" in text  # the resume's peak counts
+    assert "step ≤ 1.2x max(disk, compute): met (worst 1.15x)" in text

@@ -39,7 +39,7 @@ from moezero.model.packing import Batch
 from moezero.model.recompute import checkpoint_blocks
 from moezero.model.router import update_expert_biases
 from moezero.offload import state as offload_state
-from moezero.offload.malloc import map_large_blocks
+from moezero.offload.malloc import map_large_blocks, release_free
 from moezero.offload.options import IOOptions
 from moezero.phases import StepPhases
 from moezero.plan import plan_layout, store
@@ -89,7 +89,7 @@ class Engine:
         self.io = io or IOOptions()
         self.dtype = resolve_dtype(cfg, device)
         zero = cfg.zero_optimization
-        _host_blocks(zero, self.io)
+        self.trim_heap = _host_blocks(zero, self.io)
         if init is not None:
             materialize(model, init, device=device, dtype=self.dtype, values=zero.stage < 3)
         self.model = model.to(device=device, dtype=self.dtype)
@@ -217,6 +217,8 @@ class Engine:
             dist.all_reduce(totals)
             totals /= self.topology.world_size
         out = self.optimizer_step()
+        if self.trim_heap:  # offloaded tiers: the step's freed host blocks back to the OS
+            release_free()
         clock.mark("step")
         elapsed = time.perf_counter() - start
         seen, trained = (sum(b.num_seen for b in micro_batches),
@@ -251,7 +253,8 @@ class Engine:
         return TopologyRecord(self.topology.world_size, tuple(self.topology.ep_sizes),
                               zero.stage, str(self.dtype).removeprefix("torch."),
                               moe.max_group_size, moe.split_groups_by_expert,
-                              offload_optimizer=zero.offload_optimizer.device)
+                              offload_optimizer=zero.offload_optimizer.device,
+                              split_dense_by_layer=moe.split_dense_by_layer)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, root, *, state: dict | None = None, step: int | None = None,
@@ -363,12 +366,15 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(unb64(state["torch_cuda"]))
 
 
-def _host_blocks(zero, io: IOOptions) -> None:
+def _host_blocks(zero, io: IOOptions) -> bool:
     """With an offloaded tier, glibc maps large host blocks and unmaps them when freed
-    (``IOOptions.host_mmap_threshold``; ``moezero.offload.malloc``)."""
+    (``IOOptions.host_mmap_threshold``; ``moezero.offload.malloc``); True then: the engine
+    also returns the arenas' free pages after each step (``release_free``)."""
     offloaded = zero.offload_optimizer.device != "none" or zero.offload_param.device != "none"
     if offloaded and io.host_mmap_threshold is not None:
         map_large_blocks(io.host_mmap_threshold)
+        return True
+    return False
 
 
 def initialize(model: nn.Module, config: Config, *, topology: Topology | None = None,

@@ -28,7 +28,7 @@ from moezero.offload.aio import aligned_size
 from moezero.offload.state import params_read_master
 from moezero.plan.partition import Partition
 from moezero.transients import PHASES, StepShape, Transient, activation_bytes, transients
-from moezero.zero.gather import param_kind, plan_units, unit_modules
+from moezero.zero.gather_units import own_units, param_kind, plan_units, unit_modules
 from moezero.zero.groups import plan_model
 
 __all__ = ["Estimate", "activation_bytes", "estimate", "format_table"]
@@ -273,7 +273,8 @@ def _units(model, plan, parts: list[Partition], itemsize: int) -> dict[str, int]
     groups = {g.name: g for g in plan}
     members = [[m.fqn for m in groups[p.group].members] for p in parts]
     units = plan_units([n for n, _ in unit_modules(model)],
-                       {fqn: param_kind(p) for fqn, p in model.named_parameters()}, members)
+                       {fqn: param_kind(p) for fqn, p in model.named_parameters()}, members,
+                       own_units(model))
     return {u.name: sum(parts[i].numel for i in u.slots) * itemsize for u in units}
 
 

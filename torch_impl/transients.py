@@ -213,12 +213,13 @@ def activation_bytes(cfg: Config, itemsize: int) -> int:
     """Bytes of one micro-batch's activations on one rank at their peak, when backward starts:
     what the forward keeps (``kept_activation_bytes``) and, with activation checkpointing, the
     activations of the one checkpointed block being recomputed (``moezero.model.recompute``:
-    blocks are recomputed one at a time, each just before its own backward)."""
+    blocks are recomputed one at a time, each just before its own backward); with
+    ``model.loss_chunk_tokens``, plus one chunk of the head's logits (``head_chunk_bytes``)."""
     if not cfg.activation_checkpointing.enabled:
-        return kept_activation_bytes(cfg, itemsize)
+        return kept_activation_bytes(cfg, itemsize) + head_chunk_bytes(cfg, itemsize)
     recomputed = max(_block_bytes(cfg, itemsize, i) for i in _checkpointed(cfg))
     return kept_activation_bytes(cfg, itemsize) + _tokens(cfg) * recomputed \
-        + _mask_bytes(cfg, itemsize)
+        + _mask_bytes(cfg, itemsize) + head_chunk_bytes(cfg, itemsize)
 
 
 def kept_activation_bytes(cfg: Config, itemsize: int) -> int:
@@ -226,7 +227,9 @@ def kept_activation_bytes(cfg: Config, itemsize: int) -> int:
     activations (``_block_bytes``), or for a checkpointed block (blocks 0, n, 2n, ... with
     ``activation_checkpointing.every_n_layers`` n) only its D-wide input; then the head's:
     the final norm's fp32 input, the projection's input, the logits and the loss's fp32
-    log-probabilities; with a document mask each kept block's mask (``_mask_bytes``). Counted
+    log-probabilities (with ``model.loss_chunk_tokens`` no logits: ``moezero.model.head``
+    saves the projection's input and the targets, and makes each chunk's logits again in
+    backward; measured in fp32); with a document mask each kept block's mask (``_mask_bytes``). Counted
     from the tensors autograd saves, fp32 and bf16, with and without grouped-query heads, a
     shared expert, checkpointing and a document mask (tests/torch_impl/test_estimate_peak.py,
     test_estimate_finetune.py)."""
@@ -235,8 +238,17 @@ def kept_activation_bytes(cfg: Config, itemsize: int) -> int:
     per_token = sum(_block_bytes(cfg, itemsize, i) for i in range(m.n_layers)
                     if i not in _checkpointed(cfg)) + checkpointed * m.dim * itemsize
     head = m.dim * (4 + itemsize) + m.vocab_size * (itemsize + 4)
+    if m.loss_chunk_tokens:  # the final norm's input and output in fp32, its output, a target
+        head = m.dim * (8 + itemsize) + 8
     masks = (m.n_layers - checkpointed) * _mask_bytes(cfg, itemsize) + _mask_bytes(cfg, 1)
     return _tokens(cfg) * (per_token + head) + masks
+
+
+def head_chunk_bytes(cfg: Config, itemsize: int) -> int:
+    """With ``model.loss_chunk_tokens``: one chunk's logits, their fp32 upcast and its
+    log-probabilities, alive while the chunk's loss (or its gradient) is made."""
+    chunk = min(cfg.model.loss_chunk_tokens or 0, _tokens(cfg))
+    return chunk * cfg.model.vocab_size * (itemsize + 8)
 
 
 def _mask_bytes(cfg: Config, itemsize: int) -> int:

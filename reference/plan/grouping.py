@@ -3,7 +3,9 @@
 ``plan_groups`` turns parameter specs into an ordered tuple of ``GroupPlan``s that every
 rank computes identically (the order depends on the specs, never on their input order).
 A group never mixes dense and expert params, moe groups (EDP groups), EP ranks or user
-groups; with ``split_by_expert`` it holds one layer's one expert. Each logical group is then
+groups; with ``split_by_expert`` it holds one layer's one expert, with ``split_dense_by_layer``
+a dense group holds one block's params (``dense_block``: ``layers.3``, ``embed``, ...), so a
+ZeRO-3 gather unit gathers its own block's params rather than every dense param at once. Each logical group is then
 cut into chunks of at most ``max_group_size`` elements, slicing parameters by element range
 where a chunk fills up, so the cap is a hard bound (docs/grouping.md, "Grouping").
 
@@ -41,7 +43,8 @@ class GroupPlan:
         ep_size: Expert-parallel size of the moe group (1 for dense).
         ep_rank: EP rank that holds every member (0 for dense): the group lives on the
             ranks ``r`` with ``r % ep_size == ep_rank`` (its EDP group).
-        layer: MoE layer FQN when split by expert, else ``None``.
+        layer: MoE layer FQN when split by expert; a dense group's block when split by layer
+            (``dense_block``); else ``None``.
         expert: Global expert index when split by expert, else ``None``.
         members: Element ranges of params, in order; consecutive chunks continue a param.
         frozen: A frozen group: weights only, never stepped (after every trained group).
@@ -81,10 +84,11 @@ class _Key(NamedTuple):
     frozen: bool = False
 
     def order(self) -> tuple:
-        """Trained before frozen; in each, dense first by user group; then (moe group,
-        layer, expert, EP rank, user group)."""
+        """Trained before frozen; in each, dense first by (block when split by layer, user
+        group); then (moe group, layer, expert, EP rank, user group)."""
         if self.moe_group is None:
-            return (self.frozen, 0, natural_key(self.user_group))
+            block = () if self.layer is None else (natural_key(self.layer),)
+            return (self.frozen, 0, *block, natural_key(self.user_group))
         layer = natural_key(self.layer) if self.layer is not None else ()
         expert = -1 if self.expert is None else self.expert
         return (self.frozen, 1, natural_key(self.moe_group), layer, expert, self.ep_rank,
@@ -96,7 +100,8 @@ class _Key(NamedTuple):
 
     def _name(self, chunk: int) -> str:
         if self.moe_group is None:
-            return f"dense/{self.user_group}/{chunk}"
+            block = "" if self.layer is None else f"{self.layer}/"
+            return f"dense/{block}{self.user_group}/{chunk}"
         if self.layer is None:
             return f"moe/{self.moe_group}/ep{self.ep_rank}/{self.user_group}/{chunk}"
         return f"moe/{self.moe_group}/{self.layer}/expert{self.expert}/{self.user_group}/{chunk}"
@@ -111,7 +116,8 @@ def expert_ep_rank(expert: int, *, num_experts: int, ep_size: int) -> int:
 
 
 def plan_groups(specs: Sequence[ParamSpec], *, max_group_size: int | None = None,
-                split_by_expert: bool = True) -> tuple[GroupPlan, ...]:
+                split_by_expert: bool = True,
+                split_dense_by_layer: bool = False) -> tuple[GroupPlan, ...]:
     """Plan the optimizer groups of a model.
 
     Args:
@@ -119,6 +125,8 @@ def plan_groups(specs: Sequence[ParamSpec], *, max_group_size: int | None = None
         max_group_size: Hard cap on elements per group; ``None`` means no cap.
         split_by_expert: One logical group per (moe group, layer, expert, user group) if
             True; else one per (moe group, EP rank, user group) across layers and experts.
+        split_dense_by_layer: One dense logical group per (block, user group) if True
+            (``dense_block``); else one per user group.
 
     Returns:
         The groups in plan order, indexed from 0, none empty, names unique.
@@ -130,7 +138,7 @@ def plan_groups(specs: Sequence[ParamSpec], *, max_group_size: int | None = None
     num_experts = _validate(specs, max_group_size)
     buckets: dict[_Key, list[ParamSpec]] = defaultdict(list)
     for spec in specs:
-        buckets[_key(spec, num_experts, split_by_expert)].append(spec)
+        buckets[_key(spec, num_experts, split_by_expert, split_dense_by_layer)].append(spec)
     groups: list[GroupPlan] = []
     for key in sorted(buckets, key=_Key.order):
         members = sorted(buckets[key], key=lambda s: natural_key(s.fqn))
@@ -141,10 +149,21 @@ def plan_groups(specs: Sequence[ParamSpec], *, max_group_size: int | None = None
     return tuple(groups)
 
 
-def _key(spec: ParamSpec, num_experts: dict[str, int], split_by_expert: bool) -> _Key:
+def dense_block(fqn: str) -> str:
+    """The block a dense parameter belongs to: its FQN up to the first numeric part
+    (``layers.3.attn.wq.weight`` -> ``layers.3``), else its first part (``embed``,
+    ``lm_head``, ``norm``)."""
+    parts = fqn.split(".")
+    numbered = next((i for i, p in enumerate(parts[:-1]) if p.isdigit()), None)
+    return ".".join(parts[:numbered + 1]) if numbered is not None else parts[0]
+
+
+def _key(spec: ParamSpec, num_experts: dict[str, int], split_by_expert: bool,
+         split_dense_by_layer: bool = False) -> _Key:
     """The logical group a parameter belongs to."""
     if not spec.is_expert:
-        return _Key(spec.user_group, frozen=spec.frozen)
+        block = dense_block(spec.fqn) if split_dense_by_layer else None
+        return _Key(spec.user_group, layer=block, frozen=spec.frozen)
     ep_rank = expert_ep_rank(spec.expert, num_experts=num_experts[spec.layer],
                              ep_size=spec.ep_size)
     if split_by_expert:

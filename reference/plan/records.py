@@ -21,7 +21,8 @@ class TopologyRecord:
         ep_sizes: The expert-parallel sizes of the MoE layers.
         zero_stage: The ZeRO stage (None: a writer without one, e.g. the reference).
         dtype: The compute dtype (``float32``, ``bfloat16``, ...).
-        max_group_size, split_groups_by_expert: The grouping plan's options.
+        max_group_size, split_groups_by_expert, split_dense_by_layer: The grouping plan's
+            options (the last written only when set).
         offload_optimizer: Where the optimizer state lived (torch: ``none|cpu|nvme``).
         writer: Who wrote a checkpoint that no training engine saved (``reference``).
     """
@@ -34,6 +35,7 @@ class TopologyRecord:
     split_groups_by_expert: bool
     offload_optimizer: str | None = None
     writer: str | None = None
+    split_dense_by_layer: bool = False
 
     def to_json(self) -> dict:
         out = {"world_size": self.world_size, "ep_sizes": list(self.ep_sizes),
@@ -42,6 +44,8 @@ class TopologyRecord:
             out["offload_optimizer"] = self.offload_optimizer
         out.update(max_group_size=self.max_group_size,
                    split_groups_by_expert=self.split_groups_by_expert)
+        if self.split_dense_by_layer:
+            out["split_dense_by_layer"] = True
         if self.writer is not None:
             out["writer"] = self.writer
         return out

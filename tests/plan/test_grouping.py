@@ -45,6 +45,18 @@ def test_example_split_by_expert_names_and_order():
     ]
 
 
+def test_example_dense_split_by_layer_names_and_order():
+    """One dense group per (block, user group), blocks in natural order; experts unchanged."""
+    groups = plan_groups(example_model(), split_dense_by_layer=True)
+    assert summary(groups)[:3] == [
+        ("dense/embed/decay/0", [("embed.weight", 0, 6)]),
+        ("dense/layers.2/no_decay/0", [("layers.2.norm.weight", 0, 3)]),
+        ("dense/layers.10/no_decay/0", [("layers.10.norm.weight", 0, 3)]),
+    ]
+    assert summary(groups)[3:] == summary(plan_groups(example_model()))[2:]
+    assert [g.layer for g in groups[:3]] == ["embed", "layers.2", "layers.10"]
+
+
 def test_example_split_off_groups_by_ep_rank_across_layers():
     assert summary(plan_groups(example_model(), split_by_expert=False, max_group_size=5)) == [
         ("dense/decay/0", [("embed.weight", 0, 5)]),

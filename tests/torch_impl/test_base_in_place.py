@@ -48,8 +48,10 @@ def base(tmp_path_factory) -> Path:
     return step
 
 
-def lora_cfg(step: Path, param: str, nvme: str, dtype: str = "fp32") -> dict:
+def lora_cfg(step: Path, param: str, nvme: str, dtype: str = "fp32",
+             by_layer: bool = False) -> dict:
     cfg = dict(store.read_manifest(step).config)
+    cfg["moe"] = {**cfg["moe"], "split_dense_by_layer": by_layer}
     cfg["peft"] = {"method": "lora", "r": 4, "alpha": 8.0, "targets": ["attn", "experts"]}
     cfg["train"] = {**cfg["train"], "seq_len": 16, "micro_batch_size": MICRO}
     cfg["optimizer"] = {**cfg["optimizer"], "lr": 1e-2}
@@ -90,6 +92,7 @@ def run(cfg_data: dict, base: str | None, change: str | None = None) -> dict:
                       for k, p in engine.full_parameters().items()}
            if error is None else {},
            "files": swap.folder.listing() if swap else [],
+           "groups": [s.group.name for s in engine.optimizer.slots],
            "written": swap.traffic["write"] if swap else 0}
     engine.close()
     return out
@@ -104,8 +107,10 @@ def w2(base, tmp_path_factory):
     swap = tmp_path_factory.mktemp("swap")
     calls = {"memory": (lora_cfg(base, "cpu", ""), None),
              "copied": (lora_cfg(base, "nvme", str(swap / "copied")), None),
-             "in_place": (lora_cfg(base, "nvme", str(swap / "in_place")), str(base))}
-    for name in ("copied", "in_place"):
+             "in_place": (lora_cfg(base, "nvme", str(swap / "in_place")), str(base)),
+             "by_layer": (lora_cfg(base, "nvme", str(swap / "by_layer"), by_layer=True),
+                          str(base))}
+    for name in ("copied", "in_place", "by_layer"):
         (swap / name).mkdir()
     return run_world(cases, 2, tmp_path_factory.mktemp("w2"), calls, timeout_s=300)
 
@@ -114,7 +119,7 @@ def test_in_place_equals_the_base_in_memory_bit_for_bit(w2):
     for rank in w2:
         memory = rank["memory"]
         assert any(f.endswith("lora_B") and np.any(v != 0) for f, v in memory["params"].items())
-        for name in ("copied", "in_place"):
+        for name in ("copied", "in_place", "by_layer"):
             assert rank[name]["losses"] == memory["losses"], name
             assert memory["params"].keys() == rank[name]["params"].keys()
             for fqn, value in memory["params"].items():
@@ -145,6 +150,10 @@ def test_no_swap_file_is_written_for_a_frozen_param(w2):
         assert frozen and not any("frozen" in n for n, _ in in_place)
         assert sorted(in_place) == sorted(set(copied) - set(frozen))  # the adapters' files
         assert rank["in_place"]["written"] < rank["copied"]["written"]
+        # a dense group per block, read from the import's one dense group: no swap file either
+        assert "dense/layers.1/decay/0" in rank["by_layer"]["groups"]  # the adapters
+        assert "dense/decay/0" in rank["in_place"]["groups"]
+        assert not any("frozen" in n for n, _ in rank["by_layer"]["files"])
         print(f"param swap files: copied {len(copied)} files, {sum(s for _, s in copied):,} B; "
               f"in place {len(in_place)} files, {sum(s for _, s in in_place):,} B; bytes "
               f"written {rank['copied']['written']:,} vs {rank['in_place']['written']:,}")

@@ -46,6 +46,7 @@ def test_model_args_carries_every_key_of_the_config():
     cfg = Config.model_validate({
         "model": {"vocab_size": 99, "dim": 48, "n_layers": 3, "n_heads": 6, "ffn_dim": 40,
                   "rope_theta": 123.0, "norm_eps": 1e-3, "init_std": 0.5, "n_kv_heads": 3,
+                  "loss_chunk_tokens": 5,
                   "head_dim": 10, "qk_norm": "head", "attn_bias": "all", "first_k_dense": 1,
                   "dense_ffn_dim": 20, "partial_rotary_factor": 0.4,
                   # gpt-oss (issue 36)

@@ -51,12 +51,14 @@ def train(cfg_data: dict, steps: int = STEPS, world_of_batch: int = 2, first: in
         engine.save_checkpoint(save)
     params = {k: p.detach().float().clone().numpy() for k, p in engine.full_parameters().items()}
     opt = engine.optimizer
+    gatherer = getattr(opt, "gatherer", None)
+    ahead = (gatherer.ahead, gatherer.unit_bytes) if gatherer else None
     swaps = [s.folder for s in (opt.optim_swap, getattr(opt, "param_swap", None)) if s]
     listing = sorted({entry for folder in swaps for entry in folder.listing()})
     engine.close()
     left = sorted({entry for folder in swaps for entry in folder.listing()})
     return {"losses": losses, "params": params, "at_rest_param_bytes": at_rest, "counts": counts,
-            "swap_files": listing, "swap_left": left}
+            "swap_files": listing, "swap_left": left, "ahead": ahead}
 
 
 def run_cases(cases: dict) -> dict:

@@ -25,7 +25,7 @@ from moezero.zero.buckets import (
     plan_gathers,
     scatter_columns,
 )
-from moezero.zero.gather import GatherUnit, param_kind, plan_units, unit_modules
+from moezero.zero.gather_units import GatherUnit, param_kind, plan_units, unit_modules
 
 
 def partition(name: str, sizes: list[tuple[str, int, int]], dp_size: int) -> Partition:
@@ -150,6 +150,20 @@ def test_a_unit_needs_the_closure_of_its_groups():
     units = plan_units(["", "u", "v"], kinds, members)
     assert [(u.name, u.slots) for u in units] == [("u[dense]", (0, 1, 2)),
                                                   ("v[dense]", (0, 1, 2, 3))]
+
+
+def test_the_roots_children_are_units_only_where_their_groups_are_their_own():
+    """Per-block dense groups: the embedding and the head are gathered around their own calls;
+    one dense group: they stay in the root's unit (else each block would gather it again)."""
+    modules, own = ["", "emb", "layers.0", "head"], frozenset({"emb", "head"})
+    kinds = {"emb.weight": "dense", "layers.0.w": "dense", "head.weight": "dense"}
+    split = plan_units(modules, kinds, [["emb.weight"], ["layers.0.w"], ["head.weight"]], own)
+    assert [(u.name, u.slots) for u in split] == [("emb[dense]", (0,)), ("layers.0[dense]", (1,)),
+                                                  ("head[dense]", (2,))]
+    one = plan_units(modules, kinds, [["emb.weight", "layers.0.w", "head.weight"]], own)
+    assert [(u.name, u.fqns, u.slots) for u in one] == [
+        ("<root>[dense]", frozenset({"emb.weight", "head.weight"}), (0,)),
+        ("layers.0[dense]", frozenset({"layers.0.w"}), (0,))]
 
 
 @pytest.mark.parametrize("num_experts", [1, 4])

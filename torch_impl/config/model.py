@@ -34,6 +34,10 @@ class ModelConfig(_Section):
     rope_theta: float = _arch(10000.0, gt=0, description="RoPE base frequency.")
     norm_eps: float = _arch(1e-5, gt=0, description="RMSNorm epsilon.")
     init_std: float = Field(0.02, gt=0, description="Std of the normal weight init.")
+    loss_chunk_tokens: int | None = Field(
+        None, ge=1, description="Compute the LM head's cross-entropy this many tokens at a "
+                                "time (logits made again in backward), so the tokens x vocab "
+                                "logits never exist whole; None = all at once.")
     # Options of the Hugging Face families (docs/model.md, docs/hf.md).
     n_kv_heads: int | None = _arch(
         None, ge=1, description="Key/value heads (grouped-query attention); must divide "
@@ -194,6 +198,10 @@ class MoEConfig(_Section):
     max_group_size: int | None = Field(
         None, gt=0, description="Hard cap on elements per optimizer group (tiled step); None = no cap.")
     split_groups_by_expert: bool = Field(True, description="One optimizer group per (layer, expert).")
+    split_dense_by_layer: bool = Field(
+        False, description="One dense optimizer group per block (layers.N, embed, lm_head, "
+                           "norm) and user group, so a ZeRO-3 gather unit gathers its own block "
+                           "only (big models at stage 3); else one per user group.")
     aux_loss_coef: float = Field(0.01, ge=0, description="Weight of the load-balancing aux loss.")
     z_loss_coef: float = Field(0.001, ge=0, description="Weight of the router z-loss.")
     # Router variants and shared experts (docs/model.md, "Router variants"; "Shared expert").

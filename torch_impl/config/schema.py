@@ -123,6 +123,11 @@ class ZeroConfig(_Section):
     allgather_bucket_size: int | None = Field(
         int(5e7), ge=1, description="Elements per parameter all-gather bucket (stages 1-3); "
                                     "null = one all-gather per optimizer group.")
+    prefetch_max_bytes: int | None = Field(
+        None, ge=0, description="Stage 3: a gather unit is gathered ahead (while the one "
+                                "before it runs) only if its params take at most this many "
+                                "bytes, so two big units (a MoE layer's experts) are never "
+                                "gathered at once; null = always, 0 = never.")
     offload_optimizer: OptimizerOffloadConfig = Field(
         default_factory=OptimizerOffloadConfig, description="Optimizer state offload (stage >= 1).")
     offload_param: ParamOffloadConfig = Field(

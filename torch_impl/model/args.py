@@ -20,7 +20,7 @@ from moezero.model.router import RouterOptions
 if TYPE_CHECKING:  # the model imports no pydantic (benchmarks' peer venvs build it bare)
     from moezero.config import Config
 
-MOE_PLAN_KEYS = ("max_group_size", "split_groups_by_expert")
+MOE_PLAN_KEYS = ("max_group_size", "split_groups_by_expert", "split_dense_by_layer")
 """``moe.*`` keys of the optimizer's grouping (``moezero.zero.groups``), not of the model."""
 
 
@@ -38,6 +38,7 @@ class ModelArgs:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    loss_chunk_tokens: int | None = None
     num_experts: int = 8
     top_k: int = 2
     capacity_factor: float | None = None

@@ -20,9 +20,10 @@ from torch import nn
 
 from moezero.model.args import ModelArgs
 from moezero.model.attention import Attention, RMSNorm, rope
+from moezero.model.head import Head
 from moezero.model.kind import Placement
 from moezero.model.kinds import layer_kinds
-from moezero.model.packing import DocumentMask, document_mask, masked_cross_entropy
+from moezero.model.packing import IGNORE, DocumentMask, document_mask, masked_cross_entropy
 
 __all__ = ["Attention", "Block", "Decoder", "ModelArgs", "RMSNorm", "init_weights", "rope"]
 
@@ -64,13 +65,15 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(args, layer=i, ep_rank=ep_rank, ep_group=ep_group)
                                     for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head = Head(args.dim, args.vocab_size, bias=False)
 
-    def forward(self, tokens_BS: torch.Tensor,
-                documents_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens_BS: torch.Tensor, documents_BS: torch.Tensor | None = None,
+                targets_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (logits_BSV, summed weighted aux loss of all MoE layers). ``documents_BS``:
         document labels of a packed row; each document then attends only within itself
-        (``moezero.model.packing``)."""
+        (``moezero.model.packing``). With ``targets_BS`` (``IGNORE``: masked) the first is
+        instead their summed fp32 cross-entropy, ``loss_chunk_tokens`` at a time
+        (``model.head``)."""
         h = self.embed(tokens_BS)
         docs = None if documents_BS is None else document_mask(documents_BS.to(h.device))
         aux_total = torch.zeros((), device=h.device)
@@ -78,6 +81,8 @@ class Decoder(nn.Module):
             h, aux = layer(h, docs)
             if aux is not None:  # a dense layer has none
                 aux_total = aux_total + aux
+        if targets_BS is not None:
+            return self.lm_head(self.norm(h), targets_BS, self.args.loss_chunk_tokens), aux_total
         return self.lm_head(self.norm(h)), aux_total
 
     def loss(self, batch_BS1: torch.Tensor, *, loss_mask_BS: torch.Tensor | None = None,
@@ -88,7 +93,10 @@ class Decoder(nn.Module):
         Without ``loss_mask_BS``: the mean over all B·S targets. With it (True = trained):
         the sum over trained targets divided by ``divisor`` (default: their number here);
         the engine passes the step's global count (docs/data.md). ``trained`` counts them.
+        With ``model.loss_chunk_tokens`` the logits are never whole (``model.head``).
         """
+        if self.args.loss_chunk_tokens:
+            return self._chunked_loss(batch_BS1, loss_mask_BS, documents_BS, divisor)
         logits_BSV, aux = self(batch_BS1[:, :-1], documents_BS)
         targets_BS = batch_BS1[:, 1:]
         if loss_mask_BS is None:
@@ -98,6 +106,18 @@ class Decoder(nn.Module):
             mask_BS = loss_mask_BS.to(device=targets_BS.device, dtype=torch.bool)
             ce = masked_cross_entropy(logits_BSV, targets_BS, mask_BS, divisor)
             trained = mask_BS.sum().float()
+        return ce + aux, {"ce": ce.detach(), "aux_loss": aux.detach(), "trained": trained}
+
+    def _chunked_loss(self, batch_BS1, loss_mask_BS, documents_BS, divisor):
+        """``loss`` with the head's cross-entropy summed ``loss_chunk_tokens`` at a time."""
+        targets_BS = batch_BS1[:, 1:]
+        mask_BS = torch.ones_like(targets_BS, dtype=torch.bool) if loss_mask_BS is None \
+            else loss_mask_BS.to(device=targets_BS.device, dtype=torch.bool)
+        total, aux = self(batch_BS1[:, :-1], documents_BS, torch.where(mask_BS, targets_BS, IGNORE))
+        trained = mask_BS.sum().float()
+        if divisor is None or loss_mask_BS is None:  # the mean over the targets here
+            divisor = trained.clamp(min=1)
+        ce = total / divisor
         return ce + aux, {"ce": ce.detach(), "aux_loss": aux.detach(), "trained": trained}
 
 

@@ -2,10 +2,12 @@
 files, never copied to swap files (stage 3, ``offload_param.device: nvme``; docs/finetune.md,
 "The base read where it lies").
 
-The import's layout puts a group's tensors in one file in group order, so a rank's shard of a
-frozen group whose plan matches the base's is one contiguous byte range of that file
-(``plan.layout.rank_ranges``). ``plan_sources`` maps each such frozen slot to that range
-(``BaseSource``); ``offload.state.SwapState`` reads those slots from there through the same
+The import's layout puts a group's tensors in one file in group order (natural FQN order, so
+each block's dense params lie together), so a rank's shard of a frozen group whose members are
+consecutive members of one of the base's groups is one contiguous byte range of that file: the
+base's own grouping, or a finer one such as ``moe.split_dense_by_layer``'s one group per block
+read from an import with one dense group. ``plan_sources`` maps each such frozen slot to that
+range (``BaseSource``); ``offload.state.SwapState`` reads those slots from there through the same
 I/O engine, read-ahead and buffers as its swap files, and writes them nowhere. The base's
 checksums are verified once, when the run loads it (``checkpoint.load``); the identity of every
 file read (size, mtime, inode: ``FileIdentity``) is recorded when the sources are planned and
@@ -88,27 +90,53 @@ class BaseFiles:
 
 
 def plan_sources(base: str | os.PathLike, slots, options: IOOptions) -> BaseFiles:
-    """The frozen slots whose group the base checkpoint (a step directory) holds with the
-    same members (under any name: an import's ``dense/decay/0`` is a LoRA run's
-    ``frozen/dense/decay/0``), each with its ``BaseSource``; the others keep swap files."""
+    """The frozen slots whose members the base checkpoint (a step directory) holds
+    consecutively in one group (under any name: an import's ``dense/decay/0`` holds a LoRA
+    run's ``frozen/dense/decay/0``, or its ``frozen/dense/layers.3/decay/0``), each with its
+    ``BaseSource``; the others keep swap files."""
     root = Path(base)
     layout = store.read_manifest(root).layout
-    dtype, files = TORCH_DTYPES[layout.dtype], dict(zip(layout.groups, layout.model_files,
-                                                        strict=True))
-    by_members = {g.members: files[g] for g in layout.groups}
+    dtype, where = TORCH_DTYPES[layout.dtype], member_offsets(layout)
     identities: dict[str, FileIdentity] = {}
     out = {}
     for slot in slots:
-        f = by_members.get(tuple(m for m, _ in slot.partition.offsets))
-        if f is None:
+        found = _contiguous(where, [m for m, _ in slot.partition.offsets])
+        if found is None:
             continue
+        f, start = found
         lo, hi = slot.rank_range(slot.dp_rank)
         if f.name not in identities:
             identities[f.name] = FileIdentity.of(root / f.name)
-        out[slot] = BaseSource(root / f.name, f.data_start + lo * f.itemsize, hi - lo, dtype,
-                               identities[f.name])
+        out[slot] = BaseSource(root / f.name, f.data_start + (start + lo) * f.itemsize, hi - lo,
+                               dtype, identities[f.name])
     io = AsyncIO(chunk_bytes=options.chunk_bytes, direct=options.direct_io, readonly=True)
     return BaseFiles(out, io)
+
+
+def member_offsets(layout) -> dict:
+    """Each member (``Slice``) of the base's groups -> (its group's file, its element offset
+    in the group)."""
+    out = {}
+    for group, f in zip(layout.groups, layout.model_files, strict=True):
+        at = 0
+        for member in group.members:
+            out[member] = (f, at)
+            at += member.numel
+    return out
+
+
+def _contiguous(where: dict, members: list) -> tuple | None:
+    """(file, element offset) where ``members`` lie back to back in one base group, else
+    None."""
+    if not members or members[0] not in where:
+        return None
+    f, start = where[members[0]]
+    at = start
+    for member in members:
+        if where.get(member) != (f, at):
+            return None
+        at += member.numel
+    return f, start
 
 
 def read_source(io, source: BaseSource, buf: torch.Tensor) -> Future:

@@ -1,13 +1,20 @@
 """ZeRO-3 parameter gathering: params live as shards; a module's params exist only while used.
 
 **Units** (``plan_units``: pure, frozen ``GatherUnit`` records). The model's root, every module
-of an ``nn.ModuleList`` (the decoder's blocks) and every ``MoE`` layer are gather units. A unit
+of an ``nn.ModuleList`` (the decoder's blocks) and every ``MoE`` layer are gather units; so is
+each other child of the root (the decoder's embedding, final norm and LM head:
+``own_units``) whose groups no other unit needs, so it is gathered only around its own call;
+one whose groups another unit needs stays in the root's unit, gathered for the whole pass
+(with one dense group, the embedding would otherwise gather every dense param again for each
+block). A unit
 owns the params below it that no nested unit owns, split by data-parallel kind (dense params;
 each moe group's experts), so the dense part of a MoE layer (its router) and its experts are
 released independently. A unit needs every optimizer group holding one of its params, closed
 over the groups of those groups' members (a param sliced across groups by
-``moe.max_group_size`` is gathered whole). Cap the groups to make units fine-grained: with one
-big dense group every dense param is gathered at once.
+``moe.max_group_size`` is gathered whole). With one dense group (the default grouping) every
+dense param is gathered at once; ``moe.split_dense_by_layer`` gives each block its own dense
+groups, so a unit gathers its block only (a cap would not help: the chunks a cap cuts share
+sliced params, and the closure chains through them).
 
 **Inputs.** ``ParamGatherer`` receives the model (its modules carry the hooks), the params by
 FQN, the optimizer's slots (each group's members and partition) and a fetch function giving a
@@ -34,6 +41,11 @@ gathered for the recomputation and released after it, as in forward. While ``rec
 the pre-hook does not prefetch the next unit (backward already prefetches the one before) and
 the hook does not wrap the outputs in ``UnitHook`` (the recomputed graph is never
 back-propagated: torch keeps only its saved tensors).
+
+**Prefetch limit** (``zero_optimization.prefetch_max_bytes``). Only a unit whose params take
+at most that many bytes is gathered ahead (a big model's MoE layer, 0.6 GB of experts a rank,
+is then gathered when it runs, never beside the one before it); the same numbers, only when
+the bytes arrive changes.
 
 **Read-ahead** (NVMe params). With ``read_ahead`` > 0 the gatherer also receives a ``hint``
 function and, whenever it gathers a unit, hints the groups of the next ``read_ahead`` units
@@ -64,81 +76,22 @@ is tested bit-identical to stage 2, tests/torch_impl/test_stage3.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 from torch import nn
 
-from moezero.model.moe import MoE, expert_tag
 from moezero.model.recompute import recomputing
 from moezero.zero.allgather import Launched, launch
 from moezero.zero.buckets import GatherBucket, plan_gathers
 from moezero.zero.gather_grad import UnitHook, flatten, rebuild
+from moezero.zero.gather_units import GatherUnit, own_units, param_kind, plan_units, unit_modules
 from moezero.zero.group_storage import GroupStorage
 from moezero.zero.shards import Slot
 
-
-@dataclass(frozen=True)
-class GatherUnit:
-    """One module's params of one data-parallel kind and the groups they need."""
-
-    name: str  # "<module>[<kind>]", for messages
-    module: str  # the module's name ("" = the root)
-    fqns: frozenset[str]
-    slots: tuple[int, ...]  # indices into the optimizer's slots, ascending
-
-
-def unit_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every gather unit in registration (~forward) order; root first."""
-    lists = {n for n, m in model.named_modules() if n and isinstance(m, nn.ModuleList)}
-    return [(name, module) for name, module in model.named_modules()
-            if module is model or name.rpartition(".")[0] in lists or isinstance(module, MoE)]
-
-
-def param_kind(param: nn.Parameter) -> str:
-    """``dense``, or the moe group and EP size of an expert parameter."""
-    tag = expert_tag(param)
-    return "dense" if tag is None else f"moe/{tag.group_name}/ep{tag.ep_size}"
-
-
-def plan_units(modules: Sequence[str], kinds: Mapping[str, str],
-               slot_members: Sequence[Sequence[str]]) -> tuple[GatherUnit, ...]:
-    """The gather units, in module order (pure).
-
-    Args:
-        modules: Unit module names in forward order, the root ("") first.
-        kinds: Every parameter's kind (``param_kind``), in registration order.
-        slot_members: Each optimizer group's member FQNs, in slot order.
-
-    A parameter belongs to the innermost unit module above it; a unit needs every group
-    holding one of its params, closed over the groups of those groups' members.
-    """
-    owned: dict[tuple[str, str], set[str]] = {}
-    for fqn, kind in kinds.items():
-        unit = max((n for n in modules if not n or fqn.startswith(n + ".")), key=len)
-        owned.setdefault((unit, kind), set()).add(fqn)
-    slots_of: dict[str, set[int]] = {}
-    for i, members in enumerate(slot_members):
-        for fqn in members:
-            slots_of.setdefault(fqn, set()).add(i)
-    ordered = sorted(owned.items(), key=lambda kv: modules.index(kv[0][0]))
-    return tuple(GatherUnit(f"{unit or '<root>'}[{kind}]", unit, frozenset(fqns),
-                            _closure(fqns, slots_of, slot_members))
-                 for (unit, kind), fqns in ordered)
-
-
-def _closure(fqns: set[str], slots_of: dict[str, set[int]],
-             slot_members: Sequence[Sequence[str]]) -> tuple[int, ...]:
-    """The groups holding ``fqns``, plus the groups of every member of those groups."""
-    need, todo = set(), set().union(*(slots_of[f] for f in fqns))
-    while todo:
-        i = todo.pop()
-        need.add(i)
-        for fqn in slot_members[i]:
-            todo |= slots_of[fqn] - need
-    return tuple(sorted(need))
+__all__ = ["GatherUnit", "ParamGatherer", "own_units", "param_kind", "plan_units", "unit_modules"]
 
 
 @dataclass(eq=False)
@@ -158,6 +111,7 @@ class ParamGatherer:
         fetch: ``fetch(slot)``: the slot's param shard on the compute device.
         groups: Process group by channel name (``distributed.topology.gather_groups``).
         prefetch: Start the next unit's gathers while a unit runs.
+        prefetch_max_bytes: Only for a next unit of at most these bytes of params (None: any).
         bucket_size: ``allgather_bucket_size``, elements per all-gather (None: one per group).
         hint: ``hint(slots)``: these slots will be fetched soon, nearest first (forgetting
             earlier hints not among them); used when ``read_ahead`` > 0.
@@ -167,24 +121,27 @@ class ParamGatherer:
 
     def __init__(self, model: nn.Module, params: dict[str, nn.Parameter], slots: Sequence[Slot],
                  fetch: Callable[[Slot], torch.Tensor], groups: dict, *, prefetch: bool = True,
-                 bucket_size: int | None, hint: Callable[[list[Slot]], None] | None = None,
+                 prefetch_max_bytes: int | None = None, bucket_size: int | None, hint: Callable[[list[Slot]], None] | None = None,
                  read_ahead: int = 0, keep_bytes: int = 0):
         self.params, self.slots, self.fetch = params, slots, fetch
         self.keep_bytes, self._kept = keep_bytes, []  # units held for backward, oldest first
-        self.groups, self.prefetch, self.bucket_size = groups, prefetch, bucket_size
+        self.groups, self.bucket_size = groups, bucket_size
         self.hint, self.read_ahead = (hint, read_ahead) if hint and read_ahead > 0 else (None, 0)
         self._post: list[list[int]] = []  # read-ahead: units by post-forward since the backward
         self._plans: dict[tuple[int, ...], tuple[GatherBucket, ...]] = {}
         modules = unit_modules(model)
         self.units = plan_units([n for n, _ in modules],
                                 {fqn: param_kind(p) for fqn, p in model.named_parameters()},
-                                [[m.fqn for m in s.group.members] for s in slots])
+                                [[m.fqn for m in s.group.members] for s in slots],
+                                own_units(model))
         self.state = _State([0] * len(slots))
         self.pending = [0] * len(self.units)  # backward: owned params whose grad has not arrived
         self.active = [False] * len(self.units)  # held for backward
         self.owner = {fqn: u for u, unit in enumerate(self.units) for fqn in unit.fqns}
         self.unit_bytes = [sum(params[m.fqn].nbytes for i in unit.slots
                                for m in slots[i].group.members) for unit in self.units]
+        self.ahead = [prefetch and (prefetch_max_bytes is None or b <= prefetch_max_bytes)
+                      for b in self.unit_bytes]  # gathered ahead of its use
         for name, module in modules:
             units = [u for u, unit in enumerate(self.units) if unit.module == name]
             module.register_forward_pre_hook(lambda m, a, units=units: self._pre_forward(units, a))
@@ -218,10 +175,11 @@ class ParamGatherer:
 
     def _prefetch_after(self, units: list[int]) -> None:
         """Start the next unit's gathers (and hint the reads ahead) as ``units`` run."""
-        if self.prefetch and not recomputing():
+        if not recomputing():
             after = units[-1] + 1 if units else len(self.units)
-            for unit in self.units[after:after + 1]:
-                self._start(unit.slots)
+            for u in range(after, min(after + 1, len(self.units))):
+                if self.ahead[u]:
+                    self._start(self.units[u].slots)
         if units and not recomputing():  # a recomputed block: backward's hints stand
             self._read_ahead(range(units[-1] + 1, len(self.units)))
 
@@ -230,15 +188,15 @@ class ParamGatherer:
             else self._release
         for u in units:
             keep(u)
-        if not torch.is_grad_enabled() or not units or recomputing():
+        if not torch.is_grad_enabled() or recomputing():
             return out
-        tensors = [t for t in flatten(out) if t.requires_grad]
+        tensors = [t for t in flatten(out) if t.requires_grad] if units else []
+        if tensors and self.hint is not None:  # read-ahead: the order backward fetches in
+            self._post.append(units)
+        if root and self.hint is not None:  # the forward is done: backward fetches next
+            self._read_ahead(self._backward_fetches(0))
         if not tensors:
             return out
-        if self.hint is not None:  # read-ahead: remember the order backward will fetch in
-            self._post.append(units)
-            if root:  # the forward is done: backward fetches next
-                self._read_ahead(self._backward_fetches(0))
         wrapped = iter(UnitHook.apply(partial(self._pre_backward, units), *tensors))
         swap = {id(t): next(wrapped) for t in tensors}
         return rebuild(out, swap)
@@ -250,7 +208,7 @@ class ParamGatherer:
             if u in self._kept:  # held since its forward: now held for its backward
                 self._kept.remove(u)
                 self._release(u)
-        if self.prefetch and units[0] > 0:
+        if units[0] > 0 and self.ahead[units[0] - 1]:
             self._start(self.units[units[0] - 1].slots)
         if self.hint is not None and units in self._post:
             calls = self._post[::-1]  # the latest forward's first
@@ -307,7 +265,7 @@ class ParamGatherer:
         order = []
         for call in self._post[::-1][start:]:
             order += call
-            if self.prefetch and call[0] > 0:
+            if call[0] > 0 and self.ahead[call[0] - 1]:
                 order.append(call[0] - 1)
         return order
 

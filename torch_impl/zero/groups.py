@@ -73,7 +73,8 @@ def plan_model(model: nn.Module, cfg: Config, *, world_size: int,
     specs, user_groups = param_specs(model, user_group or config_user_group(cfg))
     specs = freeze_specs(specs, freeze_patterns(cfg.train.freeze, lora=cfg.peft.uses_lora))
     groups = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
-                         split_by_expert=cfg.moe.split_groups_by_expert)
+                         split_by_expert=cfg.moe.split_groups_by_expert,
+                         split_dense_by_layer=cfg.moe.split_dense_by_layer)
     partitions = plan_partitions(groups, world_size=world_size, align=align)
     return ModelPlan(specs, user_groups, groups, partitions)
 

@@ -26,6 +26,8 @@ class ZeroOptions:
         host_window: Elements of fp32 state in one window of consecutive groups (at least one
             group). Two windows' gradients are alive at a time (on the host: copies, or
             swap reads with the gradient tier); AdamW allocates nothing per element.
+        prefetch_max_bytes: Stage 3: the largest unit (bytes of its params) gathered ahead
+            of its use (``moezero.zero.gather``; None: any).
         param_read_ahead: Stage 3 with NVMe params: the units ahead of the one being gathered
             whose param shards are read from the swap files in the background (0: each shard
             is read when its gather starts).
@@ -46,6 +48,7 @@ class ZeroOptions:
     allgather_bucket_size: int | None = int(5e7)
     host_step: bool = False
     host_window: int = 1 << 22
+    prefetch_max_bytes: int | None = None
     param_read_ahead: int = 2
     param_keep_for_backward: int = 0
     keep_grads: int = 0
@@ -59,6 +62,7 @@ class ZeroOptions:
                    reduce_dtype=REDUCE_DTYPES[zero.reduce_dtype],
                    allgather_bucket_size=zero.allgather_bucket_size,
                    host_step=zero.offload_optimizer.device != "none",
+                   prefetch_max_bytes=zero.prefetch_max_bytes,
                    param_read_ahead=zero.offload_param.read_ahead,
                    param_keep_for_backward=zero.offload_param.keep_for_backward,
                    keep_grads=zero.offload_optimizer.keep_grads,

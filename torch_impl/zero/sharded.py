@@ -114,7 +114,9 @@ class ShardedOptimizer(Optimizer):
         if stage == 3:
             swap = self.param_swap
             self.gatherer = ParamGatherer(model, params, self.slots + self.frozen, self.param_shard,
-                                          gather_groups(topology), prefetch=prefetch,
+                                          gather_groups(topology),
+                                          prefetch=prefetch and options.prefetch_max_bytes != 0,
+                                          prefetch_max_bytes=options.prefetch_max_bytes,
                                           bucket_size=options.allgather_bucket_size,
                                           hint=swap.hint if swap is not None else None,
                                           read_ahead=options.param_read_ahead,

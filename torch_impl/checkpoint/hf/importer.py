@@ -181,7 +181,8 @@ def _layout(cfg: Config, *, step: int = 0, weights_only: bool = True, dtype: str
     model = config_decoder(cfg, where="meta", adapters=False)
     specs, _ = param_specs(model, config_user_group(cfg))
     groups = plan_groups(specs, max_group_size=cfg.moe.max_group_size,
-                         split_by_expert=cfg.moe.split_groups_by_expert)
+                         split_by_expert=cfg.moe.split_groups_by_expert,
+                         split_dense_by_layer=cfg.moe.split_dense_by_layer)
     return plan_layout(groups, {s.fqn: s.shape for s in specs}, step=step,
                        weights_only=weights_only, buffers=buffer_shapes(model), dtype=dtype)
 
