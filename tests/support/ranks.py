@@ -5,9 +5,11 @@ interpreter, which imports torch and moezero again: 2-3 s of CPU per rank on CI'
 the largest part of a short W=2 test. ``run_world`` (tests/support/world.py) only needs ranks
 joined in a process group, so it forks them from one server per pytest process
 (``multiprocessing``'s forkserver with ``PRELOAD`` imported): each rank starts in a few
-milliseconds. The server is started on first use, so it imports nothing before then;
-it computes nothing and starts no thread, so a forked rank begins in the state a fresh
-process has after those imports (torch's default seed included).
+milliseconds. The server is started on first use; it computes nothing and starts no thread, so
+a forked rank begins in the state a fresh process has after those imports, except that the
+ranks of a world share the server's random state where fresh processes would each draw their
+own (torch's initial seed, numpy's global generator, the string hash seed; Python's ``random``
+is reseeded at fork): every test seeds what it compares.
 
 What a rank gets from the test, as a spawned one would: the environment as it is when the
 world starts (the server's is the one it started with), the working directory and
