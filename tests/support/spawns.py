@@ -21,8 +21,11 @@ import inspect
 import os
 import types
 
-SPAWNING_NAMES = frozenset({"run_world", "spawn", "start_processes", "subprocess", "Popen",
-                            "multiprocessing", "torchrun", "launch_training", "peak_growth"})
+from tests.support.ranks import RankTime
+
+SPAWNING_NAMES = frozenset({"run_world", "start_world", "spawn", "start_processes", "subprocess",
+                            "Popen", "multiprocessing", "torchrun", "launch_training",
+                            "peak_growth"})
 """A name in a test's reachable code that means it starts processes (``peak_growth``:
 tests/support/peak.py runs a script in a subprocess)."""
 
@@ -115,9 +118,10 @@ def _root_spawns(fn) -> bool:
 
 
 class ChildTime:
-    """The CPU seconds of waited-for child processes (and theirs) during each test of a pass
-    that should have none: tests over ``threshold_s`` are listed at the end of the run. Time
-    spent in session fixtures (a one-time kernel build) is ``excuse``d."""
+    """The CPU seconds of waited-for child processes (and theirs) and of the ranks forked for
+    ``run_world`` (``RankTime``: not our children) during each test of a pass that should have
+    none: tests over ``threshold_s`` are listed at the end of the run. Time spent in session
+    fixtures (a one-time kernel build) is ``excuse``d."""
 
     def __init__(self, threshold_s: float = 2.0):
         self.threshold_s = threshold_s
@@ -128,7 +132,7 @@ class ChildTime:
     @staticmethod
     def now() -> float:
         times = os.times()
-        return times.children_user + times.children_system
+        return times.children_user + times.children_system + RankTime.seconds
 
     def excuse(self, seconds: float) -> None:
         self.excused += seconds

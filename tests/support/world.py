@@ -1,7 +1,9 @@
 """Run a function on W gloo ranks for a test: fresh FileStore rendezvous, short timeouts.
 
 ``run_world(fn, world, tmp_path, *args)`` returns each rank's return value (pickled through
-``tmp_path``; test-only). ``fn`` must be a module-level function (spawned processes import it).
+``tmp_path``; test-only). ``fn`` must be a module-level function (the ranks import it). Gloo
+ranks are forked from a fork server that imported torch and moezero once (``ranks``); NCCL
+ranks, and a world of one (run in this process), go through moezero's launcher.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from moezero.distributed.launcher import spawn
+from tests.support.ranks import start_world
 
 TIMEOUT_S = 60.0
 
@@ -29,6 +32,10 @@ def run_world(fn, world: int, tmp_path: Path, *args, timeout_s: float = TIMEOUT_
     out = Path(tmp_path) / f"results_w{world}_{fn.__name__}"
     out.mkdir(parents=True, exist_ok=True)
     # gloo: every rank computes on the host, also on a GPU machine (moezero.distributed.devices)
-    code = spawn(_capture, world, (fn, str(out), args), backend=backend, timeout_s=timeout_s)
+    capture = (fn, str(out), args)
+    if backend == "gloo" and world > 1:
+        code = start_world(_capture, world, capture, timeout_s)
+    else:
+        code = spawn(_capture, world, capture, backend=backend, timeout_s=timeout_s)
     assert code == 0, f"a rank of {fn.__name__} failed (exit code {code}); see stderr"
     return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]
