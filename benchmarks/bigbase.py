@@ -210,13 +210,19 @@ def peer_row(args, work: Path, size: dict, inputs: dict) -> dict:
     hf, swap = root / "hf", root / "peer-swap"
     write_hf(hf, size)
     swap.mkdir(exist_ok=True)
-    spec = {"model_dir": str(hf), "chats": str(root / "chats.jsonl"), "steps": size["steps"],
-            "seq_len": size["seq_len"], "nvme_path": str(swap)}
+    spec = peer_spec(hf, root, size, inputs, swap)
     try:
         return _row(args.peer_python, "benchmarks.bigbase_peer", spec, "bigbase-peer", work,
                     {"timeout_s": args.peer_timeout, "min_free": 2 << 30}, [swap])
     finally:
         shutil.rmtree(swap, ignore_errors=True)
+
+
+def peer_spec(hf: Path, root: Path, size: dict, inputs: dict, swap: Path) -> dict:
+    """The peer's spec; its swap buffers hold the embedding's partition on 2 ranks."""
+    return {"model_dir": str(hf), "chats": str(root / "chats.jsonl"), "steps": size["steps"],
+            "seq_len": size["seq_len"], "nvme_path": str(swap),
+            "largest_partition": -(-inputs["vocab"] * size["model"]["dim"] // 2)}
 
 
 def _uptime() -> str:
