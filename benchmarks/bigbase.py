@@ -219,10 +219,12 @@ def peer_row(args, work: Path, size: dict, inputs: dict) -> dict:
 
 
 def peer_spec(hf: Path, root: Path, size: dict, inputs: dict, swap: Path) -> dict:
-    """The peer's spec; its swap buffers hold the embedding's partition on 2 ranks."""
+    """The peer's spec; its swap buffers hold the largest param's partition on 2 ranks: the
+    embedding, or transformers' fused gate-and-up tensor of a layer's experts (E x 2F x D)."""
+    m = size["model"]
+    largest = max(inputs["vocab"] * m["dim"], m["num_experts"] * 2 * m["ffn_dim"] * m["dim"])
     return {"model_dir": str(hf), "chats": str(root / "chats.jsonl"), "steps": size["steps"],
-            "seq_len": size["seq_len"], "nvme_path": str(swap),
-            "largest_partition": -(-inputs["vocab"] * size["model"]["dim"] // 2)}
+            "seq_len": size["seq_len"], "nvme_path": str(swap), "largest_partition": -(-largest // 2)}
 
 
 def _uptime() -> str:

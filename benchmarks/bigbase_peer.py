@@ -24,7 +24,8 @@ from benchmarks.finetune_peer import main as peer_main
 def deepspeed_config(spec: dict) -> dict:
     """ZeRO-3, params swapped to ``nvme_path``, the optimizer's state on the host; the swap
     buffers hold the largest param's partition (``buffer_size``: DeepSpeed refuses a smaller
-    one, as its default 1e8 for the 16 B model's embedding, 155.6 M elements a rank)."""
+    one: its default 1e8 for the 16 B model's embedding, 155.6 M elements a rank, or its
+    fused experts' gate-and-up tensor, 201.3 M)."""
     return {"zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
         "offload_param": {"device": "nvme", "nvme_path": spec["nvme_path"],
