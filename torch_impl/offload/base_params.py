@@ -27,7 +27,7 @@ import torch
 
 from moezero.offload.aio import ALIGN, AsyncIO, aligned_empty
 from moezero.offload.options import IOOptions
-from moezero.plan import store
+from moezero.plan import partition_group, store
 from moezero.plan.store import CheckpointError
 
 TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -100,7 +100,7 @@ def plan_sources(base: str | os.PathLike, slots, options: IOOptions) -> BaseFile
     identities: dict[str, FileIdentity] = {}
     out = {}
     for slot in slots:
-        found = _contiguous(where, [m for m, _ in slot.partition.offsets])
+        found = _contiguous(where, slot.partition.offsets)
         if found is None:
             continue
         f, start = found
@@ -115,28 +115,20 @@ def plan_sources(base: str | os.PathLike, slots, options: IOOptions) -> BaseFile
 
 def member_offsets(layout) -> dict:
     """Each member (``Slice``) of the base's groups -> (its group's file, its element offset
-    in the group)."""
-    out = {}
-    for group, f in zip(layout.groups, layout.model_files, strict=True):
-        at = 0
-        for member in group.members:
-            out[member] = (f, at)
-            at += member.numel
-    return out
+    in the group: the plan's own layout of a group, ``partition_group``)."""
+    return {member: (f, at)
+            for group, f in zip(layout.groups, layout.model_files, strict=True)
+            for member, at in partition_group(group, world_size=group.ep_size).offsets}
 
 
-def _contiguous(where: dict, members: list) -> tuple | None:
-    """(file, element offset) where ``members`` lie back to back in one base group, else
-    None."""
-    if not members or members[0] not in where:
+def _contiguous(where: dict, offsets) -> tuple | None:
+    """(file, element offset) where a slot's members (``Partition.offsets``: each with its
+    offset in the slot's group) lie back to back in one base group, else None."""
+    first = where.get(offsets[0][0]) if offsets else None
+    if first is None:
         return None
-    f, start = where[members[0]]
-    at = start
-    for member in members:
-        if where.get(member) != (f, at):
-            return None
-        at += member.numel
-    return f, start
+    f, start = first
+    return first if all(where.get(m) == (f, start + at) for m, at in offsets) else None
 
 
 def read_source(io, source: BaseSource, buf: torch.Tensor) -> Future:

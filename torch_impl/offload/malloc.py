@@ -17,13 +17,16 @@ stack on the last one's leftovers (the ``bigbase`` series: 16 B LoRA, 3 GiB a ra
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 
 M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
 
 
+@functools.cache
 def _libc():
-    """glibc, or None where this is not glibc on Linux."""
+    """glibc, or None where this is not glibc on Linux (opened once: ``release_free`` runs
+    after every step)."""
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -115,7 +115,7 @@ class ShardedOptimizer(Optimizer):
             swap = self.param_swap
             self.gatherer = ParamGatherer(model, params, self.slots + self.frozen, self.param_shard,
                                           gather_groups(topology),
-                                          prefetch=prefetch and options.prefetch_max_bytes != 0,
+                                          prefetch=prefetch,
                                           prefetch_max_bytes=options.prefetch_max_bytes,
                                           bucket_size=options.allgather_bucket_size,
                                           hint=swap.hint if swap is not None else None,
